@@ -1,0 +1,203 @@
+"""Typed node-to-node messages: msgpack maps over zmq frames.
+
+Every frame is one msgpack map ``{"v": PROTOCOL_VERSION, "t": <type name>, **fields}``.
+``decode`` never raises on bad input from the network: it raises ``ProtocolError`` that the
+receive loop logs before dropping the frame.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 * 1024 * 1024  # a prompt of 1M token ids fits; anything bigger is hostile
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+@dataclass
+class Message:
+    TYPE: ClassVar[str] = ""
+
+
+@dataclass
+class Generate(Message):
+    """router -> decode: run this request; stream Tokens back to `router`."""
+
+    TYPE: ClassVar[str] = "generate"
+    rid: str
+    prompt_ids: list[int]
+    sampling: dict[str, Any]  # engine.SamplingParams.to_dict()
+    prefill_node: str | None  # node id of the chosen prefill node; None = prefill locally
+    deadline: float  # unix seconds; past it the request is aborted
+    router: str = ""
+    # Tokens already streamed to the client (request migration): the new decode node resumes after them.
+    resume_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Tokens(Message):
+    """decode -> router, once per engine step per request: new token ids since the last message."""
+
+    TYPE: ClassVar[str] = "tokens"
+    rid: str
+    ids: list[int]
+    # per new token: [sampled_logprob, [[token_id, logprob], ...top-N]] or None when not requested
+    logprobs: list[Any] | None = None
+    finish: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    prefill_path: str = ""  # "remote:<prefill node id>" | "local" (set on the first Tokens of a request)
+
+
+@dataclass
+class Reject(Message):
+    """decode -> router: not admitted (queue full, draining, too long); try another node."""
+
+    TYPE: ClassVar[str] = "reject"
+    rid: str
+    reason: str
+    retry_after: float = 0.0
+
+
+@dataclass
+class Abort(Message):
+    """router -> decode and decode -> prefill: stop this request and free its blocks."""
+
+    TYPE: ClassVar[str] = "abort"
+    rid: str
+
+
+@dataclass
+class Prefill(Message):
+    """decode -> prefill: compute the prompt's KV and write it into the reserved destination."""
+
+    TYPE: ClassVar[str] = "prefill"
+    rid: str
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+    dst: dict[str, Any]  # kv_transfer destination (address, block ids, token, deadline, layout)
+    decode_node: str
+    deadline: float
+    # Leading prompt blocks the decode node already holds from its own prefix cache: not sent.
+    skip_blocks: int = 0
+
+
+@dataclass
+class PrefillDone(Message):
+    """prefill -> decode: KV written (or failed); carries the first sampled token."""
+
+    TYPE: ClassVar[str] = "prefill_done"
+    rid: str
+    first_token: int = -1
+    logprobs: list[Any] | None = None
+    checksum: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Load(Message):
+    """node -> routers at ~2 Hz (PUB/SUB): what routing policies need."""
+
+    TYPE: ClassVar[str] = "load"
+    node_id: str
+    role: str
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    block_size: int = 16
+    queued_prefill_tokens: int = 0
+    tokens_per_s: float = 0.0
+    transfer_gbps: float = 0.0
+    state: str = "serving"  # serving | cordoned | draining
+    # Short hashes of the node's cached full blocks (prefix-aware routing); may be truncated.
+    cached_block_hashes: list[int] = field(default_factory=list)
+    timestamp: float = 0.0
+
+
+@dataclass
+class Ping(Message):
+    TYPE: ClassVar[str] = "ping"
+    nonce: int = 0
+
+
+@dataclass
+class Pong(Message):
+    TYPE: ClassVar[str] = "pong"
+    nonce: int = 0
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls for cls in (Generate, Tokens, Reject, Abort, Prefill, PrefillDone, Load, Ping, Pong)
+}
+
+
+def encode(msg: Message) -> bytes:
+    body = dataclasses.asdict(msg)
+    body["v"] = PROTOCOL_VERSION
+    body["t"] = msg.TYPE
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(frame: bytes) -> Message:
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        body = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable frame: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"frame is a {type(body).__name__}, expected a map")
+    version = body.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(body.pop("t", None))
+    if cls is None:
+        raise ProtocolError("unknown message type in frame")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(body) - names
+    if unknown:
+        raise ProtocolError(f"{cls.TYPE}: unknown fields {sorted(unknown)}")
+    try:
+        msg = cls(**body)
+    except TypeError as exc:
+        raise ProtocolError(f"{cls.TYPE}: {exc}") from None
+    _check_types(msg)
+    return msg
+
+
+_SCALAR_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}
+
+
+def _check_types(msg: Message) -> None:
+    """Reject frames whose fields have the wrong shape, so handlers can trust them."""
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        annotation = str(f.type)
+        if value is None and "None" in annotation:
+            continue
+        base = annotation.split("|")[0].strip()
+        expected = _SCALAR_TYPES.get(base)
+        if expected is not None:
+            if not isinstance(value, expected) or (base == "int" and isinstance(value, bool)):
+                raise ProtocolError(f"{msg.TYPE}.{f.name}: expected {base}, got {type(value).__name__}")
+        elif base == "list[int]":
+            if not isinstance(value, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in value
+            ):
+                raise ProtocolError(f"{msg.TYPE}.{f.name}: expected a list of ints")
+        elif base.startswith("list"):
+            if not isinstance(value, list):
+                raise ProtocolError(f"{msg.TYPE}.{f.name}: expected a list")
+        elif base.startswith("dict"):
+            if not isinstance(value, dict):
+                raise ProtocolError(f"{msg.TYPE}.{f.name}: expected a map")
