@@ -1,0 +1,26 @@
+"""Moving KV blocks between processes and hosts: shared memory, TCP, pairwise torch.distributed.
+
+Receiver (decode node): `KVReceiver(pool).reserve(rid, block_ids)` → `Destination` (a msgpack-able
+dict via to_dict) → the prefill node's `KVSender(pool).start(dst, src_ids)` → `send_layers`… →
+`finish()`; the receiver resolves the reservation (`await wait`, `poll`, or `on_done`).
+"""
+
+from kv_transfer.destination import Destination
+from kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
+from kv_transfer.layout import KVLayout
+from kv_transfer.receiver import KVReceiver, TransferResult
+from kv_transfer.sender import KVSender, Transfer
+from kv_transfer.shm import SharedKVPool
+
+__all__ = [
+    "ChecksumError",
+    "Destination",
+    "KVLayout",
+    "KVReceiver",
+    "KVSender",
+    "LayoutMismatchError",
+    "SharedKVPool",
+    "Transfer",
+    "TransferError",
+    "TransferResult",
+]

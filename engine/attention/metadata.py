@@ -1,0 +1,28 @@
+"""Per-step attention inputs, built once by the model runner and shared by every layer.
+
+The step's tokens are flattened: first one token per decoding sequence, then the prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    start: int                  # first row of this chunk in the flattened batch
+    end: int                    # one past its last row
+    num_cached: int             # tokens of this sequence already in the cache before this chunk
+    block_table: torch.Tensor   # [num_blocks] long, covers num_cached + (end - start) tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_blocks: torch.Tensor          # [T] block id where each new token's K/V goes
+    slot_offsets: torch.Tensor         # [T] offset inside that block
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None   # [B, max_blocks] long (padded with a valid id)
+    decode_mask: torch.Tensor | None = None           # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    prefills: list[PrefillChunk] = field(default_factory=list)

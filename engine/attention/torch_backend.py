@@ -1,0 +1,63 @@
+"""Reference attention over the paged KV pool in plain torch ops; runs on any device.
+
+New K/V go into their slots with one indexed write per layer; reads go through block tables
+(a gather of just the blocks a sequence owns), never a copy or concat of the whole cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.gqa = num_heads != num_kv_heads
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        k_cache[meta.slot_blocks, meta.slot_offsets] = k
+        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: per-layer views [num_blocks, block_size, Hkv, D].
+        Returns [T, Hq, D]."""
+        self.write_kv(k, v, k_cache, v_cache, meta)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0] and not meta.prefills:
+            return self._decode(q, k_cache, v_cache, meta)
+        out = torch.empty_like(q)
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+        for chunk in meta.prefills:
+            qs = q[chunk.start:chunk.end].transpose(0, 1)           # [Hq, n, D]
+            if chunk.num_cached == 0:
+                ks = k[chunk.start:chunk.end].transpose(0, 1)
+                vs = v[chunk.start:chunk.end].transpose(0, 1)
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=self.gqa)
+            else:
+                n = chunk.end - chunk.start
+                total = chunk.num_cached + n
+                ks = k_cache[chunk.block_table].flatten(0, 1)[:total].transpose(0, 1)
+                vs = v_cache[chunk.block_table].flatten(0, 1)[:total].transpose(0, 1)
+                q_pos = torch.arange(chunk.num_cached, total, device=q.device)
+                mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=self.gqa)
+            out[chunk.start:chunk.end] = o.transpose(0, 1)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        tables = meta.decode_block_tables
+        ks = k_cache[tables].flatten(1, 2).transpose(1, 2)   # [B, Hkv, L, D]
+        vs = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, enable_gqa=self.gqa)
+        return o.squeeze(2)

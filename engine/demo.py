@@ -1,0 +1,42 @@
+"""`pdcluster demo` / `make run`: offline generation on a model directory (default: a tiny random Llama)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+_PROMPTS = [
+    "Hello world! How are you today?",
+    "The quick brown fox",
+    "A paged KV cache stores keys and values in",
+    "Prefill is compute bound and decode is",
+    "Once upon a time there was a cluster",
+    "I am a tiny language model",
+    "0123456789 + 1 =",
+    "user: what is disaggregated serving? assistant:",
+]
+
+
+def run_demo(model: str | None = None, num_prompts: int = 8, max_tokens: int = 32) -> None:
+    if num_prompts < 1 or max_tokens < 1:
+        raise ValueError("num_prompts and max_tokens must be positive")
+    with tempfile.TemporaryDirectory(prefix="pdcluster-demo-") as tmp:
+        if model is None:
+            from engine.testing import make_tiny_model
+
+            print("no model given: creating a tiny random Llama (weights are random, so is the text)")
+            model = make_tiny_model(tmp, "llama", num_hidden_layers=4, hidden_size=128, intermediate_size=256)
+        llm = LLM(model=model, kv_cache_memory=64 << 20)
+        prompts = [_PROMPTS[i % len(_PROMPTS)] for i in range(num_prompts)]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        for out in outputs:
+            print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({len(out.outputs[0].token_ids)} tokens, {out.finish_reason})")
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        print(f"throughput: {generated} tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tokens/s "
+              f"({len(outputs)} prompts, device {llm.engine.device}, dtype {llm.engine.dtype})")

@@ -1,0 +1,95 @@
+"""Device layer: which accelerator this process uses, and the matching collective backend.
+
+`torch_npu` is imported only here and only when asked for (or probed by `detect_device`): on hosts
+without CANN its import hook can break, so any failure counts as "no NPU".
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_COLLECTIVE_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+_npu_available: bool | None = None
+
+
+def npu_available() -> bool:
+    global _npu_available
+    if _npu_available is None:
+        try:
+            import torch_npu  # noqa: F401
+
+            _npu_available = bool(torch.npu.is_available())
+        except Exception:
+            _npu_available = False
+    return _npu_available
+
+
+def detect_device() -> str:
+    """`npu` when torch_npu imports and sees a device, else `cuda`, else `cpu`.
+
+    `PDCLUSTER_DEVICE` overrides detection (useful on mixed hosts)."""
+    forced = os.environ.get("PDCLUSTER_DEVICE")
+    if forced:
+        return device_type(forced)
+    if os.environ.get("PDCLUSTER_SKIP_NPU") != "1" and npu_available():
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def device_type(device: str | torch.device) -> str:
+    kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    if kind not in _COLLECTIVE_BACKENDS:
+        raise ValueError(f"device: unsupported device {device!r}; expected one of npu, cuda, cpu")
+    return kind
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The torch.device to run on; None means auto-detect."""
+    if device is None or device == "auto":
+        kind = detect_device()
+        return torch.device(kind, 0) if kind != "cpu" else torch.device("cpu")
+    kind = device_type(device)
+    if kind == "npu":
+        if not npu_available():
+            raise ValueError("device: 'npu' requested but torch_npu is not importable or sees no NPU")
+    elif kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device: 'cuda' requested but CUDA is not available")
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if kind != "cpu" and dev.index is None:
+        dev = torch.device(kind, 0)
+    return dev
+
+
+def collective_backend(device: str | torch.device | None = None) -> str:
+    """torch.distributed backend for this device kind: hccl, nccl or gloo."""
+    kind = detect_device() if device is None else device_type(device)
+    return _COLLECTIVE_BACKENDS[kind]
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory on the device; on CPU, available system memory (MemAvailable)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type == "npu":
+        free, _total = torch.npu.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)

@@ -1,0 +1,88 @@
+"""Loading a HF model directory: config, safetensors weights (single or sharded), tokenizer, EOS ids."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.models import get_model_class
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, _INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        paths = [os.path.join(model_dir, s) for s in shards]
+        for p in paths:
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"model: shard {p} named in {_INDEX} is missing")
+        return paths
+    single = os.path.join(model_dir, _SINGLE)
+    if os.path.isfile(single):
+        return [single]
+    others = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if others:
+        return [os.path.join(model_dir, f) for f in others]
+    raise FileNotFoundError(f"model: no weights in {model_dir} (expected {_SINGLE} or {_INDEX} with its shards)")
+
+
+def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors straight from memory-mapped safetensors files."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, backend):
+    files = checkpoint_files(model_dir)  # fail on missing weights before allocating anything
+    del files
+    cls = get_model_class(config.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config, backend, dtype)
+    finally:
+        torch.set_default_dtype(previous)
+    with torch.no_grad():
+        model.load_weights(iter_weights(model_dir))
+    return model.eval().requires_grad_(False)
+
+
+def load_tokenizer(model_dir: str):
+    """HF tokenizer from tokenizer.json / tokenizer_config.json; the chat template may sit in chat_template.jinja."""
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"model: no tokenizer in {model_dir} (expected tokenizer.json and tokenizer_config.json)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    template = os.path.join(model_dir, "chat_template.jinja")
+    if getattr(tok, "chat_template", None) is None and os.path.isfile(template):
+        with open(template) as f:
+            tok.chat_template = f.read()
+    return tok
+
+
+def load_eos_token_ids(model_dir: str, config: ModelConfig, tokenizer=None) -> list[int]:
+    """EOS ids: generation_config.json first, then config.json, then the tokenizer."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        if eos is not None:
+            return [eos] if isinstance(eos, int) else list(eos)
+    if config.eos_token_ids:
+        return list(config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return [tokenizer.eos_token_id]
+    return []

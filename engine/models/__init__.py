@@ -1,0 +1,26 @@
+"""Architecture registry: HF `architectures` name -> model class."""
+
+from __future__ import annotations
+
+from engine.config import SUPPORTED_ARCHITECTURES
+from engine.models.llama import LlamaForCausalLM
+from engine.models.qwen2 import Qwen2ForCausalLM
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Same graph as Llama (the sliding window is handled by capping the context in ModelConfig)."""
+
+
+MODEL_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
+
+
+def get_model_class(architecture: str):
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}") from None

@@ -1,0 +1,114 @@
+"""Llama (MHA / GQA / MQA, llama3 and linear RoPE scaling, tied or untied embeddings).
+
+Mistral and Qwen2 share this code: Mistral is the same graph, Qwen2 adds QKV bias (`config.qkv_bias`)."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata
+from engine.config import ModelConfig
+from engine.layers.attention import SelfAttention
+from engine.layers.embedding import LMHead, VocabEmbedding
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import MergedLinear
+from engine.layers.mlp import GatedMLP
+from engine.layers.rotary import RotaryEmbedding
+
+# checkpoint name fragment -> (our fused module name fragment, shard)
+_FUSED = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = SelfAttention(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
+                                       config.qkv_bias, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling, dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, meta)
+            if layer_done_callback is not None:
+                layer_done_callback(i)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend, dtype)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, meta, layer_done_callback)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[SelfAttention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors into the (already dtype/device-placed) parameters; each is cast once."""
+        params = dict(self.named_parameters())
+        missing = set(params)
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            leaf = name.split(".")[-2] if name.count(".") >= 1 else ""
+            if leaf in _FUSED:
+                fused, shard = _FUSED[leaf]
+                target = name.replace(leaf, fused)
+                module = self.get_submodule(target.rsplit(".", 1)[0])
+                assert isinstance(module, MergedLinear)
+                module.load_shard(params[target], shard, tensor)
+                missing.discard(target)
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+            param = params[name]
+            if param.shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")

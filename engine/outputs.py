@@ -1,0 +1,40 @@
+"""Request results (vLLM-shaped)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list | None            # per token: (sampled logprob, [(token id, logprob), ...top-N]) or None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | None = None    # the stop token id when a stop_token_ids entry ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    new_token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None      # entries for new_token_ids only
+    num_cached_tokens: int = 0
+    block_ids: list[int] | None = None   # set when the request was added with hold_blocks=True
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text

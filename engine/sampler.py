@@ -1,0 +1,241 @@
+"""Batched token sampler: penalties, min_tokens masking, temperature, top-k / top-p / min-p, logprobs.
+
+A row is sampled by inverse-CDF: one uniform number u per row picks the token whose cumulative
+probability interval (in token-id order) contains u. For a seeded request u is a pure function of
+(seed, position), so the token drawn at a position is the same whatever the batch, the device or
+the node that samples it (DESIGN.md §2); unseeded rows draw u from the sampler's own generator.
+One number per row instead of V noise values keeps the sampler cheap on CPUs (B=256, V=32000).
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+# Below this temperature a row is sampled greedily, as in vLLM: logits / T would overflow.
+MIN_TEMPERATURE = 1e-5
+# top-p rows first look for their nucleus among this many most likely tokens; a full sort of the
+# row happens only when the nucleus is larger.
+TOP_P_CANDIDATES = 256
+_MASK64 = (1 << 64) - 1
+_LARGEST_FLOAT32_BELOW_ONE = 1.0 - 2.0 ** -24
+
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(slots=True)
+class SampleRequest:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int]
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def position(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def masked_ids(self) -> list[int]:
+        """Token ids that may not be sampled yet because min_tokens is not reached."""
+        if len(self.output_ids) >= self.params.min_tokens:
+            return []
+        return list(self.eos_token_ids) + list(self.params.stop_token_ids)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A number in [0, 1) that is a pure function of (request seed, token position) (splitmix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < MIN_TEMPERATURE or p.top_k == 1
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)   # for unseeded requests
+
+    def __call__(self, logits: torch.Tensor,
+                 requests: list[SampleRequest]) -> tuple[list[int], list[Logprobs | None]]:
+        if logits.dim() != 2 or logits.shape[0] != len(requests):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(requests)} requests")
+        plain_greedy = all(_is_greedy(r.params) and not r.params.has_penalties and r.params.logprobs is None
+                           and len(r.output_ids) >= r.params.min_tokens for r in requests)
+        if plain_greedy:
+            return logits.argmax(dim=-1).tolist(), [None] * len(requests)
+        return self._sample(logits, requests)
+
+    def _sample(self, logits: torch.Tensor,
+                requests: list[SampleRequest]) -> tuple[list[int], list[Logprobs | None]]:
+        device = logits.device
+        x = logits.to(torch.float32, copy=True)
+        lp_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(x[lp_rows], dim=-1) if lp_rows else None
+
+        pen_rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
+        if pen_rows:
+            apply_penalties(x, pen_rows, [requests[i] for i in pen_rows])
+        _mask_min_tokens(x, requests)
+
+        tokens = torch.empty(len(requests), dtype=torch.long, device=device)
+        greedy_rows = [i for i, r in enumerate(requests) if _is_greedy(r.params)]
+        random_rows = [i for i, r in enumerate(requests) if not _is_greedy(r.params)]
+        if greedy_rows:
+            idx = torch.tensor(greedy_rows, device=device)
+            tokens[idx] = x[idx].argmax(dim=-1)
+        if random_rows:
+            idx = torch.tensor(random_rows, device=device)
+            tokens[idx] = self._sample_random(x[idx], [requests[i] for i in random_rows])
+        token_list = tokens.tolist()
+
+        logprobs: list[Logprobs | None] = [None] * len(requests)
+        if lp_rows:
+            entries = _gather_logprobs(raw_logprobs, [token_list[i] for i in lp_rows],
+                                       [requests[i].params.logprobs for i in lp_rows])
+            for i, entry in zip(lp_rows, entries):
+                logprobs[i] = entry
+        return token_list, logprobs
+
+    def _sample_random(self, x: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        device = x.device
+        params = [r.params for r in requests]
+        temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+        probs = (x / temps).softmax(dim=-1)
+        filter_probs(probs, params)
+
+        us = [seeded_uniform(r.params.seed, r.position) if r.params.seed is not None else self._rng.random()
+              for r in requests]
+        u = torch.tensor([min(v, _LARGEST_FLOAT32_BELOW_ONE) for v in us], device=device).unsqueeze(1)
+        cdf = probs.cumsum(dim=-1)
+        # First token whose cumulative probability reaches u * total. The target is kept > 0 and
+        # <= total, so a token with zero probability can never be picked.
+        target = (u * cdf[:, -1:]).clamp_(min=torch.finfo(torch.float32).tiny)
+        picked = torch.searchsorted(cdf, target).squeeze(1)
+        return picked.clamp_(max=x.shape[1] - 1)
+
+
+def apply_penalties(x: torch.Tensor, rows: list[int], requests: list[SampleRequest]) -> None:
+    """In place, vLLM semantics: repetition penalty over prompt+output tokens (divide positive logits,
+    multiply negative ones), then frequency (per occurrence) and presence (once) over output tokens.
+    Only the (row, token) entries that were seen are touched."""
+    vocab = x.shape[1]
+    pair_rows: list[int] = []
+    pair_ids: list[int] = []
+    counts: list[int] = []
+    reps: list[float] = []
+    freqs: list[float] = []
+    press: list[float] = []
+    for row, r in zip(rows, requests):
+        p = r.params
+        out_counts = Counter(r.output_ids)
+        ids = set(r.prompt_ids).union(out_counts) if p.repetition_penalty != 1.0 else set(out_counts)
+        ids = [t for t in ids if 0 <= t < vocab]
+        pair_rows.extend([row] * len(ids))
+        pair_ids.extend(ids)
+        counts.extend(out_counts.get(t, 0) for t in ids)
+        reps.extend([p.repetition_penalty] * len(ids))
+        freqs.extend([p.frequency_penalty] * len(ids))
+        press.extend([p.presence_penalty] * len(ids))
+    if not pair_ids:
+        return
+    device = x.device
+    index = (torch.tensor(pair_rows, device=device), torch.tensor(pair_ids, device=device))
+    rep = torch.tensor(reps, device=device)
+    count = torch.tensor(counts, dtype=torch.float32, device=device)
+    values = x[index]
+    values = torch.where(values > 0, values / rep, values * rep)
+    values = values - torch.tensor(freqs, device=device) * count \
+        - torch.tensor(press, device=device) * (count > 0).float()
+    x[index] = values
+
+
+def _mask_min_tokens(x: torch.Tensor, requests: list[SampleRequest]) -> None:
+    rows: list[int] = []
+    cols: list[int] = []
+    vocab = x.shape[1]
+    for i, r in enumerate(requests):
+        for t in r.masked_ids():
+            if 0 <= t < vocab:
+                rows.append(i)
+                cols.append(t)
+    if rows:
+        x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = -math.inf
+
+
+def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: zero the probabilities outside top-k, then top-p (on the top-k renormalised
+    distribution), then min-p. probs need not be renormalised afterwards (sampling scales u)."""
+    device = probs.device
+    vocab = probs.shape[1]
+    threshold = torch.zeros(len(params), 1, device=device)
+
+    cut_rows = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    if cut_rows:
+        sub = probs[cut_rows]
+        ks = [min(params[j].top_k, vocab) if params[j].top_k > 0 else 0 for j in cut_rows]
+        top_ps = [params[j].top_p for j in cut_rows]
+        width = min(vocab, max(k if k > 0 else TOP_P_CANDIDATES for k in ks))
+        values = torch.topk(sub, width, dim=-1).values
+        cut, resolved = _nucleus_cutoff(values, ks, top_ps)
+        unresolved = [n for n, ok in enumerate(resolved.tolist()) if not ok]
+        if unresolved and width < vocab:   # nucleus wider than the candidates: sort those rows in full
+            full = torch.sort(sub[unresolved], dim=-1, descending=True).values
+            cut[unresolved] = _nucleus_cutoff(full, [ks[n] for n in unresolved], [top_ps[n] for n in unresolved])[0]
+        threshold[cut_rows] = cut
+
+    minp_rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
+    if minp_rows:
+        min_p = torch.tensor([params[j].min_p for j in minp_rows], device=device).unsqueeze(1)
+        cut = probs[minp_rows].max(dim=-1, keepdim=True).values * min_p
+        threshold[minp_rows] = torch.maximum(threshold[minp_rows], cut)
+
+    if cut_rows or minp_rows:
+        probs.masked_fill_(probs < threshold, 0.0)
+
+
+def _nucleus_cutoff(values: torch.Tensor, ks: list[int],
+                    top_ps: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """values: each row's most likely probabilities, sorted descending. Returns the smallest
+    probability a token may have to survive top-k then top-p, [n, 1], and whether the candidate
+    columns sufficed to decide it."""
+    device = values.device
+    n, width = values.shape
+    has_k = torch.tensor([k > 0 for k in ks], device=device).unsqueeze(1)
+    k = torch.tensor([k if k > 0 else width for k in ks], device=device).unsqueeze(1)
+    top_p = torch.tensor([p if p < 1.0 else math.inf for p in top_ps], device=device).unsqueeze(1)
+    ranks = torch.arange(width, device=device).unsqueeze(0)
+    in_k = ranks < k
+    v = values.masked_fill(~in_k, 0.0)
+    csum = v.cumsum(dim=-1)
+    # Rows with top-k renormalise over their k tokens; others keep the full distribution (sums to 1).
+    norm = torch.where(has_k, csum.gather(1, k - 1), torch.ones_like(top_p))
+    mass_before = (csum - v) / norm
+    keep = (mass_before <= top_p) & in_k
+    keep[:, 0] = True
+    last = keep.sum(dim=-1, keepdim=True) - 1
+    cutoff = values.gather(1, last)
+    # Without top-k the cut is decided only if some candidate fell outside the nucleus.
+    resolved = has_k.squeeze(1) | (last.squeeze(1) < width - 1)
+    return cutoff, resolved
+
+
+def _gather_logprobs(raw: torch.Tensor, tokens: list[int], tops: list[int]) -> list[Logprobs]:
+    device = raw.device
+    sampled = raw.gather(1, torch.tensor(tokens, device=device).unsqueeze(1)).squeeze(1).tolist()
+    max_top = max(tops)
+    if max_top > 0:
+        values, ids = torch.topk(raw, max_top, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+    out: list[Logprobs] = []
+    for j, n in enumerate(tops):
+        top = list(zip(ids[j][:n], values[j][:n])) if n > 0 else []
+        out.append((sampled[j], top))
+    return out

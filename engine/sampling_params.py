@@ -1,0 +1,158 @@
+"""Per-request sampling parameters: vLLM-compatible names, defaults and validation.
+
+Light module (no torch): the router imports it to validate requests and put them on the wire.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+def _float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return value
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a boolean, got {value!r}")
+    return value
+
+
+def _int_list(name: str, value: Any) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of integers, got {value!r}")
+    out = [_int(name, v) for v in value]
+    if any(v < 0 for v in out):
+        raise ValueError(f"{name} must hold non-negative token ids, got {value!r}")
+    return out
+
+
+def _str_list(name: str, value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
+    if any(v == "" for v in value):
+        raise ValueError(f"{name} must not contain empty strings")
+    return list(value)
+
+
+@dataclass(init=False)
+class SamplingParams:
+    n: int = 1
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                      # 0 or -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)   # applied by the detokenizing side, not the sampler
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None         # top-N alternatives; 0 = only the sampled token's logprob
+    skip_special_tokens: bool = True
+
+    def __init__(self, **kwargs: Any) -> None:
+        names = _field_names()
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(map(repr, unknown))}")
+        for f in fields(self):
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            setattr(self, f.name, kwargs.get(f.name, default))
+        self._validate()
+
+    def _validate(self) -> None:
+        self.n = _int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        self.max_tokens = _int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        self.temperature = _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.top_p = _float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.top_k = _int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}")
+        if self.top_k == -1:
+            self.top_k = 0
+        self.min_p = _float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+            setattr(self, name, value)
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+        self.stop = _str_list("stop", self.stop)
+        self.stop_token_ids = _int_list("stop_token_ids", self.stop_token_ids)
+        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> SamplingParams:
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling params must be a dict, got {type(d).__name__}")
+        bad_keys = [k for k in d if not isinstance(k, str)]
+        if bad_keys:
+            raise ValueError(f"sampling parameter names must be strings, got {bad_keys!r}")
+        return cls(**d)
+
+
+def _field_names() -> set[str]:
+    return {f.name for f in fields(SamplingParams)}

@@ -1,0 +1,110 @@
+"""The KV pool layout both sides must agree on, and byte views of a pool.
+
+Pool shape: [num_blocks, num_layers, 2(k,v), block_size, num_kv_heads, head_dim], block-major, so
+block b restricted to layers [l0, l1) is one contiguous byte range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kv_transfer.errors import LayoutMismatchError
+
+LAYOUT_VERSION = 1
+_CHECKED_FIELDS = ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    dtype: str
+    num_blocks: int
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    version: int = LAYOUT_VERSION
+
+    @classmethod
+    def of(cls, pool: torch.Tensor) -> "KVLayout":
+        if pool.dim() != 6 or pool.shape[2] != 2:
+            raise ValueError(
+                f"pool: expected shape [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], "
+                f"got {list(pool.shape)}"
+            )
+        if not pool.is_contiguous():
+            raise ValueError("pool: must be contiguous (block-major)")
+        nb, nl, _, bs, nh, hd = pool.shape
+        return cls(str(pool.dtype).removeprefix("torch."), nb, nl, bs, nh, hd)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer (k and v) of one block."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * self.layer_bytes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "KVLayout":
+        if not isinstance(d, dict):
+            raise ValueError("layout: expected a map")
+        try:
+            layout = cls(**{k: d[k] for k in (*_CHECKED_FIELDS, "num_blocks")})
+        except KeyError as exc:
+            raise ValueError(f"layout: missing field {exc.args[0]!r}") from None
+        for name in _CHECKED_FIELDS[2:] + ("num_blocks", "version"):
+            value = getattr(layout, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"layout.{name}: expected a positive int, got {value!r}")
+        if not isinstance(getattr(torch, str(layout.dtype), None), torch.dtype):
+            raise ValueError(f"layout.dtype: unknown dtype {layout.dtype!r}")
+        return layout
+
+    def check_compatible(self, other: "KVLayout", *, mine: str = "receiver", theirs: str = "sender") -> None:
+        """Raise LayoutMismatchError naming every field that differs (num_blocks may differ)."""
+        diffs = [
+            f"{name}: {theirs} {getattr(other, name)!r} vs {mine} {getattr(self, name)!r}"
+            for name in _CHECKED_FIELDS
+            if getattr(self, name) != getattr(other, name)
+        ]
+        if diffs:
+            raise LayoutMismatchError("KV layout mismatch: " + "; ".join(diffs))
+
+
+def byte_view(pool: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, num_layers, layer_bytes] uint8 view sharing the pool's memory."""
+    nb, nl = pool.shape[:2]
+    return pool.view(torch.uint8).reshape(nb, nl, -1)
+
+
+def runs(ids: list[int], paired: list[int] | None = None) -> list[tuple[int, int, int]]:
+    """Coalesce ids into (start, paired_start, length) runs consecutive in both lists."""
+    paired = ids if paired is None else paired
+    out: list[tuple[int, int, int]] = []
+    for i, p in zip(ids, paired):
+        if out:
+            s, ps, n = out[-1]
+            if i == s + n and p == ps + n:
+                out[-1] = (s, ps, n + 1)
+                continue
+        out.append((i, p, 1))
+    return out

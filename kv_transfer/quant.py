@@ -1,0 +1,35 @@
+"""Optional INT8 wire compression of KV: symmetric, one fp32 scale per (block, layer, k|v, head).
+
+Halves the bytes of 16-bit KV (quarters fp32). Lossy: see docs/kv_transfer.md for its measured effect.
+The payload is the int8 values followed by the fp32 scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def wire_bytes(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    values = num_blocks * num_layers * 2 * block_size * num_kv_heads * head_dim
+    scales = num_blocks * num_layers * 2 * num_kv_heads * 4
+    return values + scales
+
+
+def quantize(kv: torch.Tensor) -> torch.Tensor:
+    """kv [n, layers, 2, block_size, heads, head_dim] → flat uint8 payload."""
+    x = kv.float()
+    amax = x.abs().amax(dim=(3, 5))  # [n, layers, 2, heads]
+    scale = (amax / 127.0).clamp_min(1e-12)
+    q = torch.round(x / scale[:, :, :, None, :, None]).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q.reshape(-1).view(torch.uint8), scale.reshape(-1).view(torch.uint8)])
+
+
+def dequantize(payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of quantize: flat uint8 payload → tensor of `shape` [n, layers, 2, bs, heads, hd]."""
+    n, nl, two, bs, nh, hd = shape
+    nvalues = n * nl * two * bs * nh * hd
+    if payload.numel() != nvalues + n * nl * two * nh * 4:
+        raise ValueError(f"int8 payload: {payload.numel()} bytes does not match shape {list(shape)}")
+    q = payload[:nvalues].view(torch.int8).view(shape)
+    scale = payload[nvalues:].view(torch.float32).view(n, nl, two, nh)
+    return (q.float() * scale[:, :, :, None, :, None]).to(dtype)

@@ -1,0 +1,433 @@
+"""Sender side: writes source blocks of a local KV pool into a receiver's reserved blocks.
+
+Called from the thread that runs engine steps: `start` and `send_layers` only enqueue work; per
+receiver connection ("stream") a worker thread does the copying / sending and a reader thread routes
+replies. `finish` blocks until the receiver acknowledged every byte (checksums matched) or fails.
+The engine must not overwrite source blocks until `finish` returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+import uuid
+from itertools import count
+from typing import Any, Callable
+
+import msgpack
+import torch
+
+from kv_transfer import dist as kvdist
+from kv_transfer import quant as kvquant
+from kv_transfer.checksum import checksum_bytes, checksum_runs, combine, words
+from kv_transfer.destination import Destination, host_id
+from kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
+from kv_transfer.layout import KVLayout, byte_view, runs
+from kv_transfer.receiver import WIRE_VERSION
+from kv_transfer.shm import SHM_DIR, SharedKVPool
+from kv_transfer.tcp import IdleTimeout, configure, recv_frame, send_frame, send_views
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "shm", "tcp", "gloo", "nccl", "hccl")
+_LEN = struct.Struct("!I")
+_xids = count(1)
+
+
+class Transfer:
+    """One request's KV going to one destination; create with KVSender.start."""
+
+    def __init__(self, sender: "KVSender", peer: "_Peer", dst: Destination, src_ids: list[int], dst_ids: list[int]):
+        self.request_id = dst.request_id
+        self.xid = next(_xids)  # echoed in replies: tells apart two transfers of one request id
+        self.backend = peer.backend
+        self.dst = dst
+        self._sender, self._peer = sender, peer
+        self._runs = runs(dst_ids, src_ids)  # (dst_start, src_start, n)
+        self._lock = threading.Condition()
+        self._writes = 0  # write frames planned
+        self._pending = 0  # write frames not yet sent
+        self._checksum = 0
+        self._error: BaseException | None = None
+        self._opened = threading.Event()
+        self._finished = threading.Event()
+        self._finish_queued = False
+        self.checksum: int | None = None
+
+    def send_layers(self, l0: int, l1: int) -> None:
+        """Queue layers [l0, l1) of every block; returns at once."""
+        if not 0 <= l0 < l1 <= self._sender.layout.num_layers:
+            raise ValueError(f"layers: expected 0 <= l0 < l1 <= {self._sender.layout.num_layers}, got [{l0}, {l1})")
+        if self._finish_queued:
+            raise TransferError(f"kv transfer {self.request_id!r}: send after finish")
+        parts = _split(self._runs, len(self._peer.streams))
+        with self._lock:
+            self._writes += len(parts)
+            self._pending += len(parts)
+        for stream, part in zip(self._peer.streams, parts):
+            stream.submit(self, lambda s, part=part: s.write(self, part, l0, l1))
+
+    def send_all(self) -> None:
+        self.send_layers(0, self._sender.layout.num_layers)
+
+    def finish(self, timeout: float = 10.0) -> int:
+        """Block until the receiver acknowledged the whole transfer; returns the end-to-end checksum."""
+        if not self._finish_queued:
+            self._finish_queued = True
+            self._peer.streams[0].submit(self, lambda s: s.done(self, timeout))
+        if not self._finished.wait(timeout):
+            self._fail(TransferError(f"kv transfer {self.request_id!r}: no acknowledgement within {timeout} s"))
+            self.abort("sender timed out waiting for the ack")
+        self._peer.forget(self)
+        if self._error is not None:
+            raise self._error
+        return self.checksum
+
+    def abort(self, reason: str = "") -> None:
+        """Tell the receiver to drop the reservation (its blocks go back to its owner)."""
+        self._fail(TransferError(f"kv transfer {self.request_id!r} aborted: {reason}"))
+        self._peer.streams[0].submit(self, lambda s: s.abort(self, reason), even_if_failed=True)
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None and not self._finished.is_set():
+                self._error = exc
+            self._lock.notify_all()
+        self._opened.set()
+        self._finished.set()
+
+    def _sent(self, checksum: int) -> None:
+        with self._lock:
+            self._checksum = combine(self._checksum, checksum)
+            self._pending -= 1
+            self._lock.notify_all()
+
+    def _acked(self, checksum: int) -> None:
+        with self._lock:
+            if self._error is None and checksum != self._checksum:
+                self._error = ChecksumError(f"kv transfer {self.request_id!r}: ack checksum {checksum:#x} != sent {self._checksum:#x}")
+            self.checksum = checksum
+        self._finished.set()
+
+
+def _split(run_list: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
+    """Split runs into `parts` groups of about equal block counts (for parallel streams)."""
+    if parts == 1:
+        return [run_list]
+    total = sum(n for _, _, n in run_list)
+    per = -(-total // parts)
+    out: list[list[tuple[int, int, int]]] = [[]]
+    room = per
+    for d, s, n in run_list:
+        while n:
+            if room == 0:
+                out.append([])
+                room = per
+            k = min(n, room)
+            out[-1].append((d, s, k))
+            d, s, n, room = d + k, s + k, n - k, room - k
+    return [p for p in out if p]
+
+
+class _Stream:
+    """One connection to the receiver with its worker and reply-reader threads."""
+
+    def __init__(self, peer: "_Peer", index: int):
+        self.peer = peer
+        sender = peer.sender
+        host, port = peer.dst.host_port
+        self.sock = socket.create_connection((host, port), timeout=sender.connect_timeout)
+        configure(self.sock, sender.io_timeout)
+        send_frame(self.sock, {
+            "op": "hello", "version": WIRE_VERSION, "backend": peer.backend, "session": peer.session,
+            "layout": sender.layout.to_dict(), "stream": index,
+        })  # fmt: skip
+        reply = recv_frame(self.sock)
+        if reply["op"] != "hello_ok":
+            self.sock.close()
+            raise LayoutMismatchError(f"receiver {peer.dst.address} refused the handshake: {reply.get('error')}")
+        self.remote_layout = KVLayout.from_dict(reply["layout"])
+        self.remote_layout.check_compatible(sender.layout, mine="sender", theirs="receiver")
+        self.pg = None
+        if peer.backend in kvdist.DIST_BACKENDS:
+            store = kvdist.join_store(host, reply["store_port"], sender.connect_timeout)
+            local_ip = self.sock.getsockname()[0]
+            self.pg = kvdist.pair_group(peer.backend, store, 1, local_ip, sender.io_timeout, peer.session)
+            self._store = store
+        self.queue: queue.Queue = queue.Queue()
+        self.dead: BaseException | None = None
+        for target in (self._work_loop, self._read_loop):
+            threading.Thread(target=target, name=f"kv-send-{index}", daemon=True).start()
+
+    def submit(self, transfer: Transfer, fn: Callable[["_Stream"], None], even_if_failed: bool = False) -> None:
+        if self.dead is not None:
+            transfer._fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {self.dead}"))
+            return
+        self.queue.put((transfer, fn, even_if_failed))
+
+    def close(self) -> None:
+        self.queue.put(None)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # ---- ops (run on the worker thread) ---------------------------------------------------------
+
+    def open(self, t: Transfer, wait: bool) -> None:
+        blocks = [d + i for d, _, n in t._runs for i in range(n)]
+        if max(blocks) >= self.remote_layout.num_blocks:
+            raise TransferError(f"kv transfer {t.request_id!r}: destination block {max(blocks)} outside the receiver pool")
+        self._send({"op": "open", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "blocks": blocks})
+        if wait and not t._opened.wait(self.peer.sender.io_timeout):
+            raise TransferError(f"kv transfer {t.request_id!r}: receiver did not answer open")
+
+    def write(self, t: Transfer, part: list[tuple[int, int, int]], l0: int, l1: int) -> None:
+        sender = self.peer.sender
+        if time.time() > t.dst.deadline:
+            raise TransferError(f"kv transfer {t.request_id!r}: destination deadline passed")
+        src_runs = [(s, n) for _, s, n in part]
+        header = {"op": "write", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "runs": [[d, n] for d, _, n in part], "l0": l0, "l1": l1}
+        full = l0 == 0 and l1 == sender.layout.num_layers
+        backend = self.peer.backend
+        if backend == "tcp" and sender.quant == "int8":
+            kv = torch.cat([sender.pool[s : s + n, l0:l1] for s, n in src_runs])
+            payload = kvquant.quantize(kv)
+            checksum = checksum_bytes(payload)
+            if sender.corrupt_writes_for_test:
+                payload = payload.clone()
+                payload[0] ^= 1
+            self._send({**header, "nbytes": payload.numel(), "checksum": checksum, "quant": "int8"}, [memoryview(payload.numpy())])
+        elif backend == "tcp":
+            checksum = checksum_runs(sender.words, src_runs, l0, l1)
+            nb = sender.np_bytes
+            if full:
+                views = [memoryview(nb[s : s + n].reshape(-1)) for s, n in src_runs]
+            else:
+                views = [memoryview(nb[b, l0:l1].reshape(-1)) for s, n in src_runs for b in range(s, s + n)]
+            if sender.corrupt_writes_for_test:
+                views[0] = _corrupted(views[0])
+            self._send({**header, "nbytes": sum(len(v) for v in views), "checksum": checksum}, views)
+        elif backend == "shm":
+            dst_pool = self.peer.shm.tensor
+            for d, s, n in part:
+                dst_pool[d : d + n, l0:l1].copy_(sender.pool[s : s + n, l0:l1])
+            checksum = checksum_runs(sender.words, src_runs, l0, l1)
+            if sender.corrupt_writes_for_test:
+                byte_view(dst_pool)[part[0][0], l0, 0] ^= 1
+            nbytes = sum(n for _, n in src_runs) * (l1 - l0) * sender.layout.layer_bytes
+            self._send({**header, "nbytes": nbytes, "checksum": checksum})
+        else:
+            checksum = checksum_runs(sender.words, src_runs, l0, l1)
+            nblocks = sum(n for _, n in src_runs)
+            self._send({**header, "nbytes": nblocks * (l1 - l0) * sender.layout.layer_bytes, "checksum": checksum})
+            tensors = (
+                [sender.pool[s : s + n] for s, n in src_runs]
+                if full
+                else [torch.cat([sender.pool[s : s + n, l0:l1] for s, n in src_runs])]
+            )
+            if sender.corrupt_writes_for_test:
+                tensors[0] = tensors[0].clone()
+                tensors[0].view(-1).view(torch.uint8)[0] ^= 1
+            for x in tensors:
+                kvdist.send(self.pg, x, 0)
+        t._sent(checksum)
+
+    def done(self, t: Transfer, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with t._lock:
+            while t._pending > 0 and t._error is None:
+                if not t._lock.wait(max(0.0, deadline - time.monotonic())):
+                    raise TransferError(f"kv transfer {t.request_id!r}: writes not sent within {timeout} s")
+            writes, checksum = t._writes, t._checksum
+        if t._error is None:
+            self._send({"op": "done", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "writes": writes, "checksum": checksum})
+
+    def abort(self, t: Transfer, reason: str) -> None:
+        self._send({"op": "abort", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "reason": reason})
+
+    def _send(self, body: dict[str, Any], payload: list[memoryview] | None = None) -> None:
+        data = msgpack.packb(body, use_bin_type=True)
+        send_views(self.sock, [memoryview(_LEN.pack(len(data)) + data), *(payload or [])])
+
+    # ---- threads ---------------------------------------------------------------------------------
+
+    def _work_loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            transfer, fn, even_if_failed = item
+            if self.dead is not None:
+                transfer._fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {self.dead}"))
+                continue
+            if transfer.failed and not even_if_failed:
+                continue
+            try:
+                fn(self)
+            except (OSError, ConnectionError) as exc:
+                self._die(exc)
+                transfer._fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {exc}"))
+            except Exception as exc:
+                if not isinstance(exc, TransferError):
+                    exc = TransferError(f"kv transfer {transfer.request_id!r}: {type(exc).__name__}: {exc}")
+                transfer._fail(exc)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                try:
+                    frame = recv_frame(self.sock, idle_ok=True)
+                except IdleTimeout:
+                    continue
+                t = self.peer.transfers.get(frame.get("xid"))
+                if t is None:
+                    continue
+                op = frame["op"]
+                if op == "ok":
+                    t._opened.set()
+                elif op == "ack":
+                    t._acked(int(frame.get("checksum", -1)))
+                elif op == "error":
+                    err = str(frame.get("error"))
+                    cls = ChecksumError if "checksum mismatch" in err else TransferError
+                    t._fail(cls(f"kv transfer {t.request_id!r} rejected by the receiver: {err}"))
+        except Exception as exc:
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        if self.dead is None:
+            self.dead = exc
+            self.peer.broken(exc)
+
+
+class _Peer:
+    """All streams to one receiver for one backend; one session id on the receiver side."""
+
+    def __init__(self, sender: "KVSender", dst: Destination, backend: str):
+        self.sender, self.dst, self.backend = sender, dst, backend
+        self.session = uuid.uuid4().hex
+        self.transfers: dict[int, Transfer] = {}
+        self.shm: SharedKVPool | None = None
+        self.dead: BaseException | None = None
+        nstreams = sender.num_streams if backend == "tcp" else 1
+        self.streams = [_Stream(self, 0)]
+        self.streams += [_Stream(self, i) for i in range(1, nstreams)]
+        if backend == "shm":
+            self.shm = SharedKVPool.attach(dst.shm_name, self.streams[0].remote_layout.shape, sender.pool.dtype)
+
+    def forget(self, t: Transfer) -> None:
+        self.transfers.pop(t.xid, None)
+
+    def broken(self, exc: BaseException) -> None:
+        self.dead = exc
+        self.close()
+        for t in list(self.transfers.values()):
+            t._fail(TransferError(f"kv transfer {t.request_id!r}: connection to {self.dst.address} lost: {exc}"))
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.close()
+
+
+class KVSender:
+    def __init__(
+        self,
+        pool: torch.Tensor,
+        *,
+        backend: str = "auto",
+        num_streams: int = 1,
+        quant: str | None = None,
+        connect_timeout: float = 5.0,
+        io_timeout: float = 10.0,
+    ):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if quant not in (None, "int8"):
+            raise ValueError(f"quant: expected None or 'int8', got {quant!r}")
+        if num_streams < 1:
+            raise ValueError("num_streams: expected >= 1")
+        self.pool = pool
+        self.layout = KVLayout.of(pool)
+        self.words = words(byte_view(pool))
+        self.np_bytes = byte_view(pool).numpy() if pool.device.type == "cpu" else None
+        self.backend = backend
+        self.num_streams = num_streams
+        self.quant = quant
+        self.connect_timeout = connect_timeout
+        self.io_timeout = io_timeout
+        self.corrupt_writes_for_test = False  # test hook: flip one byte after checksumming
+        self._peers: dict[tuple[str, str], _Peer] = {}
+        self._lock = threading.Lock()
+
+    def start(self, dst: Destination | dict, src_block_ids: list[int], skip_blocks: int = 0) -> Transfer:
+        """Open a transfer of src_block_ids into dst.block_ids[skip_blocks:] (same count)."""
+        if isinstance(dst, dict):
+            dst = Destination.from_dict(dst)
+        dst_ids = dst.block_ids[skip_blocks:]
+        if len(src_block_ids) != len(dst_ids):
+            raise ValueError(f"src_block_ids: {len(src_block_ids)} blocks for {len(dst_ids)} destination blocks")
+        bad = [b for b in src_block_ids if not 0 <= b < self.layout.num_blocks]
+        if bad:
+            raise ValueError(f"src_block_ids: {bad[:5]} outside 0..{self.layout.num_blocks - 1}")
+        self.layout.check_compatible(KVLayout.from_dict(dst.layout), mine="sender", theirs="receiver")
+        backend = self._choose_backend(dst)
+        peer = self._peer(dst, backend)
+        t = Transfer(self, peer, dst, list(src_block_ids), dst_ids)
+        peer.transfers[t.xid] = t
+        peer.streams[0].submit(t, lambda s: s.open(t, wait=backend == "shm"))
+        return t
+
+    def send(self, dst: Destination | dict, src_block_ids: list[int], timeout: float = 10.0) -> int:
+        """Convenience: all layers, wait for the ack."""
+        t = self.start(dst, src_block_ids)
+        t.send_all()
+        return t.finish(timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for p in peers:
+            p.close()
+
+    def _choose_backend(self, dst: Destination) -> str:
+        if self.backend != "auto":
+            if self.backend not in dst.backends:
+                raise TransferError(f"backend {self.backend!r} not offered by {dst.address} ({dst.backends})")
+            return self.backend
+        device = self.pool.device.type
+        same_host = dst.host_id == host_id() and dst.shm_name and os.path.exists(os.path.join(SHM_DIR, dst.shm_name))
+        if "shm" in dst.backends and same_host and device == "cpu":
+            return "shm"
+        native = kvdist.backend_for_device(device)
+        if device != "cpu" and native in dst.backends:
+            return native
+        for b in ("tcp", native):
+            if b in dst.backends:
+                return b
+        raise TransferError(f"no common KV backend with {dst.address} (it offers {dst.backends})")
+
+    def _peer(self, dst: Destination, backend: str) -> _Peer:
+        key = (dst.address, backend)
+        with self._lock:
+            peer = self._peers.get(key)
+            if peer is not None and peer.dead is None:
+                return peer
+            peer = _Peer(self, dst, backend)
+            self._peers[key] = peer
+            return peer
+
+
+def _corrupted(view: memoryview) -> memoryview:
+    data = bytearray(view)
+    data[0] ^= 1
+    return memoryview(data)

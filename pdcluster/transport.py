@@ -1,0 +1,234 @@
+"""asyncio zmq sockets that speak `pdcluster.protocol`.
+
+Four small wrappers: `RouterServer` (a node's control socket), `DealerClient` (one peer's
+connection to it), `LoadPublisher` / `LoadSubscriber` (the ~2 Hz Load reports).
+
+Sends are synchronous and never block: a dead or slow peer makes `send` return False instead of
+stalling the sender's event loop (ROUTER_MANDATORY + NOBLOCK + bounded HWMs). Receives are async
+and never raise on bad input: frames that fail `protocol.decode` are logged and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+import zmq
+import zmq.asyncio
+
+from pdcluster.protocol import Load, Message, ProtocolError, decode, encode
+
+log = logging.getLogger(__name__)
+
+DEFAULT_HWM = 10_000
+LOAD_HWM = 100  # stale load reports are worthless: drop rather than queue
+HEARTBEAT_IVL_MS = 1_000
+HEARTBEAT_TIMEOUT_MS = 3_000
+
+
+def _context() -> zmq.asyncio.Context:
+    return zmq.asyncio.Context.instance()
+
+
+def _socket(kind: int, hwm: int) -> zmq.asyncio.Socket:
+    sock = _context().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    return sock
+
+
+def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    """Send without waiting; raises zmq.Again / ZMQError at once.
+
+    Goes through the asyncio socket (not a sync shadow) so its edge-triggered event
+    bookkeeping stays right: with NOBLOCK the returned future is already resolved.
+    """
+    fut = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    exc = fut.exception()
+    if exc is not None:
+        raise exc
+
+
+def _bind(sock: zmq.asyncio.Socket, addr: str) -> str:
+    """Bind; "tcp://host:0" and "tcp://host:*" pick a free port. Returns the actual endpoint."""
+    if addr.startswith("tcp://") and addr.endswith(":0"):
+        addr = addr[:-1] + "*"
+    sock.bind(addr)
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def _try_decode(frame: bytes, where: str) -> Message | None:
+    try:
+        return decode(frame)
+    except ProtocolError as exc:
+        log.warning("%s: dropped bad frame (%d bytes): %s", where, len(frame), exc)
+        return None
+
+
+class RouterServer:
+    """A node's control socket: many DEALER peers, addressed by their zmq identity."""
+
+    def __init__(self, hwm: int = DEFAULT_HWM) -> None:
+        self._sock = _socket(zmq.ROUTER, hwm)
+        # Unknown/disconnected identity -> EHOSTUNREACH instead of a silent drop.
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self.address = ""
+
+    def bind(self, addr: str) -> str:
+        self.address = _bind(self._sock, addr)
+        return self.address
+
+    async def recv(self) -> tuple[bytes, Message]:
+        """Next valid message and its sender's identity; bad frames are logged and skipped."""
+        while True:
+            frames = await self._sock.recv_multipart(copy=True)
+            if len(frames) != 2:
+                log.warning("router socket %s: dropped message of %d frames", self.address, len(frames))
+                continue
+            msg = _try_decode(frames[1], f"router socket {self.address}")
+            if msg is not None:
+                return frames[0], msg
+
+    def send(self, identity: bytes, msg: Message) -> bool:
+        """Queue `msg` for `identity`; False when that peer is gone or its queue is full."""
+        try:
+            _send_now(self._sock, [identity, encode(msg)])
+            return True
+        except zmq.Again:
+            log.warning("router socket %s: peer %r queue full, dropped %s", self.address, identity, msg.TYPE)
+        except zmq.ZMQError as exc:
+            log.info("router socket %s: peer %r unreachable (%s), dropped %s",
+                     self.address, identity, exc, msg.TYPE)
+        return False
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class DealerClient:
+    """One connection to one peer's RouterServer."""
+
+    def __init__(self, hwm: int = DEFAULT_HWM, identity: bytes | None = None) -> None:
+        self._sock = _socket(zmq.DEALER, hwm)
+        if identity is not None:
+            self._sock.setsockopt(zmq.IDENTITY, identity)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2_000)
+        self.address = ""
+
+    def connect(self, addr: str) -> None:
+        self.address = addr
+        self._sock.connect(addr)
+
+    def send(self, msg: Message) -> bool:
+        """Queue `msg`; False when the outgoing queue is full (peer dead or far behind)."""
+        try:
+            _send_now(self._sock, [encode(msg)])
+            return True
+        except zmq.Again:
+            log.warning("dealer to %s: queue full, dropped %s", self.address, msg.TYPE)
+        except zmq.ZMQError as exc:
+            log.warning("dealer to %s: send failed (%s), dropped %s", self.address, exc, msg.TYPE)
+        return False
+
+    async def recv(self, timeout: float | None = None) -> Message | None:
+        """Next valid message, or None after `timeout` seconds (None = wait forever)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if deadline is None:
+                frames = await self._sock.recv_multipart()
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await self._sock.poll(left * 1000, zmq.POLLIN):
+                    return None
+                frames = await self._sock.recv_multipart()
+            if len(frames) != 1:
+                log.warning("dealer to %s: dropped message of %d frames", self.address, len(frames))
+                continue
+            msg = _try_decode(frames[0], f"dealer to {self.address}")
+            if msg is not None:
+                return msg
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class LoadPublisher:
+    """PUB socket a node publishes its `Load` on; routers subscribe."""
+
+    def __init__(self) -> None:
+        self._sock = _socket(zmq.PUB, LOAD_HWM)
+        self.address = ""
+
+    def bind(self, addr: str) -> str:
+        self.address = _bind(self._sock, addr)
+        return self.address
+
+    def publish(self, load: Load) -> None:
+        if not load.timestamp:
+            load.timestamp = time.time()
+        try:
+            _send_now(self._sock, [encode(load)])
+        except zmq.ZMQError as exc:  # PUB drops on HWM itself; anything else is worth a line
+            log.warning("load publisher %s: %s", self.address, exc)
+
+    async def run(self, get_load: Callable[[], Load], interval: float = 0.5) -> None:
+        """Publish `get_load()` every `interval` seconds until cancelled."""
+        while True:
+            try:
+                self.publish(get_load())
+            except Exception:  # a bad snapshot must not stop the reports
+                log.exception("load publisher %s: get_load failed", self.address)
+            await asyncio.sleep(interval)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+class LoadSubscriber:
+    """SUB socket connected to any number of LoadPublishers."""
+
+    def __init__(self) -> None:
+        self._sock = _socket(zmq.SUB, LOAD_HWM)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2_000)
+        self.addresses: set[str] = set()
+
+    def connect(self, addr: str) -> None:
+        if addr not in self.addresses:
+            self._sock.connect(addr)
+            self.addresses.add(addr)
+
+    def disconnect(self, addr: str) -> None:
+        if addr in self.addresses:
+            self.addresses.discard(addr)
+            try:
+                self._sock.disconnect(addr)
+            except zmq.ZMQError:
+                pass
+
+    async def recv(self, timeout: float | None = None) -> Load | None:
+        """Next Load report, or None after `timeout` seconds. Non-Load frames are dropped."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await self._sock.poll(left * 1000, zmq.POLLIN):
+                    return None
+            frame = await self._sock.recv()
+            msg = _try_decode(frame, "load subscriber")
+            if isinstance(msg, Load):
+                return msg
+            if msg is not None:
+                log.warning("load subscriber: dropped unexpected %s message", msg.TYPE)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

@@ -1,0 +1,169 @@
+"""The router's view of the cluster: membership from a node source + the nodes' Load reports.
+
+The source is `pdcluster.membership.ClusterView` in production and `StaticNodeSource` in tests;
+both only need `nodes_by_role(role)` and `admin_state(node_id)`. Everything here is soft state rebuilt
+from the source and the reports, so any number of routers can serve one cluster at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from pdcluster.membership import NodeInfo
+from pdcluster.protocol import Load
+from pdcluster.transport import LoadSubscriber
+
+log = logging.getLogger(__name__)
+
+ACTIVE = "active"
+
+
+class NodeSource(Protocol):
+    """What the router needs from membership; `pdcluster.membership.ClusterView` is one."""
+
+    def nodes_by_role(self, role: str) -> list[NodeInfo]: ...
+
+    def admin_state(self, node_id: str) -> str:
+        """"active", "cordoned" or "draining"."""
+        ...
+
+
+class StaticNodeSource:
+    """A fixed, editable node list (tests, or a router pointed at nodes without etcd)."""
+
+    def __init__(self, nodes: list[NodeInfo] | None = None) -> None:
+        self._nodes: dict[str, NodeInfo] = {n.node_id: n for n in nodes or []}
+        self._admin: dict[str, str] = {}
+
+    # Edits build new dicts and swap them in, so a router thread may read while a test thread edits.
+    def add(self, node: NodeInfo) -> None:
+        self._nodes = {**self._nodes, node.node_id: node}
+
+    def remove(self, node_id: str) -> None:
+        self._nodes = {k: v for k, v in self._nodes.items() if k != node_id}
+
+    def set_nodes(self, nodes: list[NodeInfo]) -> None:
+        self._nodes = {n.node_id: n for n in nodes}
+
+    def set_admin_state(self, node_id: str, state: str) -> None:
+        self._admin = {**self._admin, node_id: state}
+
+    def nodes_by_role(self, role: str) -> list[NodeInfo]:
+        return [n for n in list(self._nodes.values()) if n.role == role]
+
+    def admin_state(self, node_id: str) -> str:
+        return self._admin.get(node_id, ACTIVE)
+
+
+@dataclass
+class NodeState:
+    info: NodeInfo
+    admin: str = ACTIVE
+    load: Load | None = None
+    load_time: float = 0.0  # time.monotonic() of the last report
+    cached: frozenset[int] = field(default_factory=frozenset)
+    # Work this router sent since the node's last report, so a burst between two reports spreads out.
+    assigned_since_report: int = 0
+    prefill_tokens_since_report: int = 0
+
+    @property
+    def id(self) -> str:
+        return self.info.node_id
+
+    @property
+    def block_size(self) -> int:
+        return self.load.block_size if self.load else 16
+
+    def accepting(self) -> bool:
+        if self.admin not in ("", ACTIVE):
+            return False
+        return self.load is None or self.load.state == "serving"
+
+    def update(self, load: Load) -> None:
+        self.load = load
+        self.load_time = time.monotonic()
+        self.cached = frozenset(load.cached_block_hashes)
+        self.assigned_since_report = 0
+        self.prefill_tokens_since_report = 0
+
+
+class RouterCluster:
+    def __init__(self, source: NodeSource, sync_interval: float = 0.5, load_stale_s: float = 3.0) -> None:
+        self.source = source
+        self.sync_interval = sync_interval
+        self.load_stale_s = load_stale_s
+        self._nodes: dict[str, NodeState] = {}
+        self._subscriber: LoadSubscriber | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.on_removed: list[Callable[[str], None]] = []
+
+    async def start(self) -> None:
+        self._subscriber = LoadSubscriber()
+        self.sync()
+        self._tasks = [asyncio.create_task(self._sync_loop()), asyncio.create_task(self._load_loop())]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._subscriber is not None:
+            self._subscriber.close()
+
+    def sync(self) -> None:
+        """Re-read the source: add new nodes, drop gone ones, refresh admin states."""
+        seen: set[str] = set()
+        for role in ("decode", "prefill"):
+            for info in self.source.nodes_by_role(role):
+                seen.add(info.node_id)
+                state = self._nodes.get(info.node_id)
+                if state is None or state.info != info:
+                    state = NodeState(info=info, load=state.load if state else None,
+                                      load_time=state.load_time if state else 0.0,
+                                      cached=state.cached if state else frozenset())
+                    self._nodes[info.node_id] = state
+                    if self._subscriber is not None and info.load_addr:
+                        self._subscriber.connect(info.load_addr)
+                state.admin = self.source.admin_state(info.node_id) or ACTIVE
+        for node_id in [i for i in self._nodes if i not in seen]:
+            gone = self._nodes.pop(node_id)
+            if self._subscriber is not None and gone.info.load_addr:
+                self._subscriber.disconnect(gone.info.load_addr)
+            log.info("node %s left the cluster view", node_id)
+            for callback in self.on_removed:
+                callback(node_id)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sync_interval)
+            try:
+                self.sync()
+            except Exception:  # a flaky source must not stop routing on the last known view
+                log.exception("cluster sync failed")
+
+    async def _load_loop(self) -> None:
+        assert self._subscriber is not None
+        while True:
+            load = await self._subscriber.recv()
+            state = self._nodes.get(load.node_id)
+            if state is not None:
+                state.update(load)
+
+    def nodes(self, role: str) -> list[NodeState]:
+        return [s for s in self._nodes.values() if s.info.role == role]
+
+    def candidates(self, role: str, exclude: set[str] = frozenset()) -> list[NodeState]:
+        """Nodes of `role` that take new work; ones whose reports went stale (maybe dead) only as a last resort."""
+        now = time.monotonic()
+        nodes = [s for s in self.nodes(role) if s.accepting() and s.id not in exclude]
+        fresh = [s for s in nodes if s.load is None or now - s.load_time <= self.load_stale_s]
+        return fresh or nodes
+
+    def get(self, node_id: str) -> NodeState | None:
+        return self._nodes.get(node_id)
+
+    def is_alive(self, node_id: str) -> bool:
+        return node_id in self._nodes

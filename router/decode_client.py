@@ -1,0 +1,251 @@
+"""Per-request token streams from decode nodes over zmq, with retries and migration.
+
+One DEALER per decode node; a reader task demultiplexes `Tokens` / `Reject` by rid into
+per-request queues. Each attempt of a request gets its own rid (`<request id>.<attempt>`), so
+late messages from a node the request has left are simply dropped.
+
+A `RequestStream`:
+  * `Reject` (before any token) -> the next decode node, up to `max_retries`; none left -> NoCapacity.
+  * no message for `stall_timeout`, the node left the cluster view, or it ended the request with
+    "abort"/"error" -> migration: `Generate` again on another node with `resume_ids` = the tokens
+    already received, up to `max_migrations`.
+  * `abort()` (client gone, stop string hit) -> `Abort{rid}` to the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from pdcluster.protocol import Abort, Generate, Reject, Tokens
+from pdcluster.transport import DealerClient
+from router.cluster import NodeState, RouterCluster
+from router.metrics import RouterMetrics
+from router.policies import Prompt, RoutingPolicy, choose_prefill, note_assignment
+from router.settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+POLL_INTERVAL = 0.25  # how often a waiting stream re-checks node liveness and deadlines
+
+
+class NoCapacity(Exception):
+    """No decode node took the request (none alive, all rejected or overloaded)."""
+
+    def __init__(self, reason: str, retry_after: float, overloaded: bool = False) -> None:
+        super().__init__(reason)
+        self.retry_after = retry_after
+        self.overloaded = overloaded  # nodes exist but rejected it (429) vs none available (503)
+
+
+class StreamFailed(Exception):
+    """The request could not be completed (deadline, migrations exhausted)."""
+
+
+class NodeConnection:
+    def __init__(self, node_id: str, address: str) -> None:
+        self.node_id = node_id
+        self.address = address
+        self.dealer = DealerClient()
+        self.dealer.connect(address)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self._reader = asyncio.create_task(self._read_loop())
+
+    async def _read_loop(self) -> None:
+        while True:
+            msg = await self.dealer.recv()
+            queue = self.queues.get(getattr(msg, "rid", None))
+            if queue is not None:
+                queue.put_nowait(msg)
+
+    def close(self) -> None:
+        self._reader.cancel()
+        self.dealer.close()
+
+
+class DecodeClient:
+    def __init__(self, cluster: RouterCluster, policy: RoutingPolicy, settings: RouterSettings,
+                 metrics: RouterMetrics) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.settings = settings
+        self.metrics = metrics
+        self._connections: dict[str, NodeConnection] = {}
+        cluster.on_removed.append(self._drop_connection)
+
+    def stream(self, prompt_ids: list[int], sampling: dict[str, Any], deadline: float) -> RequestStream:
+        """A stream for one engine request (one choice); call `start()` then `next()`."""
+        return RequestStream(self, prompt_ids, sampling, deadline)
+
+    def connection(self, node: NodeState) -> NodeConnection:
+        conn = self._connections.get(node.id)
+        if conn is None or conn.address != node.info.control_addr:
+            if conn is not None:
+                conn.close()
+            conn = NodeConnection(node.id, node.info.control_addr)
+            self._connections[node.id] = conn
+        return conn
+
+    def _drop_connection(self, node_id: str) -> None:
+        conn = self._connections.pop(node_id, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        for conn in self._connections.values():
+            conn.close()
+        self._connections.clear()
+
+    def place(self, token_ids: list[int], max_tokens: int, exclude: set[str]) -> tuple[NodeState, NodeState | None]:
+        """(decode node, prefill node or None) for a request, or NoCapacity."""
+        decode_nodes = self.cluster.candidates("decode", exclude)
+        decode = self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens)
+        if decode is None:
+            raise NoCapacity("no decode node available", self.settings.retry_after)
+        prompt = Prompt(token_ids)
+        prefill = choose_prefill(self.policy, self.cluster.candidates("prefill"), prompt,
+                                 self.settings.disagg_min_tokens)
+        note_assignment(decode, prefill, len(token_ids))
+        return decode, prefill
+
+
+class RequestStream:
+    def __init__(self, client: DecodeClient, prompt_ids: list[int], sampling: dict[str, Any],
+                 deadline: float) -> None:
+        self.client = client
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.deadline = deadline  # unix seconds
+        self.request_id = uuid.uuid4().hex
+        self.output_ids: list[int] = []
+        self.finished = False
+        self.num_cached_tokens = 0
+        self.prefill_path = ""
+        self._attempt = 0
+        self._rejected: set[str] = set()
+        self._failed: set[str] = set()
+        self._retries = 0
+        self._migrations = 0
+        self._retry_after = 0.0
+        self._conn: NodeConnection | None = None
+        self._rid = ""
+        self._queue: asyncio.Queue | None = None
+        self._last_message = 0.0
+        self._first: Tokens | None = None
+
+    @property
+    def node_id(self) -> str | None:
+        return self._conn.node_id if self._conn else None
+
+    async def start(self) -> None:
+        """Submit and wait for the first tokens: NoCapacity here means nothing was sent to the client."""
+        self._first = await self.next()
+
+    async def next(self) -> Tokens:
+        """The next Tokens message of this request (its `finish` is set on the last one)."""
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        while True:
+            if self.finished:
+                raise StreamFailed("stream already finished")
+            if self._conn is None:
+                self._submit()
+            msg = await self._wait()
+            if isinstance(msg, Reject):
+                self._rejected.add(self._conn.node_id)
+                self._retry_after = max(self._retry_after, msg.retry_after)
+                self._detach(send_abort=False)
+                self._retries += 1
+                self.client.metrics.retries.inc()
+                if self._retries > self.client.settings.max_retries:
+                    raise NoCapacity(f"rejected by {len(self._rejected)} decode node(s): {msg.reason}",
+                                     self._retry_after or self.client.settings.retry_after, overloaded=True)
+                continue
+            if msg is None or msg.finish in ("abort", "error"):
+                reason = "stalled or left the cluster" if msg is None else f"ended it with {msg.finish}: {msg.error}"
+                self._migrate(reason)
+                continue
+            self._last_message = time.monotonic()
+            if msg.num_prompt_tokens and not self.prefill_path:
+                self.num_cached_tokens = msg.num_cached_tokens
+            if msg.prefill_path:
+                self.prefill_path = msg.prefill_path
+            self.output_ids.extend(msg.ids)
+            if msg.finish is not None:
+                self.finished = True
+                self._detach(send_abort=False)
+            return msg
+
+    def abort(self, reason: str = "client") -> None:
+        """Stop the request on its decode node (idempotent; no-op once finished)."""
+        if self._conn is not None and not self.finished:
+            self.client.metrics.aborts.labels(reason).inc()
+        self.finished = True
+        self._detach(send_abort=True)
+
+    def _submit(self) -> None:
+        if time.time() > self.deadline:
+            raise StreamFailed("request deadline exceeded")
+        exclude = self._rejected | self._failed
+        try:
+            decode, prefill = self.client.place(self.prompt_ids + self.output_ids,
+                                                self.sampling.get("max_tokens", 16) - len(self.output_ids),
+                                                exclude)
+        except NoCapacity as exc:
+            if self._rejected:
+                raise NoCapacity(f"all decode nodes rejected the request ({len(self._rejected)} tried)",
+                                 self._retry_after or exc.retry_after, overloaded=True) from None
+            raise
+        self._attempt += 1
+        self._rid = f"{self.request_id}.{self._attempt}"
+        self._conn = self.client.connection(decode)
+        self._queue = asyncio.Queue()
+        self._conn.queues[self._rid] = self._queue
+        self._last_message = time.monotonic()
+        sent = self._conn.dealer.send(Generate(
+            rid=self._rid, prompt_ids=self.prompt_ids, sampling=self.sampling,
+            prefill_node=prefill.id if prefill else None, deadline=self.deadline,
+            router=self.client.settings.node_id, resume_ids=list(self.output_ids)))
+        if not sent:
+            self._queue.put_nowait(None)  # treated like a dead node: try the next one
+
+    async def _wait(self) -> Tokens | Reject | None:
+        """The node's next message, or None when it stalled / left the view / the deadline passed."""
+        assert self._queue is not None and self._conn is not None
+        stall = self.client.settings.stall_timeout
+        while True:
+            try:
+                return await asyncio.wait_for(self._queue.get(), POLL_INTERVAL)
+            except asyncio.TimeoutError:
+                pass
+            if time.time() > self.deadline:
+                self.abort("deadline")
+                raise StreamFailed("request deadline exceeded")
+            if not self.client.cluster.is_alive(self._conn.node_id):
+                return None
+            if time.monotonic() - self._last_message > stall:
+                return None
+
+    def _migrate(self, reason: str) -> None:
+        node_id = self._conn.node_id if self._conn else "?"
+        self._failed.add(node_id)
+        self._detach(send_abort=True)
+        self._migrations += 1
+        if self._migrations > self.client.settings.max_migrations:
+            raise StreamFailed(f"decode node {node_id} {reason}; migrations exhausted")
+        log.warning("request %s: decode node %s %s; migrating with %d tokens", self.request_id, node_id,
+                    reason, len(self.output_ids))
+        self.client.metrics.migrations.inc()
+
+    def _detach(self, send_abort: bool) -> None:
+        if self._conn is None:
+            return
+        self._conn.queues.pop(self._rid, None)
+        if send_abort:
+            self._conn.dealer.send(Abort(rid=self._rid))
+        self._conn = None
+        self._queue = None

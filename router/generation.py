@@ -1,0 +1,119 @@
+"""One choice of a request: token stream -> text deltas with stop strings and logprobs applied."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from router.decode_client import RequestStream
+from router.metrics import RouterMetrics
+from router.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class ChoiceDelta:
+    index: int
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class ChoiceRun:
+    def __init__(self, index: int, stream: RequestStream, tokenizer: Tokenizer, stop: list[str],
+                 skip_special_tokens: bool, metrics: RouterMetrics, arrival: float) -> None:
+        self.index = index
+        self.stream = stream
+        self.detokenizer = IncrementalDetokenizer(tokenizer, stream.prompt_ids, skip_special_tokens)
+        self.stop = StopMatcher(stop)
+        self.metrics = metrics
+        self.arrival = arrival
+        self.first_token_time = 0.0
+        self.num_tokens = 0
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        """Text deltas until the choice finishes; the last one carries finish_reason."""
+        last = time.monotonic()
+        while True:
+            msg = await self.stream.next()
+            now = time.monotonic()
+            if msg.ids:
+                if not self.first_token_time:
+                    self.first_token_time = now
+                    self.metrics.ttft.observe(now - self.arrival)
+                else:
+                    self.metrics.itl.observe(now - last)
+                last = now
+                self.num_tokens += len(msg.ids)
+            logprobs = _parse_logprobs(msg.ids, msg.logprobs)
+            text = self.detokenizer.add(msg.ids) if msg.ids else ""
+            if msg.finish is not None:
+                text += self.detokenizer.flush()
+            emit, stopped = self.stop.feed(text)
+            if stopped:
+                self.stream.abort("stop_string")
+                yield ChoiceDelta(self.index, emit, logprobs, "stop")
+                return
+            if msg.finish is not None:
+                yield ChoiceDelta(self.index, emit + self.stop.flush(), logprobs, msg.finish)
+                return
+            if emit or logprobs:
+                yield ChoiceDelta(self.index, emit, logprobs)
+
+    def observe_end(self) -> None:
+        if self.first_token_time and self.num_tokens > 1:
+            self.metrics.tpot.observe((time.monotonic() - self.first_token_time) / (self.num_tokens - 1))
+
+
+def _parse_logprobs(ids: list[int], raw: list[Any] | None) -> list[TokenLogprob]:
+    """Tokens.logprobs: per token [sampled_logprob, [[token_id, logprob], ...]]; tolerate junk."""
+    if not raw:
+        return []
+    out = []
+    for token_id, entry in zip(ids, raw):
+        try:
+            logprob = float(entry[0])
+            top = [(int(t), float(lp)) for t, lp in (entry[1] or [])]
+        except (TypeError, ValueError, IndexError):
+            logprob, top = float("nan"), []
+        out.append(TokenLogprob(token_id, logprob, top))
+    return out
+
+
+async def merge(runs: list[ChoiceRun]) -> AsyncIterator[ChoiceDelta]:
+    """Interleave the deltas of n choices as they come; errors propagate; abort all on exit."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: ChoiceRun) -> None:
+        try:
+            async for delta in run.deltas():
+                await queue.put(delta)
+            await queue.put(run)  # this choice is done
+        except Exception as exc:
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    try:
+        remaining = len(runs)
+        while remaining:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if isinstance(item, ChoiceRun):
+                remaining -= 1
+                item.observe_end()
+                continue
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for run in runs:
+            run.stream.abort("client")

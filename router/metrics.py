@@ -1,0 +1,33 @@
+"""The router's Prometheus metrics, on a per-app registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdcluster.metrics import E2E_BUCKETS, ITL_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, new_registry
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or new_registry()
+        r = self.registry
+        self.requests = Counter("pdcluster_router_requests_total", "HTTP generation requests by outcome",
+                                ("outcome",), registry=r)
+        self.ttft = Histogram("pdcluster_router_ttft_seconds", "Time to first token", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram("pdcluster_router_tpot_seconds", "Mean time per output token after the first",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.itl = Histogram("pdcluster_router_itl_seconds", "Time between token messages",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("pdcluster_router_e2e_seconds", "Request latency, arrival to last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.in_flight = Gauge("pdcluster_router_requests_in_flight", "Requests being served", registry=r)
+        self.prompt_tokens = Counter("pdcluster_router_prompt_tokens_total", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("pdcluster_router_generation_tokens_total", "Generated tokens",
+                                         registry=r)
+        self.retries = Counter("pdcluster_router_retries_total", "Requests re-sent after a decode node's Reject",
+                               registry=r)
+        self.migrations = Counter("pdcluster_router_migrations_total",
+                                  "Requests moved to another decode node mid-stream", registry=r)
+        self.aborts = Counter("pdcluster_router_aborts_total", "Abort messages sent to decode nodes",
+                              ("reason",), registry=r)

@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny deterministic random checkpoints (session-scoped) and an engine helper that
+checks every test leaves the KV allocator with all its blocks free."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from engine.testing import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """Llama with GQA (4 query heads, 2 KV heads), untied embeddings."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("llama")), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    """Qwen2 with QKV bias and tied embeddings."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("qwen2")), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory) -> str:
+    """Mistral with MQA (1 KV head)."""
+    return make_tiny_model(str(tmp_path_factory.mktemp("mistral")), "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_llama, tiny_qwen2, tiny_mistral) -> dict[str, str]:
+    return {"llama": tiny_llama, "qwen2": tiny_qwen2, "mistral": tiny_mistral}
+
+
+@contextlib.contextmanager
+def checked_engine(model: str, **kwargs):
+    """An LLMEngine whose free-block count must be back at its start when the block exits."""
+    from engine.llm_engine import LLMEngine
+
+    kwargs.setdefault("num_gpu_blocks_override", 256)
+    engine = LLMEngine.from_args(model, **kwargs)
+    start = engine.num_free_blocks
+    yield engine
+    assert not engine.has_unfinished_requests(), "requests left unfinished"
+    assert engine.reserved == set(), f"reserved blocks leaked: {sorted(engine.reserved)}"
+    assert engine.num_free_blocks == start, f"leaked {start - engine.num_free_blocks} KV blocks"
+    assert all(c == 0 for c in engine.block_manager.ref_counts), "non-zero block ref counts"
+
+
+@pytest.fixture
+def make_engine():
+    """Factory fixture: make_engine(model, **engine_args) -> engine, leak-checked at teardown."""
+    with contextlib.ExitStack() as stack:
+        yield lambda model, **kw: stack.enter_context(checked_engine(model, **kw))

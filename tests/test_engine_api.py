@@ -1,0 +1,319 @@
+"""Engine APIs and bad input: errors that name the problem, abort/hold/release, the decode-node
+hooks (reserve, add_prefilled_request), the per-layer hook, LLM and AsyncLLMEngine, the KV pool,
+the block allocator and the device layer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineArgs
+from engine.kv_cache import KVCachePool
+from engine.sampling_params import SamplingParams
+from engine_helpers import GREEDY, hf_greedy, make_prompts, run_all
+
+
+# ---- loading errors ---------------------------------------------------------------------------
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_missing_model_dir_config_and_weights_are_named(tmp_path, tiny_llama):
+    from engine.llm_engine import LLMEngine
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLMEngine.from_args(str(tmp_path / "nope"))
+    no_cfg = _copy(tiny_llama, tmp_path / "nocfg")
+    os.remove(os.path.join(no_cfg, "config.json"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        LLMEngine.from_args(no_cfg)
+    no_w = _copy(tiny_llama, tmp_path / "now")
+    os.remove(os.path.join(no_w, "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        LLMEngine.from_args(no_w, num_gpu_blocks_override=8)
+    no_tok = _copy(tiny_llama, tmp_path / "notok")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        os.remove(os.path.join(no_tok, f))
+    with pytest.raises(FileNotFoundError, match="tokenizer"):
+        LLMEngine.from_args(no_tok)
+
+
+def test_unsupported_architecture_lists_supported(tmp_path, tiny_llama):
+    from engine.llm_engine import LLMEngine
+
+    d = _copy(tiny_llama, tmp_path / "gpt")
+    cfg_path = os.path.join(d, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"):
+        LLMEngine.from_args(d)
+
+
+def test_bad_requests_raise_value_errors_naming_the_field(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama)
+    with pytest.raises(ValueError, match="prompt_token_ids.*empty"):
+        engine.add_request("a", [], GREEDY)
+    with pytest.raises(ValueError, match="prompt_token_ids.*max_model_len=512"):
+        engine.add_request("b", [5] * 513, GREEDY)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        engine.add_request("c", [5, 100000], GREEDY)
+    engine.add_request("d", [5, 6], GREEDY)
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("d", [5, 6], GREEDY)
+    engine.abort("d")
+    with pytest.raises(ValueError, match="dtype"):
+        EngineArgs(model=tiny_llama, dtype="int8")
+    with pytest.raises(ValueError, match="tensor parallelism is not implemented"):
+        EngineArgs(model=tiny_llama, tensor_parallel_size=2)
+
+
+def test_prompt_of_full_context_stops_by_length(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama, max_num_batched_tokens=128)
+    out = run_all(engine, [make_prompts([512], seed=3)[0]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(out[0]) == 1
+
+
+# ---- request lifecycle ------------------------------------------------------------------------
+
+def test_abort_frees_blocks_immediately_and_is_idempotent(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama)
+    start = engine.num_free_blocks
+    engine.add_request("x", make_prompts([100])[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.add_request("y", make_prompts([20])[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.num_free_blocks < start and engine.num_running == 2
+    engine.abort("x")
+    engine.abort("x")
+    engine.abort("unknown")
+    assert engine.num_running == 1
+    engine.abort("y")
+    assert engine.num_free_blocks == start and not engine.has_unfinished_requests()
+
+
+def test_stop_rules_eos_stop_ids_min_tokens_max_tokens(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama)
+    prompt = make_prompts([12], seed=8)[0]
+    free_run = run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), "f")[0]
+    stop_tok = free_run[5]
+    first = free_run.index(stop_tok)
+    engine.add_request("s", prompt, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop_tok]))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    last = outs[-1]
+    assert last.finished and last.finish_reason == "stop" and last.outputs[0].stop_reason == stop_tok
+    assert last.outputs[0].token_ids == free_run[:first + 1]
+    assert [t for o in outs for t in o.new_token_ids] == free_run[:first + 1]
+    engine.add_request("l", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finish_reason == "length" and outs[-1].outputs[0].token_ids == free_run[:3]
+
+
+def test_hold_blocks_keeps_blocks_until_release_and_they_feed_the_prefix_cache(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama)
+    start = engine.num_free_blocks
+    prompt = make_prompts([70], seed=40)[0]
+    engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
+    outs = engine.step()
+    assert outs[0].finished and len(outs[0].block_ids) == 5
+    assert engine.num_free_blocks == start - 5 and not engine.has_unfinished_requests()
+    engine.release("p")
+    assert engine.num_free_blocks == start
+    run_all(engine, [prompt + [7]], GREEDY)
+    assert engine.prefix_cache_hit_tokens == 64
+
+
+def test_layer_done_callback_runs_once_per_layer(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama)
+    engine.add_request("a", make_prompts([10])[0], SamplingParams(temperature=0, max_tokens=1))
+    seen = []
+    engine.step(layer_done_callback=seen.append)
+    assert seen == list(range(engine.model_config.num_layers))
+
+
+def test_prefill_engine_to_decode_engine_via_reserved_blocks(tiny_llama, make_engine):
+    """The P/D flow in one process: P prefills with hold_blocks, its blocks are copied into blocks D
+    reserved, D decodes from the first token. Output must equal a local run."""
+    prefill = make_engine(tiny_llama)
+    decode = make_engine(tiny_llama, num_gpu_blocks_override=64)
+    prompts = make_prompts([1, 37, 100, 16], seed=50)
+    want = hf_greedy(tiny_llama, prompts)
+    first_outputs = []
+    for i, p in enumerate(prompts):
+        blocks = decode.reserve_blocks(len(p), p)
+        assert blocks is not None and len(blocks) == -(-len(p) // 16)
+        prefill.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
+        out = prefill.step()[0]
+        for src, dst in zip(out.block_ids, blocks):
+            decode.kv_pool.block(dst).copy_(prefill.kv_pool.block(src))
+        prefill.release(f"p{i}")
+        first_outputs.append(decode.add_prefilled_request(f"d{i}", p, GREEDY, blocks, out.new_token_ids[0]))
+    assert all(o.new_token_ids == [w[0]] for o, w in zip(first_outputs, want))
+    got = {}
+    while decode.has_unfinished_requests():
+        for o in decode.step():
+            if o.finished:
+                got[o.request_id] = o.outputs[0].token_ids
+    assert [got[f"d{i}"] for i in range(len(prompts))] == want
+    # The prefilled prompt blocks went into D's prefix cache.
+    blocks, cached = decode.reserve_blocks_with_prefix(len(prompts[2]), prompts[2])
+    assert cached == 96
+    decode.free_reserved(blocks)
+
+
+def test_reserve_blocks_limits_and_max_tokens_one(tiny_llama, make_engine):
+    decode = make_engine(tiny_llama, num_gpu_blocks_override=8)
+    assert decode.reserve_blocks(16 * 9) is None
+    blocks = decode.reserve_blocks(20)
+    assert len(blocks) == 2 and decode.num_free_blocks == 6
+    out = decode.add_prefilled_request("one", [5] * 20, SamplingParams(max_tokens=1), blocks, 9)
+    assert out.finished and out.finish_reason == "length" and out.outputs[0].token_ids == [9]
+    assert decode.num_free_blocks == 8 and not decode.has_unfinished_requests()
+    blocks = decode.reserve_blocks(3)
+    with pytest.raises(ValueError, match="block_ids"):
+        decode.add_prefilled_request("bad", [5] * 40, GREEDY, blocks, 9)
+    decode.free_reserved(blocks)
+
+
+# ---- offline and async APIs -------------------------------------------------------------------
+
+def test_llm_generate_text_and_ids_in_order(tiny_llama):
+    from engine import LLM, SamplingParams as SP
+
+    llm = LLM(model=tiny_llama, kv_cache_memory=4 << 20, max_num_seqs=4)
+    start = llm.engine.num_free_blocks
+    prompts = ["Hello world!", make_prompts([50])[0], "The quick brown fox", make_prompts([3])[0], "A"]
+    outs = llm.generate(prompts, sampling_params=SP(temperature=0, max_tokens=32))
+    assert len(outs) == 5 and outs[0].prompt == "Hello world!"
+    ids = [llm.tokenizer.encode(p) if isinstance(p, str) else p for p in prompts]
+    assert [o.prompt_token_ids for o in outs] == ids
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(tiny_llama, ids)
+    assert outs[0].outputs[0].text == llm.tokenizer.decode(outs[0].outputs[0].token_ids, skip_special_tokens=True)
+    assert all(o.finish_reason in ("stop", "length") for o in outs)
+    lp = llm.generate([[5, 6, 7]], SP(temperature=0, max_tokens=4, logprobs=3))[0]
+    assert len(lp.outputs[0].logprobs) == 4 and len(lp.outputs[0].logprobs[0][1]) == 3
+    assert llm.engine.num_free_blocks == start
+
+
+async def test_async_engine_concurrent_generate_stream_and_cancel(tiny_llama):
+    from engine import AsyncEngineArgs, AsyncLLMEngine
+
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        AsyncEngineArgs(model=tiny_llama, tensor_parallel_size=2)
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama, num_gpu_blocks_override=128))
+    try:
+        start = engine.engine.num_free_blocks
+        prompts = make_prompts([5, 40, 90, 12], seed=60)
+        results = await asyncio.wait_for(asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts)), 60)
+        assert [r.outputs[0].token_ids for r in results] == hf_greedy(tiny_llama, prompts)
+        streamed = []
+        async for out in engine.generate_stream(prompts[1], GREEDY):
+            streamed += out.new_token_ids
+        assert streamed == results[1].outputs[0].token_ids
+
+        async def consume_forever():
+            async for _ in engine.generate_stream(prompts[2], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)):
+                pass
+
+        task = asyncio.create_task(consume_forever())
+        await asyncio.sleep(0.3)
+        assert engine.engine.num_free_blocks < start
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            if engine.engine.num_free_blocks == start and not engine.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.05)
+        assert engine.engine.num_free_blocks == start
+        with pytest.raises(ValueError, match="empty"):
+            await engine.generate([], GREEDY)
+    finally:
+        engine.shutdown()
+
+
+# ---- pool, allocator, device ------------------------------------------------------------------
+
+def test_kv_pool_layout_views_and_external_tensor(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama, num_gpu_blocks_override=10, block_size=8)
+    cfg = engine.model_config
+    shape = KVCachePool.shape_for(cfg, 10, 8)
+    assert tuple(engine.kv_pool.tensor.shape) == shape == (10, 2, 2, 8, 2, 16)
+    assert KVCachePool.bytes_per_block(cfg, 8, torch.float32) == engine.kv_pool.block_bytes == 2 * 2 * 8 * 2 * 16 * 4
+    k, v = engine.kv_pool.layer_views(1)
+    assert k.data_ptr() == engine.kv_pool.tensor[0, 1, 0].data_ptr() and k.shape == (10, 8, 2, 16)
+    ext = torch.zeros(shape)
+    other = make_engine(tiny_llama, kv_pool_tensor=ext, block_size=8)
+    assert other.kv_pool.tensor is ext and other.num_total_blocks == 10
+    run_all(other, [make_prompts([20])[0]], SamplingParams(temperature=0, max_tokens=2))
+    assert ext.abs().sum() > 0     # the engine wrote its KV into the caller's tensor
+    made = []
+    third = make_engine(tiny_llama, kv_cache_memory=5 * KVCachePool.bytes_per_block(cfg, 8, torch.float32), block_size=8,
+                        num_gpu_blocks_override=None, kv_pool_factory=lambda s, d: made.append(s) or torch.zeros(s, dtype=d))
+    assert made == [KVCachePool.shape_for(cfg, 5, 8)] and third.num_total_blocks == 5
+    with pytest.raises(ValueError, match="kv_pool_tensor"):
+        KVCachePool(10, 2, 8, 2, 16, torch.float32, tensor=torch.zeros(3, 3))
+
+
+def test_block_manager_refcounts_prefix_hits_and_lru_eviction():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = bm.allocate(2)
+    from engine.block_manager import chain_hash
+
+    h0 = chain_hash(None, [1, 2])
+    h1 = chain_hash(h0, [3, 4])
+    bm.register(a[0], h0, [1, 2])
+    bm.register(a[1], h1, [3, 4])
+    hits, hashes = bm.match_prefix([1, 2, 3, 4, 5], 2)
+    assert hits == a and hashes == [h0, h1]
+    assert bm.match_prefix([1, 2, 9, 9], 2)[0] == a[:1]
+    bm.acquire(hits)
+    bm.free(a)
+    assert bm.num_free_blocks == 2
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and bm.match_prefix([1, 2, 3, 4], 2)[0] == a   # cached while free
+    fresh = bm.allocate(3)          # two never-used blocks, then evicts the LRU cached one: the tail block a[1]
+    assert a[1] in fresh and a[0] not in fresh
+    assert bm.match_prefix([1, 2, 3, 4], 2)[0] == a[:1]
+    assert bm.allocate(2) is None
+    with pytest.raises(RuntimeError):
+        bm.free([a[1], a[1]])
+
+
+def test_device_layer_defaults_to_cpu_without_importing_torch_npu():
+    code = ("import sys, engine.device as d; print(d.detect_device(), d.collective_backend('cpu'), "
+            "d.collective_backend('cuda'), d.collective_backend('npu'), d.resolve_device('cpu'), "
+            "'torch_npu' in sys.modules)")
+    env = dict(os.environ, PDCLUSTER_SKIP_NPU="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.stdout.split() == ["cpu", "gloo", "nccl", "hccl", "cpu", "False"], out.stderr
+    from engine.device import collective_backend, resolve_device
+
+    with pytest.raises(ValueError, match="device"):
+        resolve_device("tpu")
+    with pytest.raises(ValueError, match="device"):
+        collective_backend("tpu")
+
+
+def test_attention_backend_registry():
+    from engine.attention import available_backends, get_backend_class
+
+    assert {"torch", "npu"} <= set(available_backends())
+    assert get_backend_class(None, "cpu").name == "torch"
+    with pytest.raises(ValueError, match="attention_backend"):
+        get_backend_class("flash9000")

@@ -1,0 +1,335 @@
+"""The router end to end: real uvicorn + FastAPI app, the official openai client and raw httpx,
+against fake decode nodes that are real zmq ROUTER sockets speaking pdcluster.protocol."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import httpx
+import openai
+import pytest
+
+from pdcluster.membership import NodeInfo
+from router.app import create_app
+from router.cluster import StaticNodeSource
+from router.settings import RouterSettings
+from router.tokenizer import Tokenizer
+from router_fakes import FakeDecodeNode, ServerThread, make_tokenizer_dir, wait_until
+
+MAX_LEN = 256
+SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog."
+
+
+class Env:
+    def __init__(self, model_dir: str) -> None:
+        self.tokenizer = Tokenizer(model_dir)
+        self.script = self.tokenizer.hf.encode(SCRIPT_TEXT, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        self.source = StaticNodeSource()
+        settings = RouterSettings(model=model_dir, served_model_name="tiny", routing_policy="least_loaded",
+                                  stall_timeout=1.0, request_timeout=30.0, retry_after=2.0, max_retries=3,
+                                  node_id="router-test", disagg_min_tokens=64)
+        self.app = create_app(settings, self.source)
+        self.server = ServerThread(self.app).start()
+        self.http = httpx.Client(base_url=self.server.url, timeout=30)
+        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        self.nodes: list[FakeDecodeNode] = []
+
+    def use_nodes(self, *modes: str, script: list[int] | None = None, **kwargs) -> list[FakeDecodeNode]:
+        """Fresh fake decode nodes d0, d1, ... (ids sort in that order) as the only decode nodes."""
+        tag = uuid.uuid4().hex[:6]
+        nodes = [FakeDecodeNode(f"d{i}-{tag}", script or self.script, mode=mode, **kwargs)
+                 for i, mode in enumerate(modes)]
+        self.nodes += nodes
+        self.source.set_nodes([n.info for n in nodes])
+        ids = sorted(n.node_id for n in nodes)
+        assert wait_until(lambda: self.http.get("/health").json()["decode_nodes"] == ids, timeout=5)
+        return nodes
+
+    def metric(self, name: str) -> float:
+        total = 0.0
+        for line in self.http.get("/metrics").text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.stop()
+        self.http.close()
+        self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = Env(make_tokenizer_dir(str(tmp_path_factory.mktemp("tiny")), max_position_embeddings=MAX_LEN))
+    yield e
+    e.close()
+
+
+@pytest.fixture(autouse=True)
+def _stop_nodes(env):
+    yield
+    for n in env.nodes:
+        n.stop()
+    env.nodes.clear()
+    env.source.set_nodes([])
+
+
+def expected(env: Env, n: int) -> str:
+    return env.tokenizer.decode([375] + env.script[:n])[len(env.tokenizer.decode([375])):]
+
+
+def test_models_health_metrics(env: Env) -> None:
+    env.use_nodes("ok")
+    models = env.client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    health = env.http.get("/health").json()
+    assert health["status"] == "ok" and len(health["decode_nodes"]) == 1
+    assert "pdcluster_router_requests_total" in env.http.get("/metrics").text
+
+
+def test_completion_non_streaming(env: Env) -> None:
+    (node,) = env.use_nodes("ok")
+    out = env.client.completions.create(model="tiny", prompt="Hello world", max_tokens=5, temperature=0)
+    assert out.choices[0].text == " The quick brown fox jumps"
+    assert out.choices[0].finish_reason == "length"
+    prompt_ids = env.tokenizer.encode("Hello world")
+    assert out.usage.prompt_tokens == len(prompt_ids)
+    assert out.usage.completion_tokens == 5 and out.usage.total_tokens == len(prompt_ids) + 5
+    (gen,) = node.generates
+    assert gen.prompt_ids == prompt_ids and gen.router == "router-test" and gen.prefill_node is None
+    assert gen.sampling["max_tokens"] == 5 and gen.sampling["temperature"] == 0.0 and gen.resume_ids == []
+
+
+def test_completion_streaming_with_usage_and_eos(env: Env) -> None:
+    env.use_nodes("ok", chunk=2)
+    chunks = list(env.client.completions.create(model="tiny", prompt=[375, 356], max_tokens=50, stream=True,
+                                                stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == " " + SCRIPT_TEXT
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(env.script)
+    assert chunks[-1].usage.prompt_tokens == 2
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_non_streaming_and_streaming(env: Env) -> None:
+    (node,) = env.use_nodes("ok")
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello"}]
+    out = env.client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=4)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == " The quick brown fox"
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
+    assert node.generates[0].prompt_ids == env.tokenizer.apply_chat_template(messages)
+    stream = env.client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == " The quick brown"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert node.generates[1].sampling["max_tokens"] == 3
+
+
+def test_n_choices_fan_out_with_seeds(env: Env) -> None:
+    node, other = env.use_nodes("ok", "ok")
+    out = env.client.completions.create(model="tiny", prompt="Hello", max_tokens=3, n=2, seed=7)
+    assert sorted(c.index for c in out.choices) == [0, 1]
+    assert all(c.text == " The quick brown" for c in out.choices)
+    seeds = sorted(g.sampling["seed"] for g in node.generates + other.generates)
+    assert seeds == [7, 8] and all(g.sampling["n"] == 1 for g in node.generates + other.generates)
+    assert out.usage.completion_tokens == 6
+
+
+def test_completion_logprobs_format(env: Env) -> None:
+    env.use_nodes("ok")
+    out = env.client.completions.create(model="tiny", prompt="Hello", max_tokens=3, logprobs=2)
+    lp = out.choices[0].logprobs
+    ids = env.script[:3]
+    assert lp.tokens == [env.tokenizer.token_text(i) for i in ids] == [" The", " quick", " brown"]
+    assert lp.token_logprobs == [-0.25, -0.5, -0.75]
+    assert lp.top_logprobs[0] == {env.tokenizer.token_text(ids[0]): -0.25,
+                                  env.tokenizer.token_text(ids[0] + 1): -0.5}
+    assert lp.text_offset == [0, 4, 10]
+
+
+def test_chat_logprobs_format_streaming_and_not(env: Env) -> None:
+    env.use_nodes("ok")
+    msgs = [{"role": "user", "content": "hi"}]
+    out = env.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, logprobs=True,
+                                             top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == [" The", " quick"]
+    assert content[0].logprob == -0.25 and content[0].bytes == list(b" The")
+    assert len(content[0].top_logprobs) == 3 and content[0].top_logprobs[1].logprob == -0.5
+    plain = env.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+    chunks = list(env.client.chat.completions.create(model="tiny", messages=msgs, max_tokens=2, logprobs=True,
+                                                     stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [" The", " quick"] and all(e.top_logprobs == [] for e in streamed)
+
+
+def test_stop_strings_split_across_tokens(env: Env) -> None:
+    (node,) = env.use_nodes("ok", delay=0.02)
+    # "brown f" spans the tokens "▁brown" and "▁fox": matched across messages and held back meanwhile
+    out = env.client.completions.create(model="tiny", prompt="Hello", max_tokens=40, stop=["brown f", "zzz"])
+    assert out.choices[0].text == " The quick " and out.choices[0].finish_reason == "stop"
+    chunks = list(env.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                     max_tokens=40, stop="jumps", stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == " The quick brown fox "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # the decode node was told to stop both requests early
+    assert wait_until(lambda: {a.rid for a in node.aborts} == {g.rid for g in node.generates}, timeout=5)
+
+
+def test_multibyte_utf8_streamed_one_byte_token_at_a_time(env: Env) -> None:
+    text = "héllo 日本 🦊!"
+    script = env.tokenizer.hf.encode(text, add_special_tokens=False) + [env.tokenizer.eos_token_id]
+    env.use_nodes("ok", script=script)
+    chunks = list(env.client.completions.create(model="tiny", prompt="Hello", max_tokens=60, stream=True))
+    pieces = [c.choices[0].text for c in chunks]
+    assert "".join(pieces) == " " + text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", b"{not json", None),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, "model"),
+    ("/v1/completions", {"prompt": "hi"}, "model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi " * 300}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": MAX_LEN}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": "5"}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_p": 0}, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": 123}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": []}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": 5}, "stop"),
+    ("/v1/completions", [1, 2], None),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "x"}]}, "messages.0.role"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": -3}, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", BAD_REQUESTS, ids=range(len(BAD_REQUESTS)))
+def test_bad_input_gets_400_with_openai_error_body(env: Env, path: str, body, param) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = env.http.post(path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_server_keeps_serving_after_bad_input_and_ignores_unknown_fields(env: Env) -> None:
+    env.use_nodes("ok")
+    for body in (b"\xff\xfe", b"{", b'{"model": "tiny", "prompt": {"a": 1}}'):
+        assert env.http.post("/v1/completions", content=body).status_code == 400
+    r = env.http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                               "some_future_field": {"x": 1}, "best_of": 1})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == " The quick"
+    assert env.http.get("/v1/nothing").json()["error"]["type"] == "not_found_error"
+
+
+def test_reject_is_retried_on_another_node(env: Env) -> None:
+    rejecting, ok = env.use_nodes("reject", "ok")
+    for _ in range(4):
+        out = env.client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        assert out.choices[0].text == " The quick"
+    assert rejecting.generates, "the rejecting node was never tried"
+    retried = {g.rid.rsplit(".", 1)[0] for g in rejecting.generates}
+    assert retried <= {g.rid.rsplit(".", 1)[0] for g in ok.generates}
+    assert env.metric("pdcluster_router_retries_total") >= len(rejecting.generates)
+
+
+def test_all_nodes_rejecting_gives_429_with_retry_after(env: Env) -> None:
+    env.use_nodes("reject", "reject")
+    r = env.http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
+    assert r.status_code == 429 and r.headers["retry-after"] == "2"
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    r = env.http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2,
+                                               "stream": True})
+    assert r.status_code == 429  # streaming too: the status is known before any byte is sent
+
+
+def test_no_decode_node_gives_503_with_retry_after(env: Env) -> None:
+    env.source.set_nodes([])
+    assert wait_until(lambda: env.http.get("/health").json()["decode_nodes"] == [], timeout=5)
+    r = env.http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 503 and r.headers["retry-after"] == "2"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_decode_node_dies_mid_stream_request_migrates(env: Env) -> None:
+    dying, survivor = env.use_nodes("die", "ok", die_after=3)
+    chunks = list(env.client.completions.create(model="tiny", prompt="Hello world", max_tokens=8, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected(env, 8)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert dying.dead.is_set() and len(dying.generates) == 1
+    (resumed,) = survivor.generates
+    assert resumed.resume_ids == env.script[:3]
+    assert resumed.prompt_ids == dying.generates[0].prompt_ids
+    assert env.metric("pdcluster_router_migrations_total") >= 1
+
+
+def test_node_leaving_the_view_mid_stream_migrates(env: Env) -> None:
+    slow, other = env.use_nodes("ok", "ok", delay=0.3)
+    with env.http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 6,
+                                                          "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        texts = []
+        for line in lines:
+            if line.startswith("data: {"):
+                texts.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(texts) == 2:
+                    env.source.remove(slow.node_id)  # e.g. its etcd lease expired
+            if line == "data: [DONE]":
+                break
+    assert "".join(texts) == expected(env, 6)
+    assert other.generates and other.generates[0].resume_ids == env.script[:len(other.generates[0].resume_ids)]
+    assert len(other.generates[0].resume_ids) >= 2
+
+
+def test_client_disconnect_sends_abort(env: Env) -> None:
+    (node,) = env.use_nodes("ok", delay=0.05)
+    with env.http.stream("POST", "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 200,
+                                                          "stream": True}) as r:
+        got = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+                if got == 2:
+                    break
+    assert wait_until(lambda: [a.rid for a in node.aborts] == [g.rid for g in node.generates], timeout=5)
+    assert env.metric('pdcluster_router_requests_total{outcome="client_disconnected"}') >= 1
+
+
+def test_non_streaming_client_disconnect_sends_abort(env: Env) -> None:
+    (node,) = env.use_nodes("ok", delay=0.3)  # 10 script tokens: ~3 s, far past the client's timeout
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(env.server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 200},
+                   timeout=0.5)
+    assert wait_until(lambda: node.aborts and node.aborts[0].rid == node.generates[0].rid, timeout=5)
+
+
+def test_long_prompts_go_through_a_prefill_node_short_ones_do_not(env: Env) -> None:
+    (node,) = env.use_nodes("ok")
+    env.source.add(NodeInfo(node_id="p0", role="prefill"))
+    assert wait_until(lambda: env.http.get("/health").json()["prefill_nodes"] == ["p0"], timeout=5)
+    env.client.completions.create(model="tiny", prompt="Hello", max_tokens=1)
+    env.client.completions.create(model="tiny", prompt="Hello world " * 30, max_tokens=1)
+    assert [g.prefill_node for g in node.generates] == [None, "p0"]

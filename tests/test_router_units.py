@@ -1,0 +1,222 @@
+"""Router building blocks without HTTP: detokenizer, stop strings, prefix hashes, policies, cluster view."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pdcluster.membership import NodeInfo
+from pdcluster.prefix_hash import block_hashes, cached_prefix_blocks
+from pdcluster.protocol import Load
+from pdcluster.transport import LoadPublisher
+from router.cluster import NodeState, RouterCluster, StaticNodeSource
+from router.policies import (LeastLoadedPolicy, PrefixAwarePolicy, Prompt, RoundRobinPolicy, choose_prefill,
+                             make_policy, note_assignment)
+from router.settings import RouterSettings
+from router.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer, read_model_info
+from router_fakes import make_tokenizer_dir
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    return Tokenizer(make_tokenizer_dir(str(tmp_path_factory.mktemp("tok"))))
+
+
+# -- detokenizer
+
+@pytest.mark.parametrize("text", ["héllo 日本語 wörld!", "The quick brown fox", "emoji 🦊 fox", "ünïcödé"])
+def test_incremental_detokenizer_one_token_at_a_time(tokenizer: Tokenizer, text: str) -> None:
+    prompt = tokenizer.encode("Hello world")
+    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    det = IncrementalDetokenizer(tokenizer, prompt)
+    deltas = [det.add([i]) for i in ids]
+    deltas.append(det.flush())
+    assert all("\ufffd" not in d for d in deltas)  # a split character is never emitted half-way
+    assert "".join(deltas) == " " + text
+    # multi-byte characters really were split across byte tokens in this tokenizer
+    if any(ord(c) > 127 for c in text):
+        assert any(tokenizer.hf.convert_ids_to_tokens(i).startswith("<0x") for i in ids)
+        assert "" in deltas[:-1]
+
+
+def test_incremental_detokenizer_uneven_chunks_and_special_tokens(tokenizer: Tokenizer) -> None:
+    text = "日本 quick 🦊"
+    ids = tokenizer.hf.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    det = IncrementalDetokenizer(tokenizer, [1])
+    out = "".join(det.add(ids[i:i + 3]) for i in range(0, len(ids), 3)) + det.flush()
+    assert out == text  # no prompt text before it: no leading space; EOS skipped
+
+
+def test_detokenizer_flush_releases_a_dangling_byte(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.hf.encode("日", add_special_tokens=False)
+    det = IncrementalDetokenizer(tokenizer, [1])
+    assert det.add(ids[:2]) == ""
+    assert det.flush() == "\ufffd"  # an invalid sequence at the very end still comes out
+
+
+def test_token_text_and_bytes(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.hf.encode("The é", add_special_tokens=False)
+    assert tokenizer.token_text(ids[0]) == " The"
+    byte_ids = [i for i in ids if tokenizer.hf.convert_ids_to_tokens(i).startswith("<0x")]
+    assert [tokenizer.token_bytes(i) for i in byte_ids] == [[0xC3], [0xA9]]
+    assert tokenizer.token_bytes(ids[0]) == list(b" The")
+
+
+def test_model_info(tmp_path) -> None:
+    info = read_model_info(make_tokenizer_dir(str(tmp_path / "m"), max_position_embeddings=77))
+    assert info.max_model_len == 77 and info.eos_token_ids == [2] and info.name == "m"
+    assert read_model_info(str(tmp_path / "m"), name="x", max_model_len=10).max_model_len == 10
+
+
+# -- stop strings
+
+def test_stop_matcher_holds_back_partial_matches() -> None:
+    m = StopMatcher(["STOP", "end"])
+    assert m.feed("hello S") == ("hello ", False)
+    assert m.feed("T") == ("", False)
+    assert m.feed("OP and more") == ("", True)
+    m = StopMatcher(["STOP"])
+    assert m.feed("ST") == ("", False)
+    assert m.feed("ay") == ("STay", False)
+    assert m.feed("S") == ("", False)
+    assert m.flush() == "S"
+
+
+def test_stop_matcher_picks_the_earliest_stop() -> None:
+    m = StopMatcher(["b", "abc"])
+    assert m.feed("xxabc") == ("xx", True)  # "abc" starts before "b"
+    assert StopMatcher([]).feed("anything") == ("anything", False)
+
+
+# -- prefix hashes
+
+def test_block_hashes_are_chained_and_stable() -> None:
+    a = block_hashes(list(range(40)), 16)
+    assert len(a) == 2 and all(0 <= h < 2**63 for h in a)
+    assert a == block_hashes(list(range(40)), 16)
+    b = block_hashes([99] + list(range(1, 40)), 16)
+    assert a[0] != b[0] and a[1] != b[1]  # a change in block 0 changes every later hash
+    assert block_hashes(list(range(32)), 16) == a
+    assert cached_prefix_blocks(a, {a[0]}) == 1
+    assert cached_prefix_blocks(a, {a[1]}) == 0  # only a leading run counts
+    with pytest.raises(ValueError, match="block_size"):
+        block_hashes([1], 0)
+
+
+# -- policies
+
+def node(node_id: str, role: str = "decode", admin: str = "active", **load) -> NodeState:
+    state = NodeState(info=NodeInfo(node_id=node_id, role=role), admin=admin)
+    if load:
+        state.update(Load(node_id=node_id, role=role, **load))
+    return state
+
+
+def test_round_robin_order() -> None:
+    policy = RoundRobinPolicy()
+    nodes = [node("b"), node("a"), node("c")]
+    assert [policy.pick_decode(nodes, 10).id for _ in range(4)] == ["a", "b", "c", "a"]
+    assert policy.pick_decode([], 10) is None
+
+
+def test_least_loaded_respects_kv_capacity_then_load() -> None:
+    policy = LeastLoadedPolicy()
+    busy_roomy = node("a", running=8, waiting=2, free_blocks=500, block_size=16)
+    idle_full = node("b", running=0, free_blocks=2, block_size=16)
+    mid = node("c", running=3, waiting=0, free_blocks=100, block_size=16)
+    assert policy.pick_decode([busy_roomy, idle_full, mid], 64).id == "c"  # 4 blocks: b (2 free) cannot
+    assert policy.pick_decode([busy_roomy, idle_full, mid], 20).id == "b"  # 2 blocks: fits idle b
+    assert policy.pick_decode([busy_roomy, idle_full, mid], 100).id == "c"  # 7 blocks: only a, c fit
+    assert policy.pick_decode([idle_full], 1000).id == "b"  # nobody fits: still try the least loaded
+
+
+def test_least_loaded_spreads_a_burst_between_reports() -> None:
+    policy = LeastLoadedPolicy()
+    nodes = [node("a", free_blocks=100), node("b", free_blocks=100)]
+    picks = []
+    for _ in range(4):
+        d = policy.pick_decode(nodes, 10)
+        note_assignment(d, None, 10)
+        picks.append(d.id)
+    assert sorted(picks) == ["a", "a", "b", "b"]
+
+
+def test_prefix_aware_prefill_choice() -> None:
+    policy = PrefixAwarePolicy()
+    prompt_ids = list(range(100, 100 + 200))
+    hashes = block_hashes(prompt_ids, 16)
+    cold = node("p-cold", "prefill", queued_prefill_tokens=0, block_size=16)
+    warm = node("p-warm", "prefill", queued_prefill_tokens=100, block_size=16, cached_block_hashes=hashes[:10])
+    # warm: 100 queued + 200 - 160 cached = 140 < cold: 200
+    assert policy.pick_prefill([cold, warm], Prompt(prompt_ids)).id == "p-warm"
+    swamped = node("p-warm", "prefill", queued_prefill_tokens=1000, block_size=16, cached_block_hashes=hashes)
+    assert policy.pick_prefill([cold, swamped], Prompt(prompt_ids)).id == "p-cold"
+    # least_loaded ignores the cache: fewest queued tokens wins
+    assert LeastLoadedPolicy().pick_prefill([cold, warm], Prompt(prompt_ids)).id == "p-cold"
+
+
+def test_conditional_disaggregation() -> None:
+    policy = PrefixAwarePolicy()
+    short = list(range(20))
+    long = list(range(100))
+    p = node("p0", "prefill", block_size=16)
+    assert choose_prefill(policy, [p], Prompt(short), disagg_min_tokens=64) is None  # short, uncached
+    assert choose_prefill(policy, [p], Prompt(long), disagg_min_tokens=64).id == "p0"
+    assert choose_prefill(policy, [], Prompt(long), disagg_min_tokens=64) is None  # no prefill node
+    cached = node("p1", "prefill", block_size=16, cached_block_hashes=block_hashes(short, 16))
+    assert choose_prefill(policy, [p, cached], Prompt(short), disagg_min_tokens=64).id == "p1"
+
+
+def test_make_policy_and_settings() -> None:
+    assert make_policy("round_robin").name == "round_robin"
+    with pytest.raises(ValueError, match="routing_policy"):
+        make_policy("random")
+
+    class Cfg:
+        model = "/m"
+        routing_policy = "load"
+        port = 9
+        node_id = ""
+        unrelated = 1
+
+    s = RouterSettings.from_config(Cfg())
+    assert s.routing_policy == "prefix_aware" and s.port == 9 and s.node_id.startswith("router-")
+
+
+# -- cluster view
+
+async def test_cluster_skips_cordoned_nodes_and_reads_load_reports() -> None:
+    pub = LoadPublisher()
+    load_addr = pub.bind("tcp://127.0.0.1:0")
+    source = StaticNodeSource([NodeInfo(node_id="d0", role="decode", load_addr=load_addr),
+                               NodeInfo(node_id="d1", role="decode"),
+                               NodeInfo(node_id="p0", role="prefill")])
+    cluster = RouterCluster(source, sync_interval=0.05)
+    removed: list[str] = []
+    cluster.on_removed.append(removed.append)
+    await cluster.start()
+    task = asyncio.create_task(pub.run(lambda: Load(node_id="d0", role="decode", running=3, free_blocks=7),
+                                       interval=0.05))
+    try:
+        assert {n.id for n in cluster.candidates("decode")} == {"d0", "d1"}
+        source.set_admin_state("d1", "cordoned")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            d0 = cluster.get("d0")
+            if d0.load is not None and [n.id for n in cluster.candidates("decode")] == ["d0"]:
+                break
+            await asyncio.sleep(0.05)
+        assert [n.id for n in cluster.candidates("decode")] == ["d0"]
+        assert cluster.get("d0").load.free_blocks == 7
+        source.set_admin_state("d1", "draining")
+        source.remove("d0")
+        await asyncio.sleep(0.3)
+        assert cluster.candidates("decode") == [] and removed == ["d0"] and not cluster.is_alive("d0")
+        assert [n.id for n in cluster.candidates("prefill")] == ["p0"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await cluster.stop()
+        pub.close()
