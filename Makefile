@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# A whole local cluster (etcd, router, 1 prefill + 1 decode node on a tiny random model),
+# one real request through it, then a clean stop.
 run: $(STAMP)
-	$(VENV)/bin/pdcluster demo
+	$(VENV)/bin/pdcluster up --smoke --port 0
 
 test: $(STAMP)
 	$(PY) -m pytest tests

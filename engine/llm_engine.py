@@ -4,6 +4,7 @@ single-threaded; the offline `LLM`, the async engine and the node services each 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import fields
 from typing import Callable
 
@@ -50,7 +51,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.enable_chunked_prefill)
         self.requests: dict[str, Sequence] = {}       # waiting, running, and finished-but-held
-        self.reserved: set[int] = set()               # blocks handed out by reserve_blocks
+        # Blocks handed out by reserve_blocks, with multiplicity: two reservations may share a cached prefix block.
+        self.reserved: Counter[int] = Counter()
         self._pending: list[RequestOutput] = []
         self._arrivals = 0
         self.num_prefill_tokens = 0
@@ -212,9 +214,15 @@ class LLMEngine:
         self.reserved.update(blocks)
         return blocks, len(hits) * self.block_size
 
+    def _unreserve(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            self.reserved[b] -= 1
+            if self.reserved[b] <= 0:
+                del self.reserved[b]
+
     def free_reserved(self, block_ids: list[int]) -> None:
         owned = [b for b in block_ids if b in self.reserved]
-        self.reserved.difference_update(owned)
+        self._unreserve(owned)
         self.block_manager.free(owned)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -229,7 +237,7 @@ class LLMEngine:
         not_reserved = [b for b in block_ids if b not in self.reserved]
         if not_reserved:
             raise ValueError(f"block_ids: {not_reserved[:8]} were not reserved with reserve_blocks")
-        self.reserved.difference_update(block_ids)
+        self._unreserve(block_ids)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = seq.num_prompt_tokens
         self._register_full_blocks(seq)
@@ -275,7 +283,7 @@ class LLMEngine:
     def get_stats(self) -> dict[str, int]:
         return {
             "num_free_blocks": self.num_free_blocks, "num_total_blocks": self.num_total_blocks,
-            "num_reserved_blocks": len(self.reserved), "num_running": self.num_running,
+            "num_reserved_blocks": sum(self.reserved.values()), "num_running": self.num_running,
             "num_waiting": self.num_waiting, "num_preemptions": self.num_preemptions,
             "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
             "prefix_cache_query_tokens": self.prefix_cache_query_tokens,

@@ -12,6 +12,7 @@ from engine.config import ModelConfig
 from engine.kv_cache import KVCachePool
 from engine.loader import load_model
 from engine.sampler import Sampler, SampleRequest
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 
@@ -72,7 +73,9 @@ class ModelRunner:
             dec_blocks = max(len(s.block_table) for s in seqs[:num_decode])
             meta.decode_block_tables = tables[:num_decode, :dec_blocks]
             ctx = positions_t[:num_decode] + 1
-            meta.decode_mask = (torch.arange(dec_blocks * bs)[None, :] < ctx[:, None])[:, None, None, :]
+            masked = torch.arange(dec_blocks * bs)[None, :] >= ctx[:, None]
+            bias_dtype = self.dtype if self.dtype == torch.float32 else torch.float32
+            meta.decode_bias = torch.zeros(masked.shape, dtype=bias_dtype).masked_fill_(masked, float("-inf"))[:, None, None, :]
         for row, start, end, c in prefills:
             nblocks = -(-(c + end - start) // bs)
             meta.prefills.append(PrefillChunk(start, end, c, tables[row, :nblocks]))
@@ -98,12 +101,9 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits for every position of one prompt computed from scratch into `block_table` (testing aid)."""
-        from engine.scheduler import ScheduledBatch as _B
-        from engine.sampling_params import SamplingParams
-
         seq = Sequence("_logits", token_ids, SamplingParams(max_tokens=1), [], len(token_ids) + 1, 0)
         seq.block_table = list(block_table)
-        ids, positions, meta, _, _ = self._prepare(_B([seq], [len(token_ids)]))
+        ids, positions, meta, _, _ = self._prepare(ScheduledBatch([seq], [len(token_ids)]))
         return self.model.compute_logits(self.model(ids, positions, meta)).float()
 
 
@@ -113,5 +113,5 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
 
     return AttentionMetadata(
         slot_blocks=mv(meta.slot_blocks), slot_offsets=mv(meta.slot_offsets), num_decode_tokens=meta.num_decode_tokens,
-        decode_block_tables=mv(meta.decode_block_tables), decode_mask=mv(meta.decode_mask),
+        decode_block_tables=mv(meta.decode_block_tables), decode_bias=mv(meta.decode_bias),
         prefills=[PrefillChunk(p.start, p.end, p.num_cached, mv(p.block_table)) for p in meta.prefills])

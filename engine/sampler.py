@@ -172,7 +172,9 @@ def _mask_min_tokens(x: torch.Tensor, requests: list[SampleRequest]) -> None:
 
 def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> None:
     """In place: zero the probabilities outside top-k, then top-p (on the top-k renormalised
-    distribution), then min-p. probs need not be renormalised afterwards (sampling scales u)."""
+    distribution), then min-p. probs need not be renormalised afterwards (sampling scales u).
+    Each filter is a per-row probability cutoff, so tokens tied with the cutoff survive (as in
+    transformers' top-k warper); only rows with top-k or top-p pay for a (partial) sort."""
     device = probs.device
     vocab = probs.shape[1]
     threshold = torch.zeros(len(params), 1, device=device)
@@ -219,7 +221,6 @@ def _nucleus_cutoff(values: torch.Tensor, ks: list[int],
     norm = torch.where(has_k, csum.gather(1, k - 1), torch.ones_like(top_p))
     mass_before = (csum - v) / norm
     keep = (mass_before <= top_p) & in_k
-    keep[:, 0] = True
     last = keep.sum(dim=-1, keepdim=True) - 1
     cutoff = values.gather(1, last)
     # Without top-k the cut is decided only if some candidate fell outside the nucleus.

@@ -44,8 +44,11 @@ class CommonConfig:
     metrics_port: int = 0  # Prometheus /metrics; 0 = pick a free port
     log_format: str = "text"  # text | json
     log_level: str = "INFO"
+    lease_ttl: int = 10  # seconds an etcd registration outlives its last refresh (nodes)
 
     def validate(self) -> None:
+        if self.lease_ttl < 1:
+            raise ValueError(f"lease_ttl: must be >= 1 second, got {self.lease_ttl}")
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.cluster):
             raise ValueError(f"cluster: {self.cluster!r} must be letters, digits, '_', '.' or '-'")
         if not self.etcd:
@@ -119,10 +122,13 @@ class RouterConfig(CommonConfig):
     routing_policy: str = "load"  # chosen among the router's policies (see docs/router.md)
     api_key: str = ""  # when set, requests need "Authorization: Bearer <api_key>"
     request_timeout: float = 600.0  # seconds from arrival to the last token
+    disagg_min_tokens: int = 64  # shorter prompts with no cached prefix are prefilled on the decode node
 
     def validate(self) -> None:
         super().validate()
         _check_port("port", self.port)
+        if self.disagg_min_tokens < 0:
+            raise ValueError(f"disagg_min_tokens: must be >= 0, got {self.disagg_min_tokens}")
         if not self.routing_policy:
             raise ValueError("routing_policy: must not be empty")
         if self.request_timeout <= 0:
@@ -287,3 +293,13 @@ def _coerce(f: dataclasses.Field, value: Any, where: str) -> Any:
 
 # `from __future__ import annotations` makes field types strings; map the ones used above.
 _FIELD_TYPES: dict[str, Any] = {"str": str, "int": int, "float": float, "bool": bool, "list[str]": list[str]}
+
+
+def _check_port(name: str, port: int) -> None:
+    if not 0 <= port < 65536:
+        raise ValueError(f"{name}: {port} is not a TCP port (0-65535; 0 = pick a free one)")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")

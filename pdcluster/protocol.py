@@ -101,6 +101,7 @@ class PrefillDone(Message):
     checksum: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    kv_backend: str = ""  # transfer backend used (shm | tcp | gloo | ...), for the decode node's metrics
 
 
 @dataclass

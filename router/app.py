@@ -280,10 +280,15 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
             streams = await router.start_streams(prep)
             runs = router.runs(prep, streams, arrival)
             if prep.stream:
-                done = True  # the generator owns the in-flight count from here
-                return StreamingResponse(stream_body(prep, runs, chat, want_logprobs, arrival),
-                                         media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                done = True  # the response owns the in-flight count and the streams from here
+
+                def cleanup() -> None:
+                    for run in runs:
+                        run.stream.abort("client")
+                    router.in_flight -= 1
+                    router.metrics.in_flight.dec()
+
+                return _SSEResponse(stream_body(prep, runs, chat, want_logprobs, arrival), cleanup)
             return await full_body(request, prep, runs, chat, want_logprobs, arrival)
         finally:
             if not done:
@@ -382,7 +387,21 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
             outcome = "ok"
         finally:
             router.metrics.requests.labels(outcome).inc()
-            router.in_flight -= 1
-            router.metrics.in_flight.dec()
 
     return app
+
+
+class _SSEResponse(StreamingResponse):
+    """An SSE response that releases its request even when the body generator never started
+    (the client left before the first byte): `cleanup` runs exactly once, however it ends."""
+
+    def __init__(self, body: AsyncIterator[str], cleanup: Any) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()

@@ -43,7 +43,7 @@ def checked_engine(model: str, **kwargs):
     start = engine.num_free_blocks
     yield engine
     assert not engine.has_unfinished_requests(), "requests left unfinished"
-    assert engine.reserved == set(), f"reserved blocks leaked: {sorted(engine.reserved)}"
+    assert not +engine.reserved, f"reserved blocks leaked: {dict(engine.reserved)}"
     assert engine.num_free_blocks == start, f"leaked {start - engine.num_free_blocks} KV blocks"
     assert all(c == 0 for c in engine.block_manager.ref_counts), "non-zero block ref counts"
 

@@ -186,7 +186,24 @@ def test_reserve_blocks_limits_and_max_tokens_one(tiny_llama, make_engine):
     blocks = decode.reserve_blocks(3)
     with pytest.raises(ValueError, match="block_ids"):
         decode.add_prefilled_request("bad", [5] * 40, GREEDY, blocks, 9)
+    with pytest.raises(ValueError, match="block_ids"):
+        decode.add_prefilled_request("bad2", [5] * 3, GREEDY, [7], 9)
     decode.free_reserved(blocks)
+    decode.free_reserved(blocks)     # double free is ignored
+
+
+def test_two_reservations_sharing_a_cached_prefix(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama, num_gpu_blocks_override=16)
+    prompt = make_prompts([40], seed=70)[0]
+    run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=1))      # caches 2 full blocks
+    a, cached_a = engine.reserve_blocks_with_prefix(len(prompt), prompt)
+    b, cached_b = engine.reserve_blocks_with_prefix(len(prompt), prompt)
+    assert cached_a == cached_b == 32 and a[:2] == b[:2] and a[2] != b[2]
+    out = engine.add_prefilled_request("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True), a, 5)
+    assert not out.finished
+    engine.free_reserved(b)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 # ---- offline and async APIs -------------------------------------------------------------------
@@ -317,3 +334,53 @@ def test_attention_backend_registry():
     assert get_backend_class(None, "cpu").name == "torch"
     with pytest.raises(ValueError, match="attention_backend"):
         get_backend_class("flash9000")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype):
+    """Paged attention through scattered block tables equals dense causal attention (both decode paths:
+    SDPA for fp32, matmuls for bf16; and a prefill chunk after cached context)."""
+    from engine.attention import AttentionMetadata, PrefillChunk
+    from engine.attention.torch_backend import TorchAttentionBackend
+
+    torch.manual_seed(0)
+    hq, hkv, d, bs = 4, 2, 16, 4
+    backend = TorchAttentionBackend(hq, hkv, d)
+    pool = torch.zeros(20, 1, 2, bs, hkv, d, dtype=dtype)
+    k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+    lens = [5, 11, 1]
+    tables = [[7, 2], [3, 19, 0], [12]]
+    ks = [torch.randn(n, hkv, d, dtype=dtype) for n in lens]
+    vs = [torch.randn(n, hkv, d, dtype=dtype) for n in lens]
+    qs = [torch.randn(n, hq, d, dtype=dtype) for n in lens]
+    for t, k, v in zip(tables, ks, vs):      # fill all but the last token directly
+        for p in range(k.shape[0] - 1):
+            k_cache[t[p // bs], p % bs] = k[p]
+            v_cache[t[p // bs], p % bs] = v[p]
+    padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables])
+    pos = torch.tensor([n - 1 for n in lens])
+    bias = torch.zeros(3, 3 * bs).masked_fill_(torch.arange(3 * bs)[None] >= (pos + 1)[:, None], float("-inf"))
+    meta = AttentionMetadata(slot_blocks=padded[torch.arange(3), pos // bs], slot_offsets=pos % bs, num_decode_tokens=3,
+                             decode_block_tables=padded, decode_bias=bias.to(dtype if dtype == torch.float32 else torch.float32)[:, None, None, :])
+    out = backend.forward(torch.stack([q[-1] for q in qs]), torch.stack([k[-1] for k in ks]),
+                          torch.stack([v[-1] for v in vs]), k_cache, v_cache, meta)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for i in range(3):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qs[i].float().transpose(0, 1), ks[i].float().transpose(0, 1), vs[i].float().transpose(0, 1),
+            is_causal=True, enable_gqa=True).transpose(0, 1)[-1]
+        assert (out[i].float() - ref).abs().max().item() < tol
+    # A 6-token chunk of sequence 1 after 5 cached tokens, written through the slot mapping.
+    pool.zero_()
+    for p in range(5):
+        k_cache[tables[1][p // bs], p % bs] = ks[1][p]
+        v_cache[tables[1][p // bs], p % bs] = vs[1][p]
+    p6 = torch.arange(5, 11)
+    blocks = torch.tensor(tables[1])
+    meta = AttentionMetadata(slot_blocks=blocks[p6 // bs], slot_offsets=p6 % bs,
+                             prefills=[PrefillChunk(0, 6, 5, blocks)])
+    out = backend.forward(qs[1][5:], ks[1][5:], vs[1][5:], k_cache, v_cache, meta)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        qs[1].float().transpose(0, 1), ks[1].float().transpose(0, 1), vs[1].float().transpose(0, 1),
+        is_causal=True, enable_gqa=True).transpose(0, 1)[5:]
+    assert (out.float() - ref).abs().max().item() < tol

@@ -173,7 +173,8 @@ async def test_lost_lease_and_deleted_key_are_reregistered(etcd, cluster):
         await client.revoke_lease(first_lease)  # what an expiry during a long GC pause looks like
         assert await view.wait_for(lambda v: "d2" not in v.nodes, timeout=2)
         assert await view.wait_for(lambda v: "d2" in v.nodes, timeout=TTL + 3)
-        assert reg.registered and reg.lease_id != first_lease and reg.registrations == 2
+        assert await reg.wait_registered(2)  # the view can see the new record before reg.start's task resumes
+        assert reg.lease_id != first_lease and reg.registrations == 2
 
         await client.delete(node_key(cluster, "decode", "d2").encode())  # an operator's `etcdctl del`
         assert await view.wait_for(lambda v: "d2" not in v.nodes, timeout=2)

@@ -70,6 +70,10 @@ def env(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _stop_nodes(env):
     yield
+    # Every path (finish, stop string, disconnect, failure) releases its request in the router.
+    router = env.app.state.router
+    assert wait_until(lambda: env.http.get("/health").json()["in_flight"] == 0, timeout=5)
+    assert wait_until(lambda: not any(c.queues for c in list(router.decode._connections.values())), timeout=5)
     for n in env.nodes:
         n.stop()
     env.nodes.clear()
@@ -333,3 +337,17 @@ def test_long_prompts_go_through_a_prefill_node_short_ones_do_not(env: Env) -> N
     env.client.completions.create(model="tiny", prompt="Hello", max_tokens=1)
     env.client.completions.create(model="tiny", prompt="Hello world " * 30, max_tokens=1)
     assert [g.prefill_node for g in node.generates] == [None, "p0"]
+
+
+def test_api_key_and_router_config(env: Env) -> None:
+    from fastapi.testclient import TestClient
+
+    from pdcluster.config import RouterConfig
+
+    config = RouterConfig(model=env.tokenizer.hf.name_or_path, api_key="sekret", served_model_name="tiny")
+    settings = RouterSettings.from_config(config)
+    assert settings.routing_policy == "prefix_aware" and settings.api_key == "sekret"
+    with TestClient(create_app(settings, StaticNodeSource())) as client:
+        r = client.get("/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert client.get("/v1/models", headers={"Authorization": "Bearer sekret"}).json()["data"][0]["id"] == "tiny"

@@ -24,5 +24,5 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor         # [T] offset inside that block
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None   # [B, max_blocks] long (padded with a valid id)
-    decode_mask: torch.Tensor | None = None           # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_bias: torch.Tensor | None = None           # [B, 1, 1, max_blocks * block_size] additive: 0 or -inf
     prefills: list[PrefillChunk] = field(default_factory=list)

@@ -20,6 +20,9 @@ class TorchAttentionBackend:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.gqa = num_heads != num_kv_heads
+        # Reused gather buffers for decode: a fresh multi-MB tensor per layer would cost page faults.
+        self._k_buf: torch.Tensor | None = None
+        self._v_buf: torch.Tensor | None = None
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
@@ -57,7 +60,25 @@ class TorchAttentionBackend:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         tables = meta.decode_block_tables
-        ks = k_cache[tables].flatten(1, 2).transpose(1, 2)   # [B, Hkv, L, D]
-        vs = v_cache[tables].flatten(1, 2).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_mask, enable_gqa=self.gqa)
-        return o.squeeze(2)
+        b, m = tables.shape
+        n, bs = b * m, k_cache.shape[1]
+        if self._k_buf is None or self._k_buf.shape[0] < n or self._k_buf.dtype != k_cache.dtype \
+                or self._k_buf.device != k_cache.device:
+            shape = (max(n, 2 * (self._k_buf.shape[0] if self._k_buf is not None else 0)), k_cache[0].numel())
+            self._k_buf = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+            self._v_buf = torch.empty_like(self._k_buf)
+        idx = tables.reshape(-1)
+        # Each block of one layer's K (or V) is one contiguous row in the block-major pool.
+        k = torch.index_select(k_cache.flatten(1), 0, idx, out=self._k_buf[:n])
+        v = torch.index_select(v_cache.flatten(1), 0, idx, out=self._v_buf[:n])
+        ks = k.view(b, m * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)   # [B, Hkv, L, D]
+        vs = v.view(b, m * bs, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if q.dtype == torch.float32:
+            o = F.scaled_dot_product_attention(q.unsqueeze(2), ks, vs, attn_mask=meta.decode_bias, enable_gqa=self.gqa)
+            return o.squeeze(2)
+        # bf16/fp16 on CPU: the SDPA kernel is several times slower than two batched matmuls at query length 1.
+        qg = q.view(b, self.num_kv_heads, -1, self.head_dim)                       # [B, Hkv, group, D]
+        scores = torch.matmul(qg, ks.transpose(-1, -2)).float()                   # [B, Hkv, group, L]
+        scores.mul_(self.head_dim ** -0.5).add_(meta.decode_bias)
+        probs = scores.softmax(-1).to(q.dtype)
+        return torch.matmul(probs, vs).view(b, self.num_heads, self.head_dim)

@@ -7,29 +7,27 @@ from torch import nn
 
 from engine.attention import AttentionMetadata
 from engine.layers.linear import Linear, MergedLinear
-from engine.layers.rotary import RotaryEmbedding
+from engine.layers.rotary import apply_rotary
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool,
-                 rotary: RotaryEmbedding, backend) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool, backend) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden_size)
-        self.rotary = rotary
         self.backend = backend
         # Per-layer strided views into the engine's KV pool, bound by the model runner.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
         return self.o_proj(o.reshape(-1, self.q_size))

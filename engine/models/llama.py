@@ -26,22 +26,22 @@ _FUSED = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend) -> None:
+    def __init__(self, config: ModelConfig, backend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                                       config.qkv_bias, rotary, backend)
+                                       config.qkv_bias, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(rope, hidden, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -49,17 +49,18 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend, dtype: torch.dtype) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling, dtype)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.lookup(positions)
         residual = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(rope, hidden, residual, meta)
             if layer_done_callback is not None:
                 layer_done_callback(i)
         hidden, _ = self.norm(hidden, residual)

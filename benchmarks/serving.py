@@ -1,0 +1,259 @@
+"""Online serving benchmark against the OpenAI API of a pdcluster router (or vLLM-compatible server).
+
+Requests arrive as a Poisson process (`--request-rate`, inf = all at once), with synthetic prompt /
+output lengths (uniform in [len * (1 - range_ratio), len * (1 + range_ratio)]) or a ShareGPT-format
+`--dataset`. Streaming completions with token-id prompts and ignore_eos, so every request produces
+exactly its output length. Reports throughput, TTFT / TPOT / ITL / E2E percentiles and goodput.
+
+    # against a running router
+    python benchmarks/serving.py --url http://127.0.0.1:8000 --num-prompts 64 --request-rate 4
+    # start a local cluster first: 1 prefill + 1 decode node, or one decode node doing both
+    python benchmarks/serving.py --start 1p1d --num-prompts 64 --request-rate 4
+    python benchmarks/serving.py --start colocated --num-prompts 64 --request-rate 4
+    # the router alone: a fake decode node that streams every token at once
+    python benchmarks/serving.py --start fake --num-prompts 512 --request-rate inf --output-len 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass
+class Result:
+    prompt_len: int
+    output_len: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2e - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+
+def make_requests(args, vocab: int) -> list[tuple[list[int] | str, int]]:
+    rng = random.Random(args.seed)
+    if args.dataset:
+        data = json.loads(Path(args.dataset).read_text())
+        pairs = []
+        for conv in data:
+            turns = conv.get("conversations") or conv.get("conversation") or []
+            if len(turns) >= 2:
+                pairs.append((turns[0]["value"], max(1, len(turns[1]["value"]) // 4)))  # ~4 chars per token
+        rng.shuffle(pairs)
+        return [(p, min(o, args.output_len * 4)) for p, o in pairs[: args.num_prompts]]
+
+    def length(mean: int) -> int:
+        lo, hi = max(1, int(mean * (1 - args.range_ratio))), max(1, int(mean * (1 + args.range_ratio)))
+        return rng.randint(lo, hi)
+
+    return [([rng.randrange(3, vocab) for _ in range(length(args.input_len))], length(args.output_len))
+            for _ in range(args.num_prompts)]
+
+
+async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: int) -> Result:
+    res = Result(prompt_len=len(prompt) if isinstance(prompt, list) else 0)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    try:
+        async with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if res.ttft == 0.0:
+                        res.ttft = now - start
+                    else:
+                        res.itls.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    res.output_len = chunk["usage"]["completion_tokens"]
+                    res.prompt_len = chunk["usage"]["prompt_tokens"]
+    except httpx.HTTPError as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    res.e2e = time.perf_counter() - start
+    return res
+
+
+def pct(values: list[float], p: float) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    k = min(len(values) - 1, max(0, round(p / 100 * (len(values) - 1))))
+    return values[k]
+
+
+async def run(args, url: str, model: str, vocab: int) -> dict:
+    requests = make_requests(args, vocab)
+    rng = random.Random(args.seed + 1)
+    limit = asyncio.Semaphore(args.max_concurrency or len(requests))
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0),
+                                 limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000)) as http:
+        await one_request(http, model, requests[0][0], 2)  # warm-up (connections, tokenizer, caches)
+
+        async def limited(prompt, n):
+            async with limit:
+                return await one_request(http, model, prompt, n)
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt, n in requests:
+            tasks.append(asyncio.create_task(limited(prompt, n)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results: list[Result] = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    ok = [r for r in results if not r.error]
+    out_tokens = sum(r.output_len for r in ok)
+    good = [r for r in ok if (not args.slo_ttft or r.ttft * 1000 <= args.slo_ttft)
+            and (not args.slo_tpot or r.tpot * 1000 <= args.slo_tpot)]
+    itls = [x for r in ok for x in r.itls]
+    summary = {
+        "url": url, "num_requests": len(results), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:3],
+        "duration_s": duration, "request_rate": args.request_rate,
+        "request_throughput": len(ok) / duration, "output_tokens_per_s": out_tokens / duration,
+        "total_tokens_per_s": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
+        "goodput_requests_per_s": len(good) / duration,
+        "slo_ttft_ms": args.slo_ttft, "slo_tpot_ms": args.slo_tpot,
+    }
+    for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", [r.tpot for r in ok if r.output_len > 1]),
+                         ("itl", itls), ("e2e", [r.e2e for r in ok])):
+        summary[f"{name}_ms"] = {"mean": statistics.fmean(values) * 1000 if values else 0.0,
+                                 **{f"p{p}": pct(values, p) * 1000 for p in (50, 90, 99)}}
+    return summary
+
+
+class FakeDecodeNode:
+    """A decode node that answers every Generate with all its tokens at once (router overhead runs)."""
+
+    def __init__(self, etcd: str, cluster: str, tokens_per_message: int) -> None:
+        from pdcluster.membership import NodeInfo, Registration
+        from pdcluster.transport import LoadPublisher, RouterServer
+
+        self.server, self.pub = RouterServer(), LoadPublisher()
+        self.tokens_per_message = tokens_per_message
+        control = self.server.bind("tcp://127.0.0.1:0")
+        load = self.pub.bind("tcp://127.0.0.1:0")
+        self.registration = Registration([etcd], cluster, NodeInfo(node_id="fake-decode", role="decode",
+                                                                   control_addr=control, load_addr=load))
+
+    async def serve(self) -> None:
+        from pdcluster.protocol import Generate, Tokens
+
+        await self.registration.start(wait=10)
+        while True:
+            identity, msg = await self.server.recv()
+            if not isinstance(msg, Generate):
+                continue
+            n = int(msg.sampling.get("max_tokens", 16))
+            step = self.tokens_per_message
+            for i in range(0, n, step):
+                ids = [(7 + j) % 300 + 3 for j in range(i, min(n, i + step))]
+                first = i == 0
+                self.server.send(identity, Tokens(rid=msg.rid, ids=ids, finish="length" if i + step >= n else None,
+                                                  num_prompt_tokens=len(msg.prompt_ids) if first else 0,
+                                                  prefill_path="local" if first else ""))
+            await asyncio.sleep(0)
+
+
+async def main_async(args) -> dict:
+    from pdcluster.up import LocalCluster
+
+    cluster = None
+    fake_task = None
+    try:
+        if args.start:
+            layouts = {"1p1d": (1, 1, 0), "colocated": (0, 1, 0), "2p2d": (2, 2, 0), "fake": (0, 0, 0)}
+            num_prefill, num_decode, _ = layouts[args.start]
+            cluster = LocalCluster(model=args.model, num_prefill=num_prefill, num_decode=num_decode, port=0,
+                                   cluster=f"bench-{args.start}",
+                                   node_config={"kv_cache_memory": args.kv_cache_memory,
+                                                "max_num_seqs": args.max_num_seqs, "dtype": args.dtype},
+                                   router_config={"disagg_min_tokens": 0, "routing_policy": "least_loaded"},
+                                   log_level="WARNING")
+            await asyncio.to_thread(cluster.start)
+            if args.start == "fake":
+                fake = FakeDecodeNode(cluster.etcd, cluster.cluster, args.fake_tokens_per_message)
+                fake_task = asyncio.create_task(fake.serve())
+                await asyncio.to_thread(cluster.wait_ready, 0, 0, 30.0, {"fake-decode"})
+            url, model_dir = cluster.url, cluster.model
+        else:
+            url, model_dir = args.url.rstrip("/"), args.model
+        async with httpx.AsyncClient(base_url=url) as http:
+            model = args.served_model or (await http.get("/v1/models")).json()["data"][0]["id"]
+        vocab = 32000
+        if model_dir:  # random prompt ids must be valid for both the model and its tokenizer
+            from transformers import AutoTokenizer
+
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+            vocab = min(config["vocab_size"], len(AutoTokenizer.from_pretrained(model_dir)), 32000)
+        summary = await run(args, url, model, vocab)
+        summary["setup"] = args.start or "external"
+        return summary
+    finally:
+        if fake_task is not None:
+            fake_task.cancel()
+        if cluster is not None:
+            await asyncio.to_thread(cluster.stop)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="router base URL (ignored with --start)")
+    p.add_argument("--start", choices=["1p1d", "colocated", "2p2d", "fake"], help="start a local cluster first")
+    p.add_argument("--model", default=None, help="model dir (--start: default a tiny random Llama)")
+    p.add_argument("--served-model", default=None, help="model name for requests (default: /v1/models)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=0)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.5)
+    p.add_argument("--dataset", default=None, help="ShareGPT-format JSON file")
+    p.add_argument("--slo-ttft", type=float, default=0.0, help="goodput: TTFT SLO in ms")
+    p.add_argument("--slo-tpot", type=float, default=0.0, help="goodput: TPOT SLO in ms")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-cache-memory", default="256MiB", help="per node, with --start")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--fake-tokens-per-message", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args()
+    summary = asyncio.run(main_async(args))
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"setup {summary['setup']}: {summary['num_requests']} requests ({summary['failed']} failed) "
+          f"in {summary['duration_s']:.1f} s at rate {summary['request_rate']}")
+    print(f"  throughput {summary['request_throughput']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tok/s, "
+          f"goodput {summary['goodput_requests_per_s']:.2f} req/s")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        s = summary[f"{name}_ms"]
+        print(f"  {name.upper():5s} ms: mean {s['mean']:.1f}  p50 {s['p50']:.1f}  p90 {s['p90']:.1f}  p99 {s['p99']:.1f}")
+    if summary["errors"]:
+        print("  errors:", summary["errors"])
+
+
+if __name__ == "__main__":
+    main()

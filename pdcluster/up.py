@@ -1,0 +1,303 @@
+"""`pdcluster up`: a whole cluster on this machine, one process per service.
+
+`LocalCluster` starts (or reuses) etcd, one router and N prefill + M decode nodes as subprocesses
+running `pdcluster router|prefill|decode --config <generated yaml>`, waits until the router sees
+them all, and stops everything on exit (SIGTERM, then SIGKILL after a timeout; etcd stopped; temp
+files removed). The end-to-end tests and `benchmarks/serving.py` drive the same class.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdcluster.config import parse_endpoint
+from pdcluster.etcd_server import EtcdServer, free_port, is_reachable
+
+log = logging.getLogger(__name__)
+
+STOP_TIMEOUT = 20.0  # SIGTERM -> SIGKILL
+
+
+@dataclass
+class Service:
+    """One child process of the cluster."""
+
+    kind: str  # router | prefill | decode
+    node_id: str
+    proc: subprocess.Popen
+    log_path: Path
+    metrics_port: int = 0
+    port: int = 0  # router HTTP
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    @property
+    def metrics_url(self) -> str:
+        port = self.port if self.kind == "router" else self.metrics_port
+        return f"http://127.0.0.1:{port}/metrics"
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class LocalCluster:
+    model: str | None = None  # HF model dir; None: a tiny random Llama in the work dir
+    num_prefill: int = 1
+    num_decode: int = 1
+    port: int = 8000  # router HTTP port; 0 = pick a free one
+    etcd: str | None = None  # "host:port" of an etcd to use; None or unreachable: start one
+    cluster: str = "default"
+    node_config: dict[str, Any] = field(default_factory=dict)  # engine knobs etc. for prefill + decode
+    router_config: dict[str, Any] = field(default_factory=dict)
+    lease_ttl: int = 10
+    log_level: str = "INFO"
+    threads_per_node: int | None = None  # OMP_NUM_THREADS of node processes (None: torch default)
+    work_dir: Path | None = None
+    etcd_server: EtcdServer | None = None
+    services: list[Service] = field(default_factory=list)
+    _own_dir: bool = False
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self, timeout: float = 120.0) -> "LocalCluster":
+        try:
+            self._start(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, timeout: float) -> None:
+        if self.work_dir is None:
+            self.work_dir = Path(tempfile.mkdtemp(prefix="pdcluster-up-"))
+            self._own_dir = True
+        if self.model is None:
+            from engine.testing import make_tiny_model
+
+            self.model = make_tiny_model(str(self.work_dir / "tiny-llama"), "llama")
+            self.node_config.setdefault("kv_cache_memory", "64MiB")  # not the CPU default of GiBs per node
+        self._start_etcd()
+        if self.port == 0:
+            self.port = free_port()
+        deadline = time.monotonic() + timeout
+        self.start_router()
+        for i in range(self.num_prefill):
+            self.start_node("prefill", f"prefill-{i}")
+        for i in range(self.num_decode):
+            self.start_node("decode", f"decode-{i}")
+        self.wait_ready(self.num_prefill, self.num_decode, max(1.0, deadline - time.monotonic()))
+
+    def _start_etcd(self) -> None:
+        if self.etcd and is_reachable(self.etcd, timeout=1.0):
+            log.info("using etcd at %s", self.etcd)
+            return
+        client_port = 0
+        if self.etcd:
+            host, port = parse_endpoint(self.etcd)
+            if host in ("127.0.0.1", "localhost") and _port_free(port):
+                client_port = port
+        self.etcd_server = EtcdServer(data_dir=self.work_dir / "etcd" / "data", client_port=client_port)
+        self.etcd_server.start()
+        self.etcd = self.etcd_server.endpoint
+        log.info("started etcd at %s", self.etcd)
+
+    def stop(self) -> None:
+        """SIGTERM every service (router first), SIGKILL what is left after STOP_TIMEOUT; stop etcd."""
+        routers = [s for s in self.services if s.kind == "router"]
+        nodes = [s for s in self.services if s.kind != "router"]
+        for group in (routers, nodes):
+            for s in group:
+                if s.alive:
+                    s.proc.send_signal(signal.SIGTERM)
+            for s in group:
+                _wait_or_kill(s.proc, STOP_TIMEOUT)
+        self.services = []
+        if self.etcd_server is not None:
+            self.etcd_server.stop()
+        if self._own_dir and self.work_dir is not None:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # ---- services --------------------------------------------------------------------------------
+
+    def start_router(self) -> Service:
+        config = {"etcd": [self.etcd], "cluster": self.cluster, "port": self.port, "model": self.model,
+                  "log_level": self.log_level, **self.router_config}
+        return self._spawn("router", "router-0", config, port=self.port)
+
+    def start_node(self, kind: str, node_id: str, **overrides: Any) -> Service:
+        metrics_port = free_port()
+        config = {"etcd": [self.etcd], "cluster": self.cluster, "model": self.model, "node_id": node_id,
+                  "metrics_port": metrics_port, "lease_ttl": self.lease_ttl, "log_level": self.log_level,
+                  **self.node_config, **overrides}
+        return self._spawn(kind, node_id, config, metrics_port=metrics_port)
+
+    def _spawn(self, kind: str, node_id: str, config: dict[str, Any], **extra: Any) -> Service:
+        assert self.work_dir is not None
+        config_path = self.work_dir / f"{node_id}.yaml"
+        config_path.write_text(yaml.safe_dump({k: v for k, v in config.items() if v is not None}))
+        log_path = self.work_dir / f"{node_id}.log"
+        env = dict(os.environ)
+        if kind != "router" and self.threads_per_node:
+            env["OMP_NUM_THREADS"] = str(self.threads_per_node)
+        cmd = [sys.executable, "-m", "pdcluster.cli", kind, "--config", str(config_path)]
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        service = Service(kind, node_id, proc, log_path, **extra)
+        self.services.append(service)
+        return service
+
+    def service(self, node_id: str) -> Service:
+        return next(s for s in self.services if s.node_id == node_id)
+
+    def stop_service(self, node_id: str, timeout: float = STOP_TIMEOUT) -> int:
+        """SIGTERM one service (a node drains) and wait for it; returns its exit code."""
+        s = self.service(node_id)
+        s.proc.send_signal(signal.SIGTERM)
+        code = _wait_or_kill(s.proc, timeout)
+        self.services.remove(s)
+        return code
+
+    # ---- readiness -------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any] | None:
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=2.0) as resp:
+                return json.loads(resp.read())
+        except (OSError, ValueError, urllib.error.URLError):
+            return None
+
+    def wait_ready(self, num_prefill: int, num_decode: int, timeout: float = 60.0,
+                   nodes: set[str] | None = None) -> dict[str, Any]:
+        """Until the router's /health lists the nodes (at least these counts, or exactly `nodes`)."""
+        deadline = time.monotonic() + timeout
+        health = None
+        while time.monotonic() < deadline:
+            dead = [s for s in self.services if not s.alive]
+            if dead:
+                s = dead[0]
+                raise RuntimeError(f"{s.kind} {s.node_id} exited with code {s.proc.returncode}; "
+                                   f"log {s.log_path}:\n{s.log_tail()}")
+            health = self.health()
+            if health is not None:
+                listed = set(health.get("prefill_nodes", [])) | set(health.get("decode_nodes", []))
+                if nodes is not None and nodes <= listed:
+                    return health
+                if (nodes is None and len(health.get("prefill_nodes", [])) >= num_prefill
+                        and len(health.get("decode_nodes", [])) >= num_decode):
+                    return health
+            time.sleep(0.1)
+        tails = "\n".join(f"--- {s.node_id}\n{s.log_tail(10)}" for s in self.services)
+        raise TimeoutError(f"cluster not ready within {timeout:.0f} s (router health: {health})\n{tails}")
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        log.warning("process %d did not stop within %.0f s: SIGKILL", proc.pid, timeout)
+        proc.kill()
+        return proc.wait(10)
+
+
+def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
+    """A /metrics page as {'name{labels}': value} (unlabelled samples keyed by the bare name)."""
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        text = resp.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+def smoke_request(url: str, model: str, timeout: float = 60.0) -> dict[str, Any]:
+    """One real completion through the router; returns the response body (raises on failure)."""
+    body = json.dumps({"model": model, "prompt": "Hello world! How are you", "max_tokens": 16,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def run_up(cluster: LocalCluster, smoke: bool = False) -> int:
+    """`pdcluster up`: start, print the URL, serve until SIGINT/SIGTERM (or one smoke request)."""
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        cluster.start()
+        model_name = Path(cluster.model).name
+        print(f"pdcluster up: {cluster.num_prefill} prefill + {cluster.num_decode} decode node(s), "
+              f"etcd {cluster.etcd}, logs in {cluster.work_dir}", flush=True)
+        print(f"OpenAI API at {cluster.url}/v1 (model {model_name!r})", flush=True)
+        if smoke:
+            reply = smoke_request(cluster.url, model_name)
+            choice = reply["choices"][0]
+            print(f"smoke request ok: {reply['usage']['completion_tokens']} tokens, "
+                  f"finish_reason={choice['finish_reason']!r}, text={choice['text']!r}", flush=True)
+            paths = {"remote": 0.0, "local": 0.0}
+            for s in cluster.services:
+                if s.kind == "decode":
+                    m = scrape_metrics(s.metrics_url)
+                    for path in paths:
+                        paths[path] += m.get(f'pdcluster_node_prefills_total{{path="{path}"}}', 0.0)
+            print(f"prefills: {paths['remote']:.0f} on a prefill node (KV transferred), "
+                  f"{paths['local']:.0f} on the decode node", flush=True)
+            return 0
+        print("Ctrl-C to stop.", flush=True)
+        while not stop.wait(0.5):
+            dead = [s for s in cluster.services if not s.alive]
+            if dead:
+                print(f"{dead[0].kind} {dead[0].node_id} exited ({dead[0].proc.returncode}); stopping. "
+                      f"Log:\n{dead[0].log_tail()}", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        print("pdcluster up: stopping", flush=True)
+        cluster.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
