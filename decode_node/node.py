@@ -124,7 +124,7 @@ class DecodeNode(NodeService):
         return Load(node_id=self.node_id, role=self.role, running=s.get("num_running", 0),
                     waiting=s.get("num_waiting", 0) + remote, free_blocks=s.get("num_free_blocks", 0),
                     total_blocks=s.get("num_total_blocks", 0), block_size=self.block_size,
-                    tokens_per_s=self.tokens_per_s("num_decode_tokens"))
+                    tokens_per_s=self.tokens_per_s("num_decode_tokens"), transfer_gbps=self.transfer_gbps())
 
     # ---- messages --------------------------------------------------------------------------------
 
@@ -173,6 +173,8 @@ class DecodeNode(NodeService):
         req = DecodeRequest(rid=msg.rid, router=identity, prompt_ids=prompt, params=params,
                             deadline=msg.deadline, prefill_node=msg.prefill_node)
         self.requests[req.rid] = req
+        log.info("request %s admitted from router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
+                 msg.router, len(prompt), resumed, msg.prefill_node or "this node", extra={"request_id": req.rid})
         peer = self.view.nodes.get(msg.prefill_node) if msg.prefill_node else None
         if peer is not None and peer.role == "prefill":
             req.phase = "remote"
@@ -208,6 +210,8 @@ class DecodeNode(NodeService):
                 decode_node=self.node_id, deadline=dst.deadline, skip_blocks=skip))
             if not sent:
                 raise RemotePrefillFailed("send_failed", f"could not queue Prefill to {peer.node_id}")
+            log.info("request %s: prefill sent to %s (%d blocks reserved, %d cached here)", rid, peer.node_id,
+                     len(req.blocks) - skip, skip, extra={"request_id": rid})
             try:
                 done: PrefillDone = await asyncio.wait_for(req.prefill_done, self.prefill_timeout)
             except asyncio.TimeoutError:
@@ -224,6 +228,7 @@ class DecodeNode(NodeService):
             if done.checksum and result.checksum != done.checksum:
                 raise RemotePrefillFailed("checksum", f"sender {done.checksum:#x} != landed {result.checksum:#x}")
             self.metrics.received_bytes.labels(backend).inc(result.nbytes)
+            self.kv_bytes_moved += result.nbytes
         except Exception as exc:
             reason = "aborted" if req.aborted else exc.reason if isinstance(exc, RemotePrefillFailed) else "internal"
             if reason == "internal":
@@ -242,6 +247,8 @@ class DecodeNode(NodeService):
             return
         self.metrics.remote_prefill_seconds.observe(time.monotonic() - started)
         self.metrics.prefills.labels("remote").inc()
+        log.info("request %s: prefill done on %s (%d KV bytes via %s)", rid, peer.node_id, result.nbytes, backend,
+                 extra={"request_id": rid})
         first_lp = _logprob_entry(done.logprobs[0]) if done.logprobs else None
         blocks, req.blocks = req.blocks, []
         req.phase, req.prefill_path = "engine", f"remote:{peer.node_id}"
@@ -325,6 +332,8 @@ class DecodeNode(NodeService):
         if self.requests.get(req.rid) is req:
             del self.requests[req.rid]
             self.metrics.requests.labels(outcome).inc()
+            log.info("request %s finished: %s (prefill %s)", req.rid, outcome, req.prefill_path,
+                     extra={"request_id": req.rid})
 
     async def _deadline_loop(self) -> None:
         while True:

@@ -147,6 +147,165 @@ def up(
     raise typer.Exit(run_up(cluster_, smoke=smoke))
 
 
+# ---- admin commands: the logic lives in pdcluster.admin
+
+_ADMIN_ETCD = typer.Option(None, "--etcd", help="etcd endpoints host:port[,host:port] (env PDCLUSTER_ETCD)")
+_ADMIN_CLUSTER = typer.Option(None, "--cluster", help="cluster name (env PDCLUSTER_CLUSTER; default 'default')")
+
+
+def _admin(coro_fn, *args: Any) -> Any:
+    """Run one admin coroutine; an AdminError is printed and exits 1."""
+    import asyncio
+
+    from pdcluster.admin import AdminError
+
+    try:
+        return asyncio.run(coro_fn(*args))
+    except AdminError as exc:
+        typer.echo(f"pdcluster: {exc}", err=True)
+        raise typer.Exit(1)
+
+
+def _target(etcd: Optional[str], cluster: Optional[str]) -> tuple[list[str], str]:
+    from pdcluster.admin import AdminError, cluster_name, etcd_endpoints
+
+    try:
+        return etcd_endpoints(etcd), cluster_name(cluster)
+    except AdminError as exc:
+        typer.echo(f"pdcluster: {exc}", err=True)
+        raise typer.Exit(2)
+
+
+def _console():
+    """A rich console; piped output gets wide lines instead of rich's 80-column default."""
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def _print_json(data: Any) -> None:
+    import json
+
+    typer.echo(json.dumps(data, indent=2))
+
+
+@app.command()
+def status(
+    etcd: Optional[str] = _ADMIN_ETCD, cluster: Optional[str] = _ADMIN_CLUSTER,
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C"),
+    interval: float = typer.Option(2.0, help="seconds between refreshes with --watch"),
+) -> None:
+    """Every node in etcd with its live stats (from its Load reports)."""
+    from pdcluster import admin
+
+    endpoints, name = _target(etcd, cluster)
+    if not watch:
+        nodes = _admin(admin.cluster_status, endpoints, name)
+        if as_json:
+            _print_json({"cluster": name, "nodes": [n.to_dict() for n in nodes]})
+        else:
+            _console().print(admin.status_table(nodes, name))
+        return
+    import time
+
+    from rich.live import Live
+
+    try:
+        with Live(admin.status_table([], name), auto_refresh=False) as live:
+            while True:
+                nodes = _admin(admin.cluster_status, endpoints, name)
+                live.update(admin.status_table(nodes, name), refresh=True)
+                time.sleep(max(0.1, interval))
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def nodes(
+    etcd: Optional[str] = _ADMIN_ETCD, cluster: Optional[str] = _ADMIN_CLUSTER,
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """The membership list from etcd (no live stats)."""
+    import dataclasses
+
+    from pdcluster import admin
+
+    endpoints, name = _target(etcd, cluster)
+    listed = _admin(admin.cluster_status, endpoints, name, 0.0)
+    if as_json:
+        _print_json({"cluster": name, "nodes": [dict(dataclasses.asdict(n.info), admin_state=n.admin.state)
+                                                for n in listed]})
+    else:
+        _console().print(admin.nodes_table(listed, name))
+
+
+@app.command()
+def cordon(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] = _ADMIN_ETCD,
+           cluster: Optional[str] = _ADMIN_CLUSTER,
+           reason: str = typer.Option("", help="why (kept in the admin record)")) -> None:
+    """Stop sending new requests to NODE (running ones finish; it stays up). Survives restarts."""
+    from pdcluster import admin
+
+    endpoints, name = _target(etcd, cluster)
+    _admin(admin.set_state, endpoints, name, node, "cordoned", reason)
+    typer.echo(f"{node} cordoned")
+
+
+@app.command()
+def uncordon(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] = _ADMIN_ETCD,
+             cluster: Optional[str] = _ADMIN_CLUSTER) -> None:
+    """Let NODE take new requests again (after cordon or drain)."""
+    from pdcluster import admin
+
+    endpoints, name = _target(etcd, cluster)
+    _admin(admin.set_state, endpoints, name, node, "active", "")
+    typer.echo(f"{node} uncordoned")
+
+
+@app.command()
+def drain(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] = _ADMIN_ETCD,
+          cluster: Optional[str] = _ADMIN_CLUSTER,
+          timeout: float = typer.Option(120.0, help="seconds to wait for the node to leave etcd"),
+          reason: str = typer.Option("pdcluster drain", help="why (kept in the admin record)")) -> None:
+    """No new requests to NODE, finish its in-flight ones, wait until it exits and leaves etcd.
+    It stays cordoned afterwards: `pdcluster uncordon NODE` once its replacement is up. Exit 1 on timeout."""
+    from pdcluster import admin
+
+    endpoints, name = _target(etcd, cluster)
+    typer.echo(f"draining {node} (timeout {timeout:g} s)...")
+    took = _admin(admin.drain_node, endpoints, name, node, timeout, reason)
+    typer.echo(f"{node} drained in {took:.1f} s and left the cluster; it stays cordoned until uncordon")
+
+
+@app.command()
+def health(
+    etcd: Optional[str] = _ADMIN_ETCD, cluster: Optional[str] = _ADMIN_CLUSTER,
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output with reasons"),
+    timeout: float = typer.Option(1.5, help="seconds to wait for the nodes' Load reports"),
+) -> None:
+    """Exit 0 when etcd answers and at least one decode node is active and answering; else exit 1."""
+    import asyncio
+
+    from pdcluster import admin
+
+    endpoints, name = _target(etcd, cluster)
+    report = asyncio.run(admin.check_health(endpoints, name, timeout))
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        serving = sum(1 for n in report.nodes if n.state == "serving")
+        head = "healthy" if report.healthy else "unhealthy"
+        typer.echo(f"{head}: cluster {name!r}, {len(report.nodes)} node(s), {serving} serving")
+        for line in report.reasons:
+            typer.echo(f"  error: {line}")
+        for line in report.notes:
+            typer.echo(f"  note: {line}")
+    raise typer.Exit(0 if report.healthy else 1)
+
+
 def main() -> None:
     app()
 

@@ -243,6 +243,25 @@ def _parse_node(cluster: str, key: str, value: bytes) -> NodeInfo:
     return info
 
 
+async def cancel_and_wait(task: asyncio.Future | None, timeout: float = 5.0) -> None:
+    """Cancel `task` and wait until it is done.
+
+    Cancels again while it runs: before Python 3.12 `asyncio.wait_for` can swallow a cancellation
+    that lands as its inner call completes, and a plain `task.cancel(); await task` then hangs.
+    """
+    if task is None:
+        return
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not task.done():
+        if asyncio.get_running_loop().time() > deadline:
+            log.error("task %r ignored cancellation for %.0f s; leaving it", task, timeout)
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.05)
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("task %r ended with %r", task, task.exception())
+
+
 def _backoff(attempt: int, cap: float) -> float:
     """Exponential backoff from 0.2 s up to `cap`, with jitter so a fleet does not retry in lockstep."""
     return min(cap, 0.2 * 2 ** attempt) * random.uniform(0.7, 1.3)
@@ -325,9 +344,7 @@ class Registration:
 
     async def _stop_task(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
         self._registered.clear()
 
     async def _run(self) -> None:
@@ -369,10 +386,12 @@ class Registration:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.ttl / 3)
-                self._wake.clear()
-                await self._put(client)  # update() asked for a new record
+                woken = True
             except asyncio.TimeoutError:
-                pass
+                woken = False
+            if woken:  # update() asked for a new record; a failed put ends the session, the next one re-puts
+                self._wake.clear()
+                await self._put(client)
             if not await self._refresh(client):
                 log.warning("lease of %s lost; registering anew", self.key)
                 self.lease_id = None
@@ -468,9 +487,7 @@ class ClusterView:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
         client, self._client = self._client, None
         await close_quietly(client)
         self._set_connected(False)
@@ -519,9 +536,8 @@ class ClusterView:
                 task.result()  # re-raise the failure that ended the session
             raise ConnectionError("etcd watch stream ended")
         finally:
-            for task in (events, health):
-                task.cancel()
-            await asyncio.gather(events, health, return_exceptions=True)
+            await cancel_and_wait(events)
+            await cancel_and_wait(health)
 
     async def _consume(self, watch: aetcd.Watch) -> None:
         async for event in watch:

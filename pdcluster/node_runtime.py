@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from pdcluster.config import NodeConfig
 from pdcluster.membership import Capacity, ClusterView, NodeInfo, Registration
-from pdcluster.metrics import new_registry, serve_metrics
+from pdcluster.metrics import DeviceCollector, new_registry, serve_metrics
 from pdcluster.protocol import Load, Message, Ping, Pong
 from pdcluster.transport import LoadPublisher, RouterServer
 
@@ -172,6 +172,7 @@ class NodeService:
         self.registry = new_registry()
         self.state = "serving"  # serving | cordoned | draining
         self.started_at = time.time()
+        self.started_mono = time.monotonic()
         self.control = RouterServer()
         self.load_pub = LoadPublisher()
         self.view = ClusterView(config.etcd, config.cluster, registry=self.registry)
@@ -182,17 +183,32 @@ class NodeService:
         self._stopped: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._draining_task: asyncio.Task | None = None
-        self._rate_mark = (time.monotonic(), 0)
+        self._rate_marks: dict[str, tuple[float, float]] = {}
+        self.kv_bytes_moved = 0  # KV bytes sent (prefill) or received (decode), for Load.transfer_gbps
         self.registry.register(EngineStatsCollector(self.role, self.engine_stats))
+        self.registry.register(DeviceCollector(self.engine_device))
 
     def engine_stats(self) -> dict[str, int]:
         return self.engine_thread.stats if self.engine_thread is not None else {}
 
+    def engine_device(self) -> tuple[str, int] | None:
+        """(type, index) of the engine's device; None until the subclass built its engine."""
+        device = getattr(getattr(self, "engine", None), "device", None)
+        return (device.type, device.index or 0) if device is not None else None
+
     def tokens_per_s(self, key: str) -> float:
         """Rate of the engine counter `key` since the previous call (one caller: the Load report)."""
-        now, value = time.monotonic(), self.engine_stats().get(key, 0)
-        then, before = self._rate_mark
-        self._rate_mark = (now, value)
+        return self.rate(key, self.engine_stats().get(key, 0))
+
+    def transfer_gbps(self) -> float:
+        """KV transfer rate in GB/s since the previous call (one caller: the Load report)."""
+        return self.rate("kv_bytes", self.kv_bytes_moved) / 1e9
+
+    def rate(self, key: str, value: float) -> float:
+        """Per-second rate of the counter `key` (now `value`) since the previous call for `key`."""
+        now = time.monotonic()
+        then, before = self._rate_marks.get(key, (self.started_mono, 0))
+        self._rate_marks[key] = (now, value)
         return (value - before) / (now - then) if now > then and value >= before else 0.0
 
     # ---- subclass hooks --------------------------------------------------------------------------

@@ -108,6 +108,7 @@ class PrefillNode(NodeService):
                     waiting=s.get("num_waiting", 0), free_blocks=s.get("num_free_blocks", 0),
                     total_blocks=s.get("num_total_blocks", 0), block_size=self.block_size,
                     queued_prefill_tokens=queued, tokens_per_s=self.tokens_per_s("num_prefill_tokens"),
+                    transfer_gbps=self.transfer_gbps(),
                     cached_block_hashes=list(self.cached_hashes))
 
     # ---- messages (loop) ----------------------------------------------------------------------------
@@ -150,6 +151,8 @@ class PrefillNode(NodeService):
         job = PrefillJob(rid=msg.rid, decode=identity, prompt_ids=list(msg.prompt_ids), dst=dst,
                          skip_blocks=msg.skip_blocks, deadline=msg.deadline)
         self.jobs[job.rid] = job
+        log.info("prefill %s queued: %d prompt tokens (%d blocks cached on the decode node) for %s",
+                 job.rid, len(job.prompt_ids), job.skip_blocks, msg.decode_node, extra={"request_id": job.rid})
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(job.rid, job.prompt_ids, params, hold_blocks=True)
@@ -181,6 +184,7 @@ class PrefillNode(NodeService):
         del self.jobs[job.rid]
         self.metrics.requests.labels(outcome or ("error" if error else "ok")).inc()
         if error is not None:
+            log.info("prefill %s %s: %s", job.rid, outcome or "failed", error, extra={"request_id": job.rid})
             self.control.send(job.decode, PrefillDone(rid=job.rid, error=error,
                                                       kv_backend=job.transfer.backend if job.transfer else ""))
             return
@@ -190,6 +194,8 @@ class PrefillNode(NodeService):
         while len(self.cached_hashes) > MAX_REPORTED_HASHES:
             self.cached_hashes.popitem(last=False)
         lp = out.logprobs[0] if out.logprobs else None
+        log.info("prefill %s done: %d KV bytes via %s, %d tokens from the prefix cache", job.rid, job.nbytes,
+                 job.transfer.backend, out.num_cached_tokens, extra={"request_id": job.rid})
         self.control.send(job.decode, PrefillDone(
             rid=job.rid, first_token=int(out.new_token_ids[0]), checksum=checksum,
             logprobs=[[float(lp[0]), [[int(t), float(v)] for t, v in lp[1]]]] if lp is not None else None,
@@ -254,6 +260,7 @@ class PrefillNode(NodeService):
                 checksum = job.transfer.finish(ACK_TIMEOUT)
                 self.metrics.transfers.labels(backend).inc()
                 self.metrics.transfer_bytes.labels(backend).inc(job.nbytes)
+                self.kv_bytes_moved += job.nbytes
                 self.metrics.transfer_seconds.labels(backend).observe(time.monotonic() - job.first_write)
             except Exception as exc:
                 error = f"kv transfer failed: {exc}"

@@ -139,12 +139,16 @@ class Router:
         assert self.decode is not None, "router not started"
         deadline = time.time() + self.settings.request_timeout
         streams = [self.decode.stream(prep.prompt_ids, sampling, deadline) for sampling in prep.sampling]
+        for s in streams:
+            log.info("request %s admitted: %d prompt tokens, max_tokens %s", s.request_id, len(prep.prompt_ids),
+                     s.sampling.get("max_tokens"), extra={"request_id": s.request_id})
         results = await asyncio.gather(*(s.start() for s in streams), return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is None:
             return streams
         for s in streams:
             s.abort("failed_start")
+            log.info("request %s failed to start: %s", s.request_id, failure, extra={"request_id": s.request_id})
         if isinstance(failure, NoCapacity):
             self.metrics.requests.labels("overloaded" if failure.overloaded else "unavailable").inc()
             status = 429 if failure.overloaded else 503

@@ -135,6 +135,7 @@ class RequestStream:
         self._queue: asyncio.Queue | None = None
         self._last_message = 0.0
         self._first: Tokens | None = None
+        self._sent_at = 0.0  # monotonic time of the current attempt's Generate, until its first reply
 
     @property
     def node_id(self) -> str | None:
@@ -156,6 +157,9 @@ class RequestStream:
                 self._submit()
             msg = await self._wait()
             if isinstance(msg, Reject):
+                self.client.metrics.backend_requests.labels(self._conn.node_id, "rejected").inc()
+                log.info("request %s: rejected by decode node %s: %s", self.request_id, self._conn.node_id,
+                         msg.reason, extra={"request_id": self._rid})
                 self._rejected.add(self._conn.node_id)
                 self._retry_after = max(self._retry_after, msg.retry_after)
                 self._detach(send_abort=False)
@@ -169,6 +173,9 @@ class RequestStream:
                 reason = "stalled or left the cluster" if msg is None else f"ended it with {msg.finish}: {msg.error}"
                 self._migrate(reason)
                 continue
+            if self._sent_at:
+                self.client.metrics.backend_first_token.labels(self._conn.node_id).observe(time.monotonic() - self._sent_at)
+                self._sent_at = 0.0
             self._last_message = time.monotonic()
             if msg.num_prompt_tokens and not self.prefill_path:
                 self.num_cached_tokens = msg.num_cached_tokens
@@ -176,6 +183,10 @@ class RequestStream:
                 self.prefill_path = msg.prefill_path
             self.output_ids.extend(msg.ids)
             if msg.finish is not None:
+                self.client.metrics.backend_requests.labels(self._conn.node_id, "ok").inc()
+                log.info("request %s: finished on %s (%s, %d tokens, prefill %s)", self.request_id,
+                         self._conn.node_id, msg.finish, len(self.output_ids), self.prefill_path or "?",
+                         extra={"request_id": self._rid})
                 self.finished = True
                 self._detach(send_abort=False)
             return msg
@@ -205,7 +216,10 @@ class RequestStream:
         self._conn = self.client.connection(decode)
         self._queue = asyncio.Queue()
         self._conn.queues[self._rid] = self._queue
-        self._last_message = time.monotonic()
+        self._last_message = self._sent_at = time.monotonic()
+        log.info("request %s: attempt %d to decode node %s, prefill %s (%d prompt + %d resumed tokens)",
+                 self.request_id, self._attempt, decode.id, prefill.id if prefill else "local",
+                 len(self.prompt_ids), len(self.output_ids), extra={"request_id": self._rid})
         sent = self._conn.dealer.send(Generate(
             rid=self._rid, prompt_ids=self.prompt_ids, sampling=self.sampling,
             prefill_node=prefill.id if prefill else None, deadline=self.deadline,
@@ -233,6 +247,7 @@ class RequestStream:
     def _migrate(self, reason: str) -> None:
         node_id = self._conn.node_id if self._conn else "?"
         self._failed.add(node_id)
+        self.client.metrics.backend_requests.labels(node_id, "failed").inc()
         self._detach(send_abort=True)
         self._migrations += 1
         if self._migrations > self.client.settings.max_migrations:

@@ -29,5 +29,12 @@ class RouterMetrics:
                                registry=r)
         self.migrations = Counter("pdcluster_router_migrations_total",
                                   "Requests moved to another decode node mid-stream", registry=r)
+        # Per decode node ("backend"): how its attempts ended and how long it took to answer.
+        self.backend_requests = Counter("pdcluster_router_backend_requests_total",
+                                        "Attempts sent to a decode node, by node and outcome (ok, rejected, failed)",
+                                        ("node", "outcome"), registry=r)
+        self.backend_first_token = Histogram("pdcluster_router_backend_first_token_seconds",
+                                             "Generate sent -> first Tokens message, by decode node", ("node",),
+                                             buckets=TTFT_BUCKETS, registry=r)
         self.aborts = Counter("pdcluster_router_aborts_total", "Abort messages sent to decode nodes",
                               ("reason",), registry=r)

@@ -25,11 +25,14 @@ def run_router(config: Any, source: NodeSource | None = None) -> None:
     Without `source`, nodes come from etcd (`pdcluster.membership.ClusterView` on `config.etcd`).
     """
     settings = config if isinstance(config, RouterSettings) else RouterSettings.from_config(config)
+    from pdcluster.metrics import new_registry
+
+    registry = new_registry()  # shared by the app's metrics and the etcd view's connection gauge
     if source is None:
         from pdcluster.membership import ClusterView
 
-        source = _StartedOnLifespan(ClusterView(list(config.etcd), config.cluster))
-    app = create_app(settings, source)
+        source = _StartedOnLifespan(ClusterView(list(config.etcd), config.cluster, registry=registry))
+    app = create_app(settings, source, registry)
     log.info("router %s serving %s on http://%s:%d (policy %s)", settings.node_id, settings.model,
              settings.host, settings.port, settings.routing_policy)
     uvicorn.Server(uvicorn_config(app, settings.host, settings.port)).run()

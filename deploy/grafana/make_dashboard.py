@@ -93,6 +93,13 @@ def build() -> dict:
             [(f'sum(rate(pdcluster_router_requests_total{{job=~"$job", outcome!="ok"}}[{RATE}])) '
               f"/ clamp_min(sum(rate(pdcluster_router_requests_total{SEL}[{RATE}])), 1e-9)", "non-ok")],
             unit="percentunit")
+    d.panel("Decode-node attempts / s by node and outcome",
+            [(f"sum by (node, outcome) (rate(pdcluster_router_backend_requests_total{SEL}[{RATE}]))",
+              "{{node}} {{outcome}}")],
+            unit="ops", description="ok: finished there; rejected: the node refused (full, cordoned); "
+                                    "failed: it stalled, left or errored and the request moved on.")
+    d.panel("First token p99 by decode node", quantiles("pdcluster_router_backend_first_token_seconds", by="node")[1:],
+            unit="s", description="Generate sent -> first Tokens message, per attempt (includes the prefill).")
 
     d.row("Nodes (prefill and decode)")
     d.panel("Running requests", [(f"sum by (instance) (pdcluster_node_running_requests{SEL})", "{{instance}}")])

@@ -1,0 +1,273 @@
+"""The operator's commands: status, nodes, cordon / uncordon, drain, health.
+
+Membership and admin state come from etcd (DESIGN §4); live numbers come from each node's Load
+publisher, subscribed to for a moment (at most `LOAD_WAIT` s) — nothing here writes load into etcd.
+Every function talks to etcd with timeouts and raises `AdminError` with a message meant for the
+operator; `pdcluster.cli` turns that into a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcluster.config import parse_endpoint
+from pdcluster.membership import (AdminState, EtcdUnavailable, NodeInfo, close_quietly, connect, get_admin_state,
+                                  list_admin_states, list_nodes, set_admin_state)
+from pdcluster.protocol import Load
+from pdcluster.transport import LoadSubscriber
+
+ENV_ETCD = "PDCLUSTER_ETCD"
+ENV_CLUSTER = "PDCLUSTER_CLUSTER"
+DEFAULT_ETCD = "127.0.0.1:2379"
+LOAD_WAIT = 1.5  # seconds to listen for Load reports (nodes publish at ~2 Hz)
+DRAIN_POLL = 0.25
+
+
+class AdminError(Exception):
+    """A failure the operator should read (unknown node, etcd down, drain timeout)."""
+
+
+def etcd_endpoints(flag: str | None) -> list[str]:
+    """`--etcd` or $PDCLUSTER_ETCD ("host:port[,host:port]"), else the local default; validated."""
+    text = flag or os.environ.get(ENV_ETCD) or DEFAULT_ETCD
+    endpoints = [e.strip() for e in text.split(",") if e.strip()]
+    if not endpoints:
+        raise AdminError(f"--etcd: no endpoint in {text!r}")
+    for endpoint in endpoints:
+        try:
+            parse_endpoint(endpoint)
+        except ValueError as exc:
+            raise AdminError(f"--etcd: {exc}") from None
+    return endpoints
+
+
+def cluster_name(flag: str | None) -> str:
+    return flag or os.environ.get(ENV_CLUSTER) or "default"
+
+
+@dataclass
+class NodeStatus:
+    """One node as the operator sees it: its etcd record, admin state and (if it answered) its Load."""
+
+    info: NodeInfo
+    admin: AdminState
+    load: Load | None = None
+
+    @property
+    def state(self) -> str:
+        """What the node itself reports (serving | cordoned | draining); "unreachable" when it sent no
+        Load in time; "registered" for a record without a Load publisher (a router)."""
+        if self.load is not None:
+            return self.load.state
+        return "unreachable" if self.info.load_addr else "registered"
+
+    def to_dict(self, now: float | None = None) -> dict[str, Any]:
+        load, info = self.load, self.info
+        total = load.total_blocks if load else info.capacity.num_blocks
+        return {
+            "node_id": info.node_id, "role": info.role, "host": info.host, "model": info.model,
+            "admin_state": self.admin.state, "state": self.state,
+            "running": load.running if load else None, "waiting": load.waiting if load else None,
+            "kv_blocks_total": total,
+            "kv_blocks_used": total - load.free_blocks if load else None,
+            "kv_blocks_free": load.free_blocks if load else None,
+            "queued_prefill_tokens": load.queued_prefill_tokens if load else None,
+            "tokens_per_s": round(load.tokens_per_s, 2) if load else None,
+            "transfer_gbps": round(load.transfer_gbps, 3) if load else None,
+            "uptime_s": round((now or time.time()) - info.started_at, 1),
+            "version": info.version, "control_addr": info.control_addr, "load_addr": info.load_addr,
+            "metrics_addr": info.metrics_addr,
+        }
+
+
+@dataclass
+class Health:
+    healthy: bool
+    reasons: list[str] = field(default_factory=list)  # why unhealthy (empty when healthy)
+    notes: list[str] = field(default_factory=list)  # worth knowing, not failing
+    nodes: list[NodeStatus] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "reasons": self.reasons, "notes": self.notes,
+                "nodes": {n.info.node_id: {"role": n.info.role, "admin_state": n.admin.state, "state": n.state}
+                          for n in self.nodes}}
+
+
+# ---------------------------------------------------------------------------------------------- etcd
+
+async def _client(endpoints: list[str]):
+    try:
+        return await connect(endpoints)
+    except EtcdUnavailable as exc:
+        raise AdminError(str(exc)) from None
+
+
+async def collect_loads(nodes: list[NodeInfo], timeout: float = LOAD_WAIT) -> dict[str, Load]:
+    """Latest Load of each node that publishes one within `timeout` s (returns early when all did)."""
+    wanted = {n.node_id for n in nodes if n.load_addr}
+    loads: dict[str, Load] = {}
+    if not wanted:
+        return loads
+    sub = LoadSubscriber()
+    try:
+        for node in nodes:
+            if node.load_addr:
+                sub.connect(node.load_addr)
+        deadline = time.monotonic() + timeout
+        while not wanted <= loads.keys():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            load = await sub.recv(timeout=left)
+            if load is None:
+                break
+            if load.node_id in wanted:
+                loads[load.node_id] = load
+    finally:
+        sub.close()
+    return loads
+
+
+async def cluster_status(endpoints: list[str], cluster: str, load_wait: float = LOAD_WAIT,
+                         role: str | None = None) -> list[NodeStatus]:
+    """Every registered node (routers too, if they register) with its admin state and live Load."""
+    client = await _client(endpoints)
+    try:
+        nodes = await list_nodes(client, cluster, role)
+        admin = await list_admin_states(client, cluster)
+    finally:
+        await close_quietly(client)
+    loads = await collect_loads(nodes, load_wait) if load_wait > 0 else {}
+    return [NodeStatus(n, admin.get(n.node_id, AdminState()), loads.get(n.node_id)) for n in nodes]
+
+
+async def _find(client: Any, cluster: str, node_id: str) -> NodeInfo | None:
+    return next((n for n in await list_nodes(client, cluster) if n.node_id == node_id), None)
+
+
+def _unknown(cluster: str, node_id: str, nodes: list[NodeInfo]) -> AdminError:
+    known = ", ".join(n.node_id for n in nodes) or "none"
+    return AdminError(f"unknown node {node_id!r} in cluster {cluster!r} (registered: {known})")
+
+
+async def set_state(endpoints: list[str], cluster: str, node_id: str, state: str, reason: str = "") -> AdminState:
+    """cordon (state "cordoned") / uncordon ("active"). The node must be registered, except that a
+    node with an admin record may be uncordoned while it is down (it comes back active)."""
+    client = await _client(endpoints)
+    try:
+        nodes = await list_nodes(client, cluster)
+        if not any(n.node_id == node_id for n in nodes):
+            has_record = node_id in await list_admin_states(client, cluster)
+            if not (state == "active" and has_record):
+                raise _unknown(cluster, node_id, nodes)
+        return await set_admin_state(client, cluster, node_id, state, reason)
+    finally:
+        await close_quietly(client)
+
+
+async def drain_node(endpoints: list[str], cluster: str, node_id: str, timeout: float,
+                     reason: str = "pdcluster drain") -> float:
+    """Mark `node_id` draining, wait until its etcd record is gone (it finished its requests and
+    exited), then leave it cordoned so a restarted instance takes no traffic until `uncordon`.
+    Returns the seconds it took; AdminError on an unknown node or after `timeout` s."""
+    started = time.monotonic()
+    client = await _client(endpoints)
+    try:
+        nodes = await list_nodes(client, cluster)
+        node = next((n for n in nodes if n.node_id == node_id), None)
+        if node is None:
+            raise _unknown(cluster, node_id, nodes)
+        await set_admin_state(client, cluster, node_id, "draining", reason)
+        deadline = started + timeout
+        while await _find(client, cluster, node_id) is not None:
+            if time.monotonic() >= deadline:
+                raise AdminError(f"node {node_id!r} still registered after {timeout:g} s of draining "
+                                 "(it stays marked draining)")
+            await asyncio.sleep(DRAIN_POLL)
+        # Without this a restarted node would read "draining" and leave again at once.
+        if (await get_admin_state(client, cluster, node_id)).state == "draining":
+            await set_admin_state(client, cluster, node_id, "cordoned", "drained; uncordon to take traffic")
+        return time.monotonic() - started
+    finally:
+        await close_quietly(client)
+
+
+async def check_health(endpoints: list[str], cluster: str, load_wait: float = LOAD_WAIT) -> Health:
+    """Healthy: etcd answers, and at least one decode node is registered, active and answering Load
+    (a decode node can prefill locally, so it is also a prefill path). Prefill nodes are a note."""
+    try:
+        nodes = await cluster_status(endpoints, cluster, load_wait)
+    except AdminError as exc:
+        return Health(False, [f"etcd unreachable: {exc}"])
+    health = Health(True, nodes=nodes)
+    decode = [n for n in nodes if n.info.role == "decode"]
+    serving = [n for n in decode if n.admin.state == "active" and n.state == "serving"]
+    if not decode:
+        health.reasons.append(f"no decode node registered in cluster {cluster!r}")
+    elif not serving:
+        states = ", ".join(f"{n.info.node_id}: {n.admin.state}/{n.state}" for n in decode)
+        health.reasons.append(f"no decode node is active and answering ({states})")
+    prefill = [n for n in nodes if n.info.role == "prefill" and n.admin.state == "active" and n.state == "serving"]
+    if not prefill:
+        health.notes.append("no prefill node serving: decode nodes prefill locally")
+    for n in nodes:
+        if n.state == "unreachable":  # a dead process whose lease has not expired yet
+            health.notes.append(f"{n.info.role} {n.info.node_id}: no Load report within {load_wait:g} s")
+    health.healthy = not health.reasons
+    return health
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+def _num(value: Any, fmt: str = "{}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _uptime(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{days}d{hours}h" if days else f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+STATE_STYLES = {"serving": "green", "cordoned": "yellow", "draining": "magenta", "unreachable": "red"}
+
+
+def status_table(nodes: list[NodeStatus], cluster: str):
+    """A rich Table of `nodes` (what `pdcluster status` prints)."""
+    from rich.table import Table
+
+    table = Table(title=f"pdcluster {cluster!r}: {len(nodes)} node(s)", title_justify="left")
+    for name, justify in (("role", "left"), ("node", "left"), ("host", "left"), ("state", "left"),
+                          ("model", "left"), ("run", "right"), ("wait", "right"), ("KV used/free", "right"),
+                          ("tok/s", "right"), ("xfer GB/s", "right"), ("uptime", "right"), ("version", "left")):
+        table.add_column(name, justify=justify, no_wrap=True)
+    now = time.time()
+    for n in nodes:
+        d = n.to_dict(now)
+        state = n.state if n.admin.state == "active" or n.admin.state == n.state else f"{n.state} ({n.admin.state})"
+        kv = "-" if d["kv_blocks_used"] is None else f"{d['kv_blocks_used']}/{d['kv_blocks_free']}"
+        table.add_row(d["role"], d["node_id"], d["host"], f"[{STATE_STYLES.get(n.state, 'white')}]{state}[/]",
+                      os.path.basename(d["model"].rstrip("/")) or "-", _num(d["running"]), _num(d["waiting"]), kv,
+                      _num(d["tokens_per_s"], "{:.1f}"), _num(d["transfer_gbps"], "{:.2f}"),
+                      _uptime(d["uptime_s"]), d["version"])
+    return table
+
+
+def nodes_table(nodes: list[NodeStatus], cluster: str):
+    """Membership only (no Load): what `pdcluster nodes` prints."""
+    from rich.table import Table
+
+    table = Table(title=f"pdcluster {cluster!r}: {len(nodes)} registered node(s)", title_justify="left")
+    for name in ("role", "node", "admin", "host", "control", "kv", "metrics", "version"):
+        table.add_column(name, no_wrap=True)
+    for n in nodes:
+        i = n.info
+        table.add_row(i.role, i.node_id, n.admin.state, i.host, i.control_addr or "-",
+                      f"{i.kv_addr} ({','.join(i.kv_backends)})" if i.kv_addr else "-", i.metrics_addr or "-", i.version)
+    return table

@@ -1,0 +1,103 @@
+"""Wire protocol: every message round-trips; every malformed frame is a ProtocolError, never a crash."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import pytest
+
+from pdcluster.protocol import (
+    MAX_FRAME_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Abort, Generate, Load, Ping, Pong, Prefill, PrefillDone,
+    ProtocolError, Reject, Tokens, decode, encode,
+)
+
+SAMPLES = [
+    Generate(rid="r1", prompt_ids=[1, 2, 3], sampling={"temperature": 0.0, "max_tokens": 8, "stop": ["\n"]},
+             prefill_node="prefill-a", deadline=1.7e9, router="router-1", resume_ids=[9, 8]),
+    Generate(rid="r2", prompt_ids=[], sampling={}, prefill_node=None, deadline=0.0),
+    Tokens(rid="r1", ids=[5], logprobs=[[-0.1, [[5, -0.1], [6, -2.3]]]], finish="stop", num_prompt_tokens=3,
+           num_cached_tokens=16, prefill_path="remote:prefill-a"),
+    Tokens(rid="r1", ids=[], finish="error", error="kv checksum mismatch"),
+    Reject(rid="r3", reason="queue full", retry_after=0.5),
+    Abort(rid="r4"),
+    Prefill(rid="r5", prompt_ids=list(range(100)), sampling={"seed": 7},
+            dst={"address": "tcp://127.0.0.1:7000", "block_ids": [3, 4], "token": b"\x00\xff"},
+            decode_node="decode-a", deadline=123.5, skip_blocks=1),
+    PrefillDone(rid="r5", first_token=42, logprobs=None, checksum=2**63 - 1, num_cached_tokens=16),
+    PrefillDone(rid="r6", error="out of blocks"),
+    Load(node_id="decode-a", role="decode", running=3, waiting=1, free_blocks=10, total_blocks=64,
+         tokens_per_s=123.4, state="draining", cached_block_hashes=[1, 2, 3], timestamp=1.5),
+    Ping(nonce=7),
+    Pong(nonce=7),
+]
+
+
+def frame(**body) -> bytes:
+    return msgpack.packb(body, use_bin_type=True)
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    out = decode(encode(msg))
+    assert type(out) is type(msg) and out == msg
+
+
+def test_every_message_type_has_a_sample():
+    assert {type(m) for m in SAMPLES} == set(MESSAGE_TYPES.values())
+
+
+def test_defaults_fill_missing_optional_fields():
+    msg = decode(frame(v=PROTOCOL_VERSION, t="tokens", rid="x", ids=[1]))
+    assert msg == Tokens(rid="x", ids=[1])
+
+
+def test_int_accepted_where_float_expected():
+    msg = decode(frame(v=PROTOCOL_VERSION, t="reject", rid="x", reason="busy", retry_after=1))
+    assert isinstance(msg, Reject) and msg.retry_after == 1
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"", "undecodable"),
+    (b"\xc1", "undecodable"),  # a reserved msgpack byte
+    (msgpack.packb([1, 2]), "expected a map"),
+    (frame(t="ping", nonce=1), "protocol version None"),
+    (frame(v=PROTOCOL_VERSION + 1, t="ping"), "protocol version"),
+    (frame(v=PROTOCOL_VERSION, t="explode"), "unknown message type"),
+    (frame(v=PROTOCOL_VERSION, nonce=1), "unknown message type"),
+    (frame(v=PROTOCOL_VERSION, t="ping", nonce=1, evil=True), r"unknown fields \['evil'\]"),
+    (frame(v=PROTOCOL_VERSION, t="abort"), "rid"),  # a required field is missing
+    (frame(v=PROTOCOL_VERSION, t="abort", rid=5), "abort.rid: expected str"),
+    (frame(v=PROTOCOL_VERSION, t="ping", nonce="1"), "ping.nonce: expected int"),
+    (frame(v=PROTOCOL_VERSION, t="ping", nonce=True), "ping.nonce: expected int"),
+    (frame(v=PROTOCOL_VERSION, t="reject", rid="x", reason="r", retry_after="soon"), "retry_after: expected float"),
+    (frame(v=PROTOCOL_VERSION, t="tokens", rid="x", ids=[1, "2"]), "tokens.ids: expected a list of ints"),
+    (frame(v=PROTOCOL_VERSION, t="tokens", rid="x", ids=[1, True]), "tokens.ids: expected a list of ints"),
+    (frame(v=PROTOCOL_VERSION, t="tokens", rid="x", ids=7), "tokens.ids: expected a list of ints"),
+    (frame(v=PROTOCOL_VERSION, t="tokens", rid="x", ids=[], logprobs="no"), "tokens.logprobs: expected a list"),
+    (frame(v=PROTOCOL_VERSION, t="tokens", rid="x", ids=[], finish=3), "tokens.finish: expected str"),
+    (frame(v=PROTOCOL_VERSION, t="generate", rid="x", prompt_ids=[1], sampling=[], prefill_node=None,
+           deadline=1.0), "generate.sampling: expected a map"),
+    (frame(v=PROTOCOL_VERSION, t="generate", rid="x", prompt_ids=[1], sampling={}, prefill_node=None,
+           deadline=None), "generate.deadline: expected float"),
+])
+def test_bad_frames_raise_protocol_error(data, match):
+    with pytest.raises(ProtocolError, match=match):
+        decode(data)
+
+
+def test_oversize_frame_rejected_before_parsing():
+    huge = b"\x00" * (MAX_FRAME_BYTES + 1)
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(huge)
+    # A valid message that is simply too big is refused the same way.
+    big = encode(Prefill(rid="x", prompt_ids=[1], sampling={}, dst={"blob": b"\x00" * MAX_FRAME_BYTES},
+                         decode_node="d", deadline=0.0))
+    assert len(big) > MAX_FRAME_BYTES
+    with pytest.raises(ProtocolError, match="exceeds"):
+        decode(big)
+
+
+def test_protocol_error_is_a_value_error():
+    assert issubclass(ProtocolError, ValueError)
+    assert all(dataclasses.is_dataclass(cls) and cls.TYPE for cls in MESSAGE_TYPES.values())
