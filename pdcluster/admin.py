@@ -77,7 +77,7 @@ class NodeStatus:
             "kv_blocks_free": load.free_blocks if load else None,
             "queued_prefill_tokens": load.queued_prefill_tokens if load else None,
             "tokens_per_s": round(load.tokens_per_s, 2) if load else None,
-            "transfer_gbps": round(load.transfer_gbps, 3) if load else None,
+            "transfer_gbps": round(load.transfer_gbps, 6) if load else None,
             "uptime_s": round((now or time.time()) - info.started_at, 1),
             "version": info.version, "control_addr": info.control_addr, "load_addr": info.load_addr,
             "metrics_addr": info.metrics_addr,
