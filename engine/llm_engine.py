@@ -18,7 +18,7 @@ from engine.loader import load_eos_token_ids, load_tokenizer
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class LLMEngine:
         # Blocks handed out by reserve_blocks, with multiplicity: two reservations may share a cached prefix block.
         self.reserved: Counter[int] = Counter()
         self._pending: list[RequestOutput] = []
+        self.current_batch: ScheduledBatch | None = None
         self._arrivals = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
@@ -152,6 +153,7 @@ class LLMEngine:
                 self.num_decode_tokens += n
             else:
                 self.num_prefill_tokens += n
+        self.current_batch = batch   # what a layer_done_callback is being called for
         sampled, tokens, logprobs = self.runner.run(batch, layer_done_callback)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n

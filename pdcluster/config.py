@@ -30,6 +30,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("auto", "npu", "cuda", "cpu")
 KV_BACKENDS = ("auto", "shm", "tcp", "gloo", "nccl", "hccl")
 LOG_FORMATS = ("text", "json")
+ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware")  # = router.policies.POLICIES
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -119,7 +120,7 @@ class RouterConfig(CommonConfig):
     port: int = 8000  # HTTP port
     model: str = ""  # checkpoint dir for the tokenizer/chat template (no weights are loaded)
     served_model_name: str = ""  # name clients use in "model"; default: the model dir's name
-    routing_policy: str = "load"  # chosen among the router's policies (see docs/router.md)
+    routing_policy: str = "prefix_aware"  # one of ROUTING_POLICIES (see docs/router.md)
     api_key: str = ""  # when set, requests need "Authorization: Bearer <api_key>"
     request_timeout: float = 600.0  # seconds from arrival to the last token
     disagg_min_tokens: int = 64  # shorter prompts with no cached prefix are prefilled on the decode node
@@ -129,8 +130,7 @@ class RouterConfig(CommonConfig):
         _check_port("port", self.port)
         if self.disagg_min_tokens < 0:
             raise ValueError(f"disagg_min_tokens: must be >= 0, got {self.disagg_min_tokens}")
-        if not self.routing_policy:
-            raise ValueError("routing_policy: must not be empty")
+        _check_choice("routing_policy", self.routing_policy, ROUTING_POLICIES)
         if self.request_timeout <= 0:
             raise ValueError(f"request_timeout: must be > 0 seconds, got {self.request_timeout}")
 

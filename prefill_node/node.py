@@ -15,7 +15,6 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -51,20 +50,6 @@ class PrefillJob:
     aborted: bool = False
 
 
-class _ScheduleTap:
-    """Remembers the engine's last scheduled batch, so the per-layer hook knows which prompts
-    finish their prefill in the step being computed (only those can be sent layer by layer)."""
-
-    def __init__(self, scheduler: Any) -> None:
-        self._schedule = scheduler.schedule
-        self.batch = None
-        scheduler.schedule = self
-
-    def __call__(self):
-        self.batch = self._schedule()
-        return self.batch
-
-
 class PrefillNode(NodeService):
     role = "prefill"
 
@@ -77,7 +62,6 @@ class PrefillNode(NodeService):
         self.num_layers = self.engine.model_config.num_layers
         self.sender = KVSender(self.engine.kv_pool.tensor, backend=config.kv_backend)
         self.layerwise = layerwise
-        self._tap = _ScheduleTap(self.engine.scheduler) if layerwise else None
         self.max_jobs = max_jobs or 2 * config.max_num_seqs
         self.jobs: dict[str, PrefillJob] = {}  # loop side: not yet answered
         self._engine_jobs: dict[str, PrefillJob] = {}  # engine-thread side: in the engine or sending
@@ -227,7 +211,7 @@ class PrefillNode(NodeService):
     def _on_layer(self, layer: int) -> None:
         if layer == 0:
             self._layer_jobs = []
-            batch = self._tap.batch if self._tap else None
+            batch = self.engine.current_batch
             for seq, n in zip(batch.seqs if batch else (), batch.num_new_tokens if batch else ()):
                 job = self._engine_jobs.get(seq.request_id)
                 if job is not None and job.transfer is None and seq.num_computed_tokens + n >= seq.num_prompt_tokens:

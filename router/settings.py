@@ -8,9 +8,6 @@ import socket
 from dataclasses import dataclass, fields
 from typing import Any
 
-POLICY_ALIASES = {"load": "prefix_aware"}
-
-
 def default_router_id() -> str:
     return f"router-{socket.gethostname()}-{os.getpid()}"
 
@@ -40,7 +37,6 @@ class RouterSettings:
         values = {f.name: getattr(config, f.name) for f in fields(cls) if hasattr(config, f.name)}
         values.update(overrides)
         settings = cls(**values)
-        settings.routing_policy = POLICY_ALIASES.get(settings.routing_policy, settings.routing_policy)
         if not settings.node_id:
             settings.node_id = default_router_id()
         return settings

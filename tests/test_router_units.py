@@ -176,13 +176,13 @@ def test_make_policy_and_settings() -> None:
 
     class Cfg:
         model = "/m"
-        routing_policy = "load"
+        routing_policy = "least_loaded"
         port = 9
         node_id = ""
         unrelated = 1
 
     s = RouterSettings.from_config(Cfg())
-    assert s.routing_policy == "prefix_aware" and s.port == 9 and s.node_id.startswith("router-")
+    assert s.routing_policy == "least_loaded" and s.port == 9 and s.node_id.startswith("router-")
 
 
 # -- cluster view
@@ -220,3 +220,10 @@ async def test_cluster_skips_cordoned_nodes_and_reads_load_reports() -> None:
         await asyncio.gather(task, return_exceptions=True)
         await cluster.stop()
         pub.close()
+
+
+def test_config_accepts_exactly_the_router_policies():
+    from pdcluster.config import ROUTING_POLICIES
+    from router.policies import POLICIES
+
+    assert set(ROUTING_POLICIES) == set(POLICIES)
