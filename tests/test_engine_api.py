@@ -338,8 +338,8 @@ def test_attention_backend_registry():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype):
-    """Paged attention through scattered block tables equals dense causal attention (both decode paths:
-    SDPA for fp32, matmuls for bf16; and a prefill chunk after cached context)."""
+    """Paged attention through scattered block tables equals dense causal attention (grouped decode in
+    fp32 and bf16, and a prefill chunk after cached context)."""
     from engine.attention import AttentionMetadata, PrefillChunk
     from engine.attention.torch_backend import TorchAttentionBackend
 
