@@ -26,8 +26,8 @@ from pdcluster.config import NodeConfig
 from pdcluster.membership import NodeInfo
 from pdcluster.node_runtime import EngineThread, NodeService, engine_args_from_config
 from pdcluster.protocol import Abort, Generate, Load, Message, Prefill, PrefillDone, Reject, Tokens
+from pdcluster.transport import PeerDealers
 from decode_node.metrics import DecodeMetrics
-from decode_node.peers import PrefillPeers
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class DecodeNode(NodeService):
         self.block_size = self.engine.block_size
         self.max_model_len = self.engine.model_config.max_model_len
         self.requests: dict[str, DecodeRequest] = {}
-        self.peers: PrefillPeers | None = None
+        self.peers: PeerDealers | None = None
 
     def _make_shared_pool(self, shape: tuple[int, ...], dtype) -> Any:
         """KV pool in POSIX shm (CPU), so a same-host prefill node copies straight into it."""
@@ -96,7 +96,7 @@ class DecodeNode(NodeService):
     async def on_start(self) -> None:
         self.engine_thread = EngineThread(self.engine, self.loop, self._on_outputs)
         self.engine_thread.start()
-        self.peers = PrefillPeers(self._on_peer_message)
+        self.peers = PeerDealers(self._on_peer_message)
         self._tasks_extra = [asyncio.create_task(self._deadline_loop(), name="deadlines")]
 
     async def on_stop(self) -> None:
@@ -205,7 +205,7 @@ class DecodeNode(NodeService):
             skip = cached_tokens // self.block_size
             dst = self.receiver.reserve(rid, req.blocks[skip:], timeout_s=self.prefill_timeout)
             req.prefill_done = self.loop.create_future()
-            sent = self.peers.send(peer, Prefill(
+            sent = self.peers.send(peer.node_id, peer.control_addr, Prefill(
                 rid=rid, prompt_ids=prompt, sampling=req.params.to_dict(), dst=dst.to_dict(),
                 decode_node=self.node_id, deadline=dst.deadline, skip_blocks=skip))
             if not sent:
@@ -272,7 +272,7 @@ class DecodeNode(NodeService):
     async def _release_reservation(self, req: DecodeRequest, notify: str | None) -> None:
         """Cancel the receiver's reservation, wait until no write can land, then free the blocks."""
         if notify is not None:
-            self.peers.send_to(notify, Abort(rid=req.rid))
+            self.peers.send_existing(notify, Abort(rid=req.rid))
         self.receiver.cancel(req.rid)
         try:
             await self.receiver.wait(req.rid, timeout=RELEASE_TIMEOUT)

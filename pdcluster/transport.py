@@ -160,6 +160,48 @@ class DealerClient:
         self._sock.close(linger=0)
 
 
+class PeerDealers:
+    """One DEALER per peer node, connected on first use and reconnected when the peer's address
+    changes; every message a peer sends goes to `on_message(node_id, msg)` (on the event loop)."""
+
+    def __init__(self, on_message: Callable[[str, Message], None]) -> None:
+        self._on_message = on_message
+        self._peers: dict[str, tuple[str, DealerClient, asyncio.Task]] = {}
+
+    def send(self, node_id: str, address: str, msg: Message) -> bool:
+        peer = self._peers.get(node_id)
+        if peer is None or peer[0] != address:
+            self.drop(node_id)
+            dealer = DealerClient()
+            dealer.connect(address)
+            reader = asyncio.create_task(self._read_loop(node_id, dealer), name=f"peer:{node_id}")
+            peer = self._peers[node_id] = (address, dealer, reader)
+        return peer[1].send(msg)
+
+    def send_existing(self, node_id: str, msg: Message) -> bool:
+        """Send only on an open connection (e.g. an Abort); False when there is none."""
+        peer = self._peers.get(node_id)
+        return peer is not None and peer[1].send(msg)
+
+    def drop(self, node_id: str) -> None:
+        peer = self._peers.pop(node_id, None)
+        if peer is not None:
+            peer[2].cancel()
+            peer[1].close()
+
+    def close(self) -> None:
+        for node_id in list(self._peers):
+            self.drop(node_id)
+
+    async def _read_loop(self, node_id: str, dealer: DealerClient) -> None:
+        while True:
+            msg = await dealer.recv()
+            try:
+                self._on_message(node_id, msg)
+            except Exception:
+                log.exception("handling %s from %s failed", msg.TYPE, node_id)
+
+
 class LoadPublisher:
     """PUB socket a node publishes its `Load` on; routers subscribe."""
 

@@ -1,6 +1,6 @@
 """Per-request token streams from decode nodes over zmq, with retries and migration.
 
-One DEALER per decode node; a reader task demultiplexes `Tokens` / `Reject` by rid into
+One DEALER per decode node (`PeerDealers`); replies are demultiplexed `Tokens` / `Reject` by rid into
 per-request queues. Each attempt of a request gets its own rid (`<request id>.<attempt>`), so
 late messages from a node the request has left are simply dropped.
 
@@ -20,8 +20,8 @@ import time
 import uuid
 from typing import Any
 
-from pdcluster.protocol import Abort, Generate, Reject, Tokens
-from pdcluster.transport import DealerClient
+from pdcluster.protocol import Abort, Generate, Message, Reject, Tokens
+from pdcluster.transport import PeerDealers
 from router.cluster import NodeState, RouterCluster
 from router.metrics import RouterMetrics
 from router.policies import Prompt, RoutingPolicy, choose_prefill, note_assignment
@@ -45,27 +45,6 @@ class StreamFailed(Exception):
     """The request could not be completed (deadline, migrations exhausted)."""
 
 
-class NodeConnection:
-    def __init__(self, node_id: str, address: str) -> None:
-        self.node_id = node_id
-        self.address = address
-        self.dealer = DealerClient()
-        self.dealer.connect(address)
-        self.queues: dict[str, asyncio.Queue] = {}
-        self._reader = asyncio.create_task(self._read_loop())
-
-    async def _read_loop(self) -> None:
-        while True:
-            msg = await self.dealer.recv()
-            queue = self.queues.get(getattr(msg, "rid", None))
-            if queue is not None:
-                queue.put_nowait(msg)
-
-    def close(self) -> None:
-        self._reader.cancel()
-        self.dealer.close()
-
-
 class DecodeClient:
     def __init__(self, cluster: RouterCluster, policy: RoutingPolicy, settings: RouterSettings,
                  metrics: RouterMetrics) -> None:
@@ -73,31 +52,22 @@ class DecodeClient:
         self.policy = policy
         self.settings = settings
         self.metrics = metrics
-        self._connections: dict[str, NodeConnection] = {}
-        cluster.on_removed.append(self._drop_connection)
+        self.queues: dict[str, asyncio.Queue] = {}   # per attempt rid: late replies to a left node are dropped
+        self.dealers = PeerDealers(self._on_message)
+        cluster.on_removed.append(self.dealers.drop)
 
     def stream(self, prompt_ids: list[int], sampling: dict[str, Any], deadline: float) -> RequestStream:
         """A stream for one engine request (one choice); call `start()` then `next()`."""
         return RequestStream(self, prompt_ids, sampling, deadline)
 
-    def connection(self, node: NodeState) -> NodeConnection:
-        conn = self._connections.get(node.id)
-        if conn is None or conn.address != node.info.control_addr:
-            if conn is not None:
-                conn.close()
-            conn = NodeConnection(node.id, node.info.control_addr)
-            self._connections[node.id] = conn
-        return conn
-
-    def _drop_connection(self, node_id: str) -> None:
-        conn = self._connections.pop(node_id, None)
-        if conn is not None:
-            conn.close()
+    def _on_message(self, node_id: str, msg: Message) -> None:
+        queue = self.queues.get(getattr(msg, "rid", None))
+        if queue is not None:
+            queue.put_nowait(msg)
 
     def close(self) -> None:
-        for conn in self._connections.values():
-            conn.close()
-        self._connections.clear()
+        self.dealers.close()
+        self.queues.clear()
 
     def place(self, token_ids: list[int], max_tokens: int, exclude: set[str]) -> tuple[NodeState, NodeState | None]:
         """(decode node, prefill node or None) for a request, or NoCapacity."""
@@ -130,7 +100,7 @@ class RequestStream:
         self._retries = 0
         self._migrations = 0
         self._retry_after = 0.0
-        self._conn: NodeConnection | None = None
+        self._node_id: str | None = None   # decode node of the current attempt
         self._rid = ""
         self._queue: asyncio.Queue | None = None
         self._last_message = 0.0
@@ -139,7 +109,7 @@ class RequestStream:
 
     @property
     def node_id(self) -> str | None:
-        return self._conn.node_id if self._conn else None
+        return self._node_id
 
     async def start(self) -> None:
         """Submit and wait for the first tokens: NoCapacity here means nothing was sent to the client."""
@@ -153,14 +123,14 @@ class RequestStream:
         while True:
             if self.finished:
                 raise StreamFailed("stream already finished")
-            if self._conn is None:
+            if self._node_id is None:
                 self._submit()
             msg = await self._wait()
             if isinstance(msg, Reject):
-                self.client.metrics.backend_requests.labels(self._conn.node_id, "rejected").inc()
-                log.info("request %s: rejected by decode node %s: %s", self.request_id, self._conn.node_id,
+                self.client.metrics.backend_requests.labels(self._node_id, "rejected").inc()
+                log.info("request %s: rejected by decode node %s: %s", self.request_id, self._node_id,
                          msg.reason, extra={"request_id": self._rid})
-                self._rejected.add(self._conn.node_id)
+                self._rejected.add(self._node_id)
                 self._retry_after = max(self._retry_after, msg.retry_after)
                 self._detach(send_abort=False)
                 self._retries += 1
@@ -174,7 +144,7 @@ class RequestStream:
                 self._migrate(reason)
                 continue
             if self._sent_at:
-                self.client.metrics.backend_first_token.labels(self._conn.node_id).observe(time.monotonic() - self._sent_at)
+                self.client.metrics.backend_first_token.labels(self._node_id).observe(time.monotonic() - self._sent_at)
                 self._sent_at = 0.0
             self._last_message = time.monotonic()
             if msg.num_prompt_tokens and not self.prefill_path:
@@ -183,9 +153,9 @@ class RequestStream:
                 self.prefill_path = msg.prefill_path
             self.output_ids.extend(msg.ids)
             if msg.finish is not None:
-                self.client.metrics.backend_requests.labels(self._conn.node_id, "ok").inc()
+                self.client.metrics.backend_requests.labels(self._node_id, "ok").inc()
                 log.info("request %s: finished on %s (%s, %d tokens, prefill %s)", self.request_id,
-                         self._conn.node_id, msg.finish, len(self.output_ids), self.prefill_path or "?",
+                         self._node_id, msg.finish, len(self.output_ids), self.prefill_path or "?",
                          extra={"request_id": self._rid})
                 self.finished = True
                 self._detach(send_abort=False)
@@ -193,7 +163,7 @@ class RequestStream:
 
     def abort(self, reason: str = "client") -> None:
         """Stop the request on its decode node (idempotent; no-op once finished)."""
-        if self._conn is not None and not self.finished:
+        if self._node_id is not None and not self.finished:
             self.client.metrics.aborts.labels(reason).inc()
         self.finished = True
         self._detach(send_abort=True)
@@ -213,14 +183,13 @@ class RequestStream:
             raise
         self._attempt += 1
         self._rid = f"{self.request_id}.{self._attempt}"
-        self._conn = self.client.connection(decode)
-        self._queue = asyncio.Queue()
-        self._conn.queues[self._rid] = self._queue
+        self._node_id = decode.id
+        self._queue = self.client.queues[self._rid] = asyncio.Queue()
         self._last_message = self._sent_at = time.monotonic()
         log.info("request %s: attempt %d to decode node %s, prefill %s (%d prompt + %d resumed tokens)",
                  self.request_id, self._attempt, decode.id, prefill.id if prefill else "local",
                  len(self.prompt_ids), len(self.output_ids), extra={"request_id": self._rid})
-        sent = self._conn.dealer.send(Generate(
+        sent = self.client.dealers.send(decode.id, decode.info.control_addr, Generate(
             rid=self._rid, prompt_ids=self.prompt_ids, sampling=self.sampling,
             prefill_node=prefill.id if prefill else None, deadline=self.deadline,
             router=self.client.settings.node_id, resume_ids=list(self.output_ids)))
@@ -229,7 +198,7 @@ class RequestStream:
 
     async def _wait(self) -> Tokens | Reject | None:
         """The node's next message, or None when it stalled / left the view / the deadline passed."""
-        assert self._queue is not None and self._conn is not None
+        assert self._queue is not None and self._node_id is not None
         stall = self.client.settings.stall_timeout
         while True:
             try:
@@ -239,13 +208,13 @@ class RequestStream:
             if time.time() > self.deadline:
                 self.abort("deadline")
                 raise StreamFailed("request deadline exceeded")
-            if not self.client.cluster.is_alive(self._conn.node_id):
+            if not self.client.cluster.is_alive(self._node_id):
                 return None
             if time.monotonic() - self._last_message > stall:
                 return None
 
     def _migrate(self, reason: str) -> None:
-        node_id = self._conn.node_id if self._conn else "?"
+        node_id = self._node_id or "?"
         self._failed.add(node_id)
         self.client.metrics.backend_requests.labels(node_id, "failed").inc()
         self._detach(send_abort=True)
@@ -257,10 +226,10 @@ class RequestStream:
         self.client.metrics.migrations.inc()
 
     def _detach(self, send_abort: bool) -> None:
-        if self._conn is None:
+        if self._node_id is None:
             return
-        self._conn.queues.pop(self._rid, None)
+        self.client.queues.pop(self._rid, None)
         if send_abort:
-            self._conn.dealer.send(Abort(rid=self._rid))
-        self._conn = None
+            self.client.dealers.send_existing(self._node_id, Abort(rid=self._rid))
+        self._node_id = None
         self._queue = None

@@ -73,7 +73,7 @@ def _stop_nodes(env):
     # Every path (finish, stop string, disconnect, failure) releases its request in the router.
     router = env.app.state.router
     assert wait_until(lambda: env.http.get("/health").json()["in_flight"] == 0, timeout=5)
-    assert wait_until(lambda: not any(c.queues for c in list(router.decode._connections.values())), timeout=5)
+    assert wait_until(lambda: not router.decode.queues, timeout=5)
     for n in env.nodes:
         n.stop()
     env.nodes.clear()

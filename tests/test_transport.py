@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from pdcluster import protocol
 from pdcluster.protocol import Abort, Generate, Load, Ping, Pong, Prefill, PrefillDone, Reject, Tokens
-from pdcluster.transport import DealerClient, LoadPublisher, LoadSubscriber, RouterServer
+from pdcluster.transport import DealerClient, LoadPublisher, LoadSubscriber, PeerDealers, RouterServer
 
 SAMPLES = [
     Generate(rid="r1", prompt_ids=[1, 2, 3], sampling={"temperature": 0.0, "stop": ["x"]}, prefill_node=None,
@@ -161,3 +161,33 @@ async def test_load_reports_arrive_over_pub_sub() -> None:
 def test_load_fields_survive_encoding() -> None:
     load = Load(node_id="d1", role="decode", free_blocks=3)
     assert dataclasses.asdict(protocol.decode(protocol.encode(load))) == dataclasses.asdict(load)
+
+
+async def test_peer_dealers_route_replies_and_reconnect_when_the_address_changes() -> None:
+    old, new = RouterServer(), RouterServer()
+    old_addr, new_addr = old.bind("tcp://127.0.0.1:0"), new.bind("tcp://127.0.0.1:0")
+    got: list[tuple[str, protocol.Message]] = []
+    peers = PeerDealers(lambda node_id, msg: got.append((node_id, msg)))
+    try:
+        assert not peers.send_existing("n1", Ping(nonce=0))  # no connection yet
+        assert peers.send("n1", old_addr, Ping(nonce=1))
+        identity, msg = await asyncio.wait_for(old.recv(), 5)
+        assert msg == Ping(nonce=1)
+        old.send(identity, Pong(nonce=1))
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.02)
+        assert got == [("n1", Pong(nonce=1))]
+
+        assert peers.send("n1", new_addr, Ping(nonce=2))  # the node moved: a new connection
+        identity, msg = await asyncio.wait_for(new.recv(), 5)
+        assert msg == Ping(nonce=2)
+        assert peers.send_existing("n1", Abort(rid="x"))
+        assert (await asyncio.wait_for(new.recv(), 5))[1] == Abort(rid="x")
+        peers.drop("n1")
+        assert not peers.send_existing("n1", Abort(rid="y"))
+    finally:
+        peers.close()
+        old.close()
+        new.close()
