@@ -33,24 +33,26 @@ DTYPE = torch.bfloat16
 
 
 def reps_for(size_mib: int) -> int:
-    return max(5, min(200, 512 // size_mib))
+    return max(8, min(200, 512 // size_mib))
 
 
 def _sender_main(conn, num_blocks: int) -> None:
     pool = torch.randn((num_blocks, *BLOCK)).to(DTYPE)
     senders: dict[tuple[str, int], KVSender] = {}
+    sock = None
+    junk = memoryview(bytearray(num_blocks * BLOCK_BYTES))
+    conn.send("ready")  # the parent measures nothing until this process is idle
     while True:
         msg = conn.recv()
         if msg is None:
             return
-        if msg[0] == "socket":
-            _, port, nbytes, reps = msg
-            buf = memoryview(bytearray(nbytes))
-            with socket.create_connection(("127.0.0.1", port)) as s:
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                for _ in range(reps + 1):
-                    s.sendall(buf)
-                    s.recv(1)
+        if msg[0] == "connect":
+            sock = socket.create_connection(("127.0.0.1", msg[1]))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            continue
+        if msg[0] == "socket":  # raw baseline: sendall, wait for the one-byte answer
+            sock.sendall(junk[: msg[1]])
+            sock.recv(1)
             continue
         _, backend, streams, dst = msg
         key = (backend, streams)
@@ -63,34 +65,42 @@ def _sender_main(conn, num_blocks: int) -> None:
         conn.send(time.perf_counter() - t0)
 
 
-def memcpy_gbps(nbytes: int, reps: int) -> float:
-    src = torch.randn(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    return nbytes * reps / (time.perf_counter() - t0) / 1e9
+class Limits:
+    """The physical limits, measured right before and right after the transfers of each size: this VM's
+    memory bandwidth drifts by 2x over minutes, so limits measured once up front mislead."""
 
+    def __init__(self, conn, max_bytes: int):
+        self.conn = conn
+        self.src = torch.randn(max_bytes // 4)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)
+        self.buf = memoryview(bytearray(max_bytes))
+        lsock = socket.create_server(("127.0.0.1", 0))
+        conn.send(("connect", lsock.getsockname()[1]))
+        self.sock, _ = lsock.accept()
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        lsock.close()
 
-def socket_gbps(conn, nbytes: int, reps: int) -> float:
-    """Child sendall's nbytes, we recv_into a preallocated buffer and answer one byte (ping-pong)."""
-    lsock = socket.create_server(("127.0.0.1", 0))
-    conn.send(("socket", lsock.getsockname()[1], nbytes, reps))
-    s, _ = lsock.accept()
-    buf = memoryview(bytearray(nbytes))
-    times = []
-    for i in range(reps + 1):
+    def memcpy_s(self, nbytes: int) -> float:
+        """torch copy_ into a preallocated buffer (all cores)."""
+        n = nbytes // 4
+        t0 = time.perf_counter()
+        self.dst[:n].copy_(self.src[:n])
+        return time.perf_counter() - t0
+
+    def socket_s(self, nbytes: int) -> float:
+        """The child sendall's nbytes over loopback, we recv_into a preallocated buffer and answer."""
+        self.conn.send(("socket", nbytes))
         t0 = time.perf_counter()
         got = 0
         while got < nbytes:
-            got += s.recv_into(buf[got:])
-        s.sendall(b"k")
-        if i:
-            times.append(time.perf_counter() - t0)
-    s.close()
-    lsock.close()
-    return nbytes * len(times) / sum(times) / 1e9
+            got += self.sock.recv_into(self.buf[got:nbytes])
+        self.sock.sendall(b"k")
+        return time.perf_counter() - t0
+
+
+def gbps(nbytes: int, times: list[float]) -> float:
+    return round(nbytes * len(times) / sum(times) / 1e9, 2)
 
 
 def int8_greedy(num_prompts: int = 16, max_tokens: int = 32) -> dict:
@@ -154,37 +164,59 @@ def main() -> None:
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(target=_sender_main, args=(child_conn, max_blocks), daemon=True)
     child.start()
-
-    big = max(sizes) * (1 << 20)
-    limits = {"memcpy_gbps": round(memcpy_gbps(big, 5), 2), "socket_gbps": round(socket_gbps(conn, big, 5), 2)}
+    if not conn.poll(120) or conn.recv() != "ready":
+        raise SystemExit("sender process did not start")
+    limits = Limits(conn, max_blocks * BLOCK_BYTES)
+    backends = args.backends.split(",")
     results = []
     n = 0
-    for backend in args.backends.split(","):
-        for size in sizes:
-            nblocks = size * (1 << 20) // BLOCK_BYTES
-            times = []
-            for i in range(reps_for(size) + 1):
+    for size in sizes:
+        nblocks = size * (1 << 20) // BLOCK_BYTES
+        nbytes = nblocks * BLOCK_BYTES
+        reps = reps_for(size)
+        times: dict[str, list[float]] = {b: [] for b in ["memcpy", "socket", *backends]}
+
+        def measure_limits() -> None:
+            for _ in range(reps):
+                times["memcpy"].append(limits.memcpy_s(nbytes))
+                times["socket"].append(limits.socket_s(nbytes))
+
+        measure_limits()
+        for backend in backends:  # back to back, so p50 is the latency of a transfer, not of a cold cache
+            for i in range(reps + 1):  # rep 0 warms up (connects, compiles) and is dropped
                 n += 1
                 dst = rx.reserve(f"r{n}", list(range(nblocks)))
                 conn.send(("xfer", backend, args.streams, dst.to_dict()))
-                times.append(conn.recv())
+                elapsed = conn.recv()
                 rx.wait_blocking(f"r{n}", 30)
-            times = times[1:]  # the first one connects
+                if i:
+                    times[backend].append(elapsed)
+        measure_limits()  # limits bracket the transfers they bound
+        memcpy, sock = gbps(nbytes, times["memcpy"]), gbps(nbytes, times["socket"])
+        for backend in backends:
+            limit_name, limit = ("memcpy", memcpy) if backend == "shm" else ("socket", sock)
+            rate = gbps(nbytes, times[backend])
             results.append({
-                "backend": backend, "size_mib": size, "gbps": round(nblocks * BLOCK_BYTES * len(times) / sum(times) / 1e9, 2),
-                "p50_ms": round(statistics.median(times) * 1e3, 3), "blocks": nblocks,
+                "backend": backend, "size_mib": size, "gbps": rate, "p50_ms": round(statistics.median(times[backend]) * 1e3, 3),
+                "blocks": nblocks, "limit": limit_name, "limit_gbps": limit, "vs_limit": round(rate / limit, 3),
             })  # fmt: skip
             if not args.json:
                 r = results[-1]
-                print(f"{backend:5s} {size:4d} MiB  {r['gbps']:6.2f} GB/s  p50 {r['p50_ms']:8.3f} ms", flush=True)
+                print(
+                    f"{backend:5s} {size:4d} MiB  {rate:6.2f} GB/s  p50 {r['p50_ms']:8.3f} ms  "
+                    f"{r['vs_limit']:6.1%} of {limit_name} ({limit:.2f} GB/s measured around them)",
+                    flush=True,
+                )
+    # the headline limits: those of the largest size, measured alongside its transfers
+    limits_out = {"memcpy_gbps": memcpy, "socket_gbps": sock}
     conn.send(None)
     child.join(10)
     rx.close()
     shm.close()
     if args.json:
-        print(json.dumps({"limits": limits, "results": results}))
+        print(json.dumps({"limits": limits_out, "results": results}))
     else:
-        print(f"limits: memcpy {limits['memcpy_gbps']} GB/s, raw socket {limits['socket_gbps']} GB/s")
+        print(f"limits at {sizes[-1]} MiB: memcpy {memcpy} GB/s, raw socket {sock} GB/s")
 
 
 if __name__ == "__main__":

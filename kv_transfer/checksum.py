@@ -1,40 +1,65 @@
 """End-to-end transfer checksum: cheap enough to leave on.
 
 Per block, the wrapping int64 sum of its bytes viewed as 64-bit words; blocks are then combined with
-odd weights (2k+1) so a block landing in the wrong slot changes the result. A vectorised torch
-reduction runs at ~27 GB/s on 2 cores here against ~2.8 GB/s for zlib.crc32 (see docs/kv_transfer.md).
+odd weights (2k+1) so a block landing in the wrong slot changes the result. CPU pools are summed with
+numpy (one thread, ~60-85 GB/s from cache here, and no OpenMP team to wake or to fight the peer
+process for the two cores); device pools with torch on the device. Both wrap modulo 2**64, so a GPU
+sender and a CPU receiver agree. zlib.crc32 manages ~2.8 GB/s (see docs/kv_transfer.md).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MASK64 = (1 << 64) - 1
+Words = np.ndarray | torch.Tensor
 
 
-def words(byte_tensor: torch.Tensor) -> torch.Tensor:
-    """Reinterpret the last (byte) dim of a uint8 tensor as the widest integer words that fit."""
+def words(byte_tensor: torch.Tensor) -> Words:
+    """Reinterpret the last (byte) dim of a uint8 tensor as the widest integer words that fit:
+    a numpy view for CPU tensors, a torch view on the device otherwise."""
     n = byte_tensor.shape[-1]
     for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
         if n % size == 0:
-            return byte_tensor.view(dtype)
-    return byte_tensor
+            view = byte_tensor.view(dtype)
+            break
+    else:
+        view = byte_tensor
+    return view.numpy() if view.device.type == "cpu" else view
 
 
-def checksum_runs(pool_words: torch.Tensor, block_runs: list[tuple[int, int]], l0: int, l1: int) -> int:
+def checksum_runs(pool_words: Words, block_runs: list[tuple[int, int]], l0: int, l1: int) -> int:
     """Checksum of blocks (start, length)... restricted to layers [l0, l1), in run order.
 
     pool_words: words(byte_view(pool)), shape [num_blocks, num_layers, words_per_layer].
     """
-    sums = [pool_words[s : s + n, l0:l1].sum(dim=(1, 2)) for s, n in block_runs]
-    per_block = sums[0] if len(sums) == 1 else torch.cat(sums)
-    weights = torch.arange(1, 2 * per_block.numel(), 2, dtype=torch.int64, device=per_block.device)
-    return int((per_block * weights).sum().item()) & MASK64
+    return weighted(block_sums(pool_words, block_runs, l0, l1))
+
+
+def block_sums(pool_words: Words, block_runs: list[tuple[int, int]], l0: int, l1: int) -> Words:
+    """Per-block wrapping sums of layers [l0, l1), in run order."""
+    if isinstance(pool_words, np.ndarray):
+        # [n, layers, words] -> [n, layers * words] is a view (layers are contiguous within a block)
+        sums = [pool_words[s : s + n, l0:l1].reshape(n, -1).sum(axis=1, dtype=np.int64) for s, n in block_runs]
+        return sums[0] if len(sums) == 1 else np.concatenate(sums)
+    sums_t = [pool_words[s : s + n, l0:l1].sum(dim=(1, 2)) for s, n in block_runs]
+    return sums_t[0] if len(sums_t) == 1 else torch.cat(sums_t)
+
+
+def weighted(per_block: Words) -> int:
+    """Combine per-block sums with weights 1, 3, 5, ... so a block in the wrong slot shows."""
+    if isinstance(per_block, np.ndarray):
+        weights = np.arange(1, 2 * per_block.size, 2, dtype=np.int64)
+        return int((per_block * weights).sum(dtype=np.int64)) & MASK64
+    weights_t = torch.arange(1, 2 * per_block.numel(), 2, dtype=torch.int64, device=per_block.device)
+    return int((per_block * weights_t).sum().item()) & MASK64
 
 
 def checksum_bytes(flat: torch.Tensor) -> int:
     """Checksum of a flat uint8 buffer (staging of compressed payloads)."""
-    return int(words(flat.reshape(1, -1)).sum().item()) & MASK64
+    w = words(flat.reshape(1, -1))
+    return int(w.sum(dtype=np.int64) if isinstance(w, np.ndarray) else w.sum().item()) & MASK64
 
 
 def combine(a: int, b: int) -> int:

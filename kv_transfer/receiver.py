@@ -4,7 +4,7 @@ Threads: one accept loop, one thread per sender connection (it reads straight in
 reaper that expires reservations past their deadline. Results reach the owner through `on_done`
 (called on an I/O thread), or `poll` / `wait_blocking` / `await wait`.
 
-Wire ops on a connection (see tcp.py for framing): hello → hello_ok | error; open → ok | error;
+Wire ops on a connection (see tcp.py for framing): hello → hello_ok | error; open → (error);
 write (+ payload for tcp, + a torch.distributed recv for gloo/nccl/hccl, nothing for shm);
 done → ack | error; abort. Any frame that is not well-formed drops the connection.
 """
@@ -30,6 +30,7 @@ from kv_transfer.checksum import MASK64, checksum_bytes, checksum_runs, combine,
 from kv_transfer.destination import Destination, host_id
 from kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
 from kv_transfer.layout import KVLayout, byte_view
+from kv_transfer.shm import block_tags, token_tag
 from kv_transfer.tcp import FrameError, IdleTimeout, configure, recv_frame, recv_into_views, send_frame
 
 log = logging.getLogger(__name__)
@@ -108,6 +109,7 @@ class KVReceiver:
         self._words = words(byte_view(pool))
         self._np_bytes = byte_view(pool).numpy() if pool.device.type == "cpu" else None
         self.backends = ["shm"] if shm_name else []
+        self._tags = block_tags(shm_name, self.layout.num_blocks) if shm_name else None
         if pool.device.type == "cpu":
             self.backends.append("tcp")
         self.backends.append(kvdist.backend_for_device(pool.device.type))
@@ -159,6 +161,8 @@ class KVReceiver:
             )
             self._reservations[request_id] = res
             self._reserved_blocks.update(block_ids)
+            if self._tags is not None:  # open to same-host senders holding the token
+                self._tags[block_ids] = token_tag(res.token)
             self._results.pop(request_id, None)
         return Destination(
             request_id=request_id,
@@ -239,8 +243,11 @@ class KVReceiver:
     def _fail_locked(self, res: _Reservation, error: str) -> None:
         if res.state == "failing":
             return
-        grace = self.shm_grace_s if res.backend == "shm" and res.state == "open" else 0.0
+        # A same-host sender checks the tags right before copying and does not wait for its open to be
+        # seen, so one may be copying even if it never said a word: hold the blocks back before reuse.
+        grace = self.shm_grace_s if self._tags is not None and res.backend in (None, "shm") else 0.0
         res.state, res.error, res.release_at = "failing", error, time.time() + grace
+        self._clear_tags(res)
         log.warning("kv receiver: reservation %s failed: %s", res.request_id, error)
         if res.done_conn is not None:
             res.done_conn.reply({"op": "error", "rid": res.request_id, "xid": res.done_xid, "error": error})
@@ -264,6 +271,7 @@ class KVReceiver:
         """Drop the reservation and hand its result over; returns the call to make outside the lock."""
         del self._reservations[res.request_id]
         self._reserved_blocks.difference_update(res.block_ids)
+        self._clear_tags(res)
         if not result.ok:
             self._recent_failures[res.request_id] = result.error or ""
             while len(self._recent_failures) > 1024:
@@ -274,6 +282,10 @@ class KVReceiver:
         if not waiters:
             self._results[result.request_id] = result
         return lambda: [fn(result) for fn in waiters]
+
+    def _clear_tags(self, res: _Reservation) -> None:
+        if self._tags is not None:
+            self._tags[res.block_ids] = 0
 
     def _call_on_done(self, result: TransferResult) -> None:
         try:
@@ -407,21 +419,21 @@ class KVReceiver:
                     log.warning("kv receiver: open of %r names blocks it did not reserve", rid)
                     conn.reply({"op": "error", "rid": rid, "xid": xid, "error": f"open names blocks not reserved by {rid!r}"})
                     return
+                # no "ok" reply: nobody waits for one (an error is the only answer to an open)
                 res.state, res.session, res.backend = "open", conn.session, conn.backend
-                conn.reply({"op": "ok", "rid": rid, "xid": xid})
             elif op == "abort":
                 self._fail_locked(res, f"aborted by the sender: {frame.get('reason', '')}")
             else:
-                writes, checksum = frame.get("writes"), frame.get("checksum")
-                if not isinstance(writes, int) or not isinstance(checksum, int):
-                    raise FrameError("done: writes and checksum must be ints")
-                res.expected_writes, res.done_checksum, res.done_conn, res.done_xid = writes, checksum & MASK64, conn, xid
-                res.session = res.session or conn.session
+                self._apply_done_locked(res, conn, _parse_done(frame), xid)
                 completed = self._maybe_complete_locked(res)
         if op == "abort":
             self._release_ready()
         elif completed is not None:
             completed()
+
+    def _apply_done_locked(self, res: _Reservation, conn: _Conn, done: tuple[int, int], xid: Any) -> None:
+        res.expected_writes, res.done_checksum, res.done_conn, res.done_xid = done[0], done[1], conn, xid
+        res.session = res.session or conn.session
 
     def _parse_write(self, frame: dict[str, Any]) -> tuple[list[tuple[int, int]], int, int, int, int, str | None]:
         runs, l0, l1 = frame.get("runs"), frame.get("l0"), frame.get("l1")
@@ -450,6 +462,10 @@ class KVReceiver:
         runs, l0, l1, nbytes, checksum, qmode = self._parse_write(frame)
         if qmode and conn.backend != "tcp":
             raise FrameError("write.quant: int8 wire compression is only supported over tcp")
+        done = _parse_done(frame["done"]) if "done" in frame else None  # the sender's last write may carry it
+        landed = frame.get("landed")
+        if conn.backend == "shm" and not isinstance(landed, int):
+            raise FrameError("write.landed: an shm write must carry the checksum read back from the pool")
         with self._lock:
             try:
                 res = self._check_access(frame)
@@ -470,7 +486,7 @@ class KVReceiver:
             self._discard_payload(conn, nbytes)
             return
         try:
-            landed = self._receive(conn, runs, l0, l1, nbytes, qmode)
+            landed = self._receive(conn, runs, l0, l1, nbytes, qmode, landed)
         except BaseException as exc:
             with self._lock:
                 res.inflight -= 1
@@ -487,17 +503,23 @@ class KVReceiver:
                 self._fail_locked(res, error)
                 conn.reply({"op": "error", "rid": res.request_id, "xid": frame.get("xid"), "error": error})
             else:
+                if done is not None:
+                    self._apply_done_locked(res, conn, done, frame.get("xid"))
                 completed = self._maybe_complete_locked(res)
         if completed is not None:
             completed()
         else:
             self._release_ready()
 
-    def _receive(self, conn: _Conn, runs: list[tuple[int, int]], l0: int, l1: int, nbytes: int, qmode: str | None) -> int:
+    def _receive(
+        self, conn: _Conn, runs: list[tuple[int, int]], l0: int, l1: int, nbytes: int, qmode: str | None, landed: int | None
+    ) -> int:
         """Land one write's bytes in the pool; return the checksum of what landed."""
         full = l0 == 0 and l1 == self.layout.num_layers
         if conn.backend == "shm":
-            pass  # the sender already copied into the shared pool
+            # The sender copied into the shared pool and read each block back from it while still in
+            # cache (fused_copy): its "landed" sum is of these very pages, without a second DRAM pass here.
+            return landed & MASK64
         elif conn.backend == "tcp" and qmode == "int8":
             staging = torch.empty(nbytes, dtype=torch.uint8)
             recv_into_views(conn.sock, [memoryview(staging.numpy())])
@@ -543,6 +565,14 @@ class KVReceiver:
             if got == 0:
                 raise ConnectionError("peer closed the connection")
             nbytes -= got
+
+
+def _parse_done(body: Any) -> tuple[int, int]:
+    """(writes, checksum) of a done frame, or of the "done" map a last write carries."""
+    writes, checksum = (body.get("writes"), body.get("checksum")) if isinstance(body, dict) else (None, None)
+    if not isinstance(writes, int) or not isinstance(checksum, int):
+        raise FrameError("done: writes and checksum must be ints")
+    return writes, checksum & MASK64
 
 
 def _raise_if_failed(result: TransferResult) -> TransferResult:

@@ -20,16 +20,18 @@ from itertools import count
 from typing import Any, Callable
 
 import msgpack
+import numpy as np
 import torch
 
 from kv_transfer import dist as kvdist
 from kv_transfer import quant as kvquant
-from kv_transfer.checksum import checksum_bytes, checksum_runs, combine, words
+from kv_transfer.checksum import block_sums, checksum_bytes, checksum_runs, combine, weighted, words
+from kv_transfer.fused_copy import copy_blocks, warm_up
 from kv_transfer.destination import Destination, host_id
 from kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
 from kv_transfer.layout import KVLayout, byte_view, runs
 from kv_transfer.receiver import WIRE_VERSION
-from kv_transfer.shm import SHM_DIR, SharedKVPool
+from kv_transfer.shm import SHM_DIR, SharedKVPool, token_tag
 from kv_transfer.tcp import IdleTimeout, configure, recv_frame, send_frame, send_views
 
 log = logging.getLogger(__name__)
@@ -54,9 +56,11 @@ class Transfer:
         self._pending = 0  # write frames not yet sent
         self._checksum = 0
         self._error: BaseException | None = None
-        self._opened = threading.Event()
+        self._failed_event = threading.Event()
         self._finished = threading.Event()
         self._finish_queued = False
+        self._done_sent = False  # "done" went out with the last write
+        self._done_checksum: int | None = None  # the total the done frame announced
         self.checksum: int | None = None
 
     def send_layers(self, l0: int, l1: int) -> None:
@@ -102,7 +106,7 @@ class Transfer:
             if self._error is None and not self._finished.is_set():
                 self._error = exc
             self._lock.notify_all()
-        self._opened.set()
+        self._failed_event.set()
         self._finished.set()
 
     def _sent(self, checksum: int) -> None:
@@ -113,8 +117,8 @@ class Transfer:
 
     def _acked(self, checksum: int) -> None:
         with self._lock:
-            if self._error is None and checksum != self._checksum:
-                self._error = ChecksumError(f"kv transfer {self.request_id!r}: ack checksum {checksum:#x} != sent {self._checksum:#x}")
+            if self._error is None and checksum != self._done_checksum:
+                self._error = ChecksumError(f"kv transfer {self.request_id!r}: ack checksum {checksum:#x} != sent {self._done_checksum!r}")
             self.checksum = checksum
         self._finished.set()
 
@@ -164,6 +168,7 @@ class _Stream:
             self.pg = kvdist.pair_group(peer.backend, store, 1, local_ip, sender.io_timeout, peer.session)
             self._store = store
         self.queue: queue.Queue = queue.Queue()
+        self.send_lock = threading.Lock()
         self.dead: BaseException | None = None
         for target in (self._work_loop, self._read_loop):
             threading.Thread(target=target, name=f"kv-send-{index}", daemon=True).start()
@@ -174,6 +179,13 @@ class _Stream:
             return
         self.queue.put((transfer, fn, even_if_failed))
 
+    def run_now(self, transfer: Transfer, fn: Callable[["_Stream"], None]) -> None:
+        """Run a short op (one small frame) on the caller's thread, sparing the hand-off to the worker."""
+        if self.dead is not None:
+            transfer._fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {self.dead}"))
+            return
+        self._run(transfer, fn)
+
     def close(self) -> None:
         self.queue.put(None)
         try:
@@ -183,13 +195,11 @@ class _Stream:
 
     # ---- ops (run on the worker thread) ---------------------------------------------------------
 
-    def open(self, t: Transfer, wait: bool) -> None:
+    def open(self, t: Transfer) -> None:
         blocks = [d + i for d, _, n in t._runs for i in range(n)]
         if max(blocks) >= self.remote_layout.num_blocks:
             raise TransferError(f"kv transfer {t.request_id!r}: destination block {max(blocks)} outside the receiver pool")
         self._send({"op": "open", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "blocks": blocks})
-        if wait and not t._opened.wait(self.peer.sender.io_timeout):
-            raise TransferError(f"kv transfer {t.request_id!r}: receiver did not answer open")
 
     def write(self, t: Transfer, part: list[tuple[int, int, int]], l0: int, l1: int) -> None:
         sender = self.peer.sender
@@ -206,7 +216,7 @@ class _Stream:
             if sender.corrupt_writes_for_test:
                 payload = payload.clone()
                 payload[0] ^= 1
-            self._send({**header, "nbytes": payload.numel(), "checksum": checksum, "quant": "int8"}, [memoryview(payload.numpy())])
+            self._send({**header, "nbytes": payload.numel(), "checksum": checksum, "quant": "int8", **self._done_fields(t, checksum)}, [memoryview(payload.numpy())])
         elif backend == "tcp":
             checksum = checksum_runs(sender.words, src_runs, l0, l1)
             nb = sender.np_bytes
@@ -216,20 +226,24 @@ class _Stream:
                 views = [memoryview(nb[b, l0:l1].reshape(-1)) for s, n in src_runs for b in range(s, s + n)]
             if sender.corrupt_writes_for_test:
                 views[0] = _corrupted(views[0])
-            self._send({**header, "nbytes": sum(len(v) for v in views), "checksum": checksum}, views)
+            self._send({**header, "nbytes": sum(len(v) for v in views), "checksum": checksum, **self._done_fields(t, checksum)}, views)
         elif backend == "shm":
-            dst_pool = self.peer.shm.tensor
-            for d, s, n in part:
-                dst_pool[d : d + n, l0:l1].copy_(sender.pool[s : s + n, l0:l1])
-            checksum = checksum_runs(sender.words, src_runs, l0, l1)
-            if sender.corrupt_writes_for_test:
-                byte_view(dst_pool)[part[0][0], l0, 0] ^= 1
+            dst_ids = np.array([d + i for d, _, n in part for i in range(n)], dtype=np.int64)
+            src_ids = np.array([s + i for _, s, n in part for i in range(n)], dtype=np.int64)
+            self._check_tags(t, dst_ids, "is not open to this transfer")  # no round trip to ask
+            wpl = sender.words.shape[2]  # words per layer
+            sent, landed = copy_blocks(self.peer.shm_words, sender.block_words, dst_ids, src_ids, l0 * wpl, l1 * wpl)
+            self._check_tags(t, dst_ids, "was withdrawn during the copy")
+            if sender.corrupt_writes_for_test:  # a byte changes after the copy; read back the slow way
+                byte_view(self.peer.shm.tensor)[part[0][0], l0, 0] ^= 1
+                landed = block_sums(words(byte_view(self.peer.shm.tensor)), [(d, n) for d, _, n in part], l0, l1)
+            checksum, landed_checksum = weighted(sent), weighted(landed)
             nbytes = sum(n for _, n in src_runs) * (l1 - l0) * sender.layout.layer_bytes
-            self._send({**header, "nbytes": nbytes, "checksum": checksum})
+            self._send({**header, "nbytes": nbytes, "checksum": checksum, "landed": landed_checksum, **self._done_fields(t, checksum)})
         else:
             checksum = checksum_runs(sender.words, src_runs, l0, l1)
             nblocks = sum(n for _, n in src_runs)
-            self._send({**header, "nbytes": nblocks * (l1 - l0) * sender.layout.layer_bytes, "checksum": checksum})
+            self._send({**header, "nbytes": nblocks * (l1 - l0) * sender.layout.layer_bytes, "checksum": checksum, **self._done_fields(t, checksum)})
             tensors = (
                 [sender.pool[s : s + n] for s, n in src_runs]
                 if full
@@ -242,6 +256,22 @@ class _Stream:
                 kvdist.send(self.pg, x, 0)
         t._sent(checksum)
 
+    def _check_tags(self, t: Transfer, dst_ids: np.ndarray, what: str) -> None:
+        """Raise unless every destination block is still open to this reservation (shm.py)."""
+        if not (self.peer.shm.tags[dst_ids] == token_tag(t.dst.token)).all():
+            t._failed_event.wait(0.5)  # the receiver's error answer to our open, if it comes, says why
+            raise t._error or TransferError(f"kv transfer {t.request_id!r}: reservation {what} (failed, expired or cancelled)")
+
+    def _done_fields(self, t: Transfer, checksum: int) -> dict[str, Any]:
+        """When finish() was already called and this is the transfer's last unsent write, the write
+        carries the "done" too: one frame and one receiver wake-up less per transfer."""
+        with t._lock:
+            if t._finish_queued and t._pending == 1 and not t._done_sent and t._error is None:
+                t._done_sent = True
+                t._done_checksum = combine(t._checksum, checksum)
+                return {"done": {"writes": t._writes, "checksum": t._done_checksum}}
+        return {}
+
     def done(self, t: Transfer, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         with t._lock:
@@ -249,7 +279,9 @@ class _Stream:
                 if not t._lock.wait(max(0.0, deadline - time.monotonic())):
                     raise TransferError(f"kv transfer {t.request_id!r}: writes not sent within {timeout} s")
             writes, checksum = t._writes, t._checksum
-        if t._error is None:
+            if not t._done_sent:
+                t._done_checksum = checksum
+        if t._error is None and not t._done_sent:
             self._send({"op": "done", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "writes": writes, "checksum": checksum})
 
     def abort(self, t: Transfer, reason: str) -> None:
@@ -257,7 +289,8 @@ class _Stream:
 
     def _send(self, body: dict[str, Any], payload: list[memoryview] | None = None) -> None:
         data = msgpack.packb(body, use_bin_type=True)
-        send_views(self.sock, [memoryview(_LEN.pack(len(data)) + data), *(payload or [])])
+        with self.send_lock:  # the worker and run_now callers share the socket
+            send_views(self.sock, [memoryview(_LEN.pack(len(data)) + data), *(payload or [])])
 
     # ---- threads ---------------------------------------------------------------------------------
 
@@ -272,15 +305,18 @@ class _Stream:
                 continue
             if transfer.failed and not even_if_failed:
                 continue
-            try:
-                fn(self)
-            except (OSError, ConnectionError) as exc:
-                self._die(exc)
-                transfer._fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {exc}"))
-            except Exception as exc:
-                if not isinstance(exc, TransferError):
-                    exc = TransferError(f"kv transfer {transfer.request_id!r}: {type(exc).__name__}: {exc}")
-                transfer._fail(exc)
+            self._run(transfer, fn)
+
+    def _run(self, transfer: Transfer, fn: Callable[["_Stream"], None]) -> None:
+        try:
+            fn(self)
+        except (OSError, ConnectionError) as exc:
+            self._die(exc)
+            transfer._fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {exc}"))
+        except Exception as exc:
+            if not isinstance(exc, TransferError):
+                exc = TransferError(f"kv transfer {transfer.request_id!r}: {type(exc).__name__}: {exc}")
+            transfer._fail(exc)
 
     def _read_loop(self) -> None:
         try:
@@ -293,9 +329,7 @@ class _Stream:
                 if t is None:
                     continue
                 op = frame["op"]
-                if op == "ok":
-                    t._opened.set()
-                elif op == "ack":
+                if op == "ack":
                     t._acked(int(frame.get("checksum", -1)))
                 elif op == "error":
                     err = str(frame.get("error"))
@@ -324,6 +358,7 @@ class _Peer:
         self.streams += [_Stream(self, i) for i in range(1, nstreams)]
         if backend == "shm":
             self.shm = SharedKVPool.attach(dst.shm_name, self.streams[0].remote_layout.shape, sender.pool.dtype)
+            self.shm_words = words(byte_view(self.shm.tensor)).reshape(self.shm.tensor.shape[0], -1)
 
     def forget(self, t: Transfer) -> None:
         self.transfers.pop(t.xid, None)
@@ -360,6 +395,9 @@ class KVSender:
         self.layout = KVLayout.of(pool)
         self.words = words(byte_view(pool))
         self.np_bytes = byte_view(pool).numpy() if pool.device.type == "cpu" else None
+        if self.np_bytes is not None:  # the shm path copies with fused_copy: compile it now, off the hot path
+            self.block_words = self.words.reshape(pool.shape[0], -1)
+            threading.Thread(target=warm_up, name="kv-send-warm-up", daemon=True).start()
         self.backend = backend
         self.num_streams = num_streams
         self.quant = quant
@@ -384,7 +422,7 @@ class KVSender:
         peer = self._peer(dst, backend)
         t = Transfer(self, peer, dst, list(src_block_ids), dst_ids)
         peer.transfers[t.xid] = t
-        peer.streams[0].submit(t, lambda s: s.open(t, wait=backend == "shm"))
+        peer.streams[0].run_now(t, lambda s: s.open(t))
         return t
 
     def send(self, dst: Destination | dict, src_block_ids: list[int], timeout: float = 10.0) -> int:

@@ -26,6 +26,7 @@ from kv_transfer import (
 )
 from kv_transfer import quant
 from kv_transfer.receiver import WIRE_VERSION
+from kv_transfer.shm import block_tags, token_tag
 
 SHAPE = (64, 2, 2, 16, 2, 32)  # blocks, layers, k/v, block_size, kv heads, head_dim
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -249,15 +250,21 @@ def test_rejected_writes_leave_pool_untouched(sender, receiver_pool, backend):
     assert rx.num_active_reservations == 0
 
 
-def test_cancel_returns_blocks_and_rejects_later_writes(sender, receiver_pool):
-    rx, pool = receiver_pool()
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_cancel_returns_blocks_and_rejects_later_writes(sender, receiver_pool, backend):
+    rx, pool = receiver_pool(shm_grace_s=0.3)
+    tags = block_tags(rx.shm_name, pool.shape[0])
     dst = rx.reserve("z", [4, 5])
+    assert (tags[[4, 5]] == token_tag(dst.token)).all() and tags[[3, 6]].tolist() == [0, 0]
+    t0 = time.monotonic()
     rx.cancel("z")
+    assert not tags.any()  # closed to shm writers at once ...
     with pytest.raises(TransferError, match="cancelled"):
         rx.wait_blocking("z", 5)
+    assert time.monotonic() - t0 >= 0.3  # ... but the blocks come back only after the grace period
     assert rx.num_active_reservations == 0
-    out = sender.run(backend="tcp", dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[0, 1]], layers=[(0, 2)])
-    assert out[0][0] == "error"
+    out = sender.run(backend=backend, dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[0, 1]], layers=[(0, 2)])
+    assert out[0][0] == "error" and "cancelled" in out[0][2], out
     assert not pool.view(torch.uint8).any()
     rx.reserve("z", [4, 5])  # the blocks are reservable again
     with pytest.raises(ValueError, match="already reserved"):
@@ -323,6 +330,8 @@ def test_layout_mismatch_fails_clearly(sender, receiver_pool):
         reply = msgpack.unpackb(s.recv(n))
     assert reply["op"] == "error" and "head_dim: sender 64 vs receiver 32" in reply["error"]
     rx.cancel("m")
+    with pytest.raises(TransferError, match="cancelled"):
+        rx.wait_blocking("m", 5)
     assert rx.num_active_reservations == 0
 
 
