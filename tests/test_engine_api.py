@@ -336,16 +336,20 @@ def test_attention_backend_registry():
         get_backend_class("flash9000")
 
 
+@pytest.mark.parametrize("split_rows", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype):
+def test_torch_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, split_rows):
     """Paged attention through scattered block tables equals dense causal attention (grouped decode in
-    fp32 and bf16, and a prefill chunk after cached context)."""
+    fp32 and bf16, also split into one-row calls as big CPU batches are, and a prefill chunk after cached
+    context)."""
     from engine.attention import AttentionMetadata, PrefillChunk
     from engine.attention.torch_backend import TorchAttentionBackend
 
     torch.manual_seed(0)
     hq, hkv, d, bs = 4, 2, 16, 4
     backend = TorchAttentionBackend(hq, hkv, d)
+    if split_rows:
+        backend.cpu_decode_chunk_bytes = 1
     pool = torch.zeros(20, 1, 2, bs, hkv, d, dtype=dtype)
     k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
     lens = [5, 11, 1]

@@ -14,6 +14,7 @@ from engine.attention.metadata import AttentionMetadata
 
 class TorchAttentionBackend:
     name = "torch"
+    cpu_decode_chunk_bytes = 4 << 20   # gathered K+V per decode attention call on CPU (see _decode)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
@@ -60,14 +61,23 @@ class TorchAttentionBackend:
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         tables, bias = meta.decode_block_tables, meta.decode_bias
+        bs = k_cache.shape[1]
         groups = meta.decode_groups or [(0, tables.shape[0], tables.shape[1])]
-        if len(groups) == 1:
-            _, _, m = groups[0]
-            return self._decode_group(q, tables[:, :m], bias[..., :m * k_cache.shape[1]], k_cache, v_cache)
-        out = torch.empty_like(q)
+        calls = []   # (start row, end row, blocks)
         for start, end, m in groups:
+            rows = end - start
+            if k_cache.device.type == "cpu":
+                # Gather and attend a few rows at a time: gathered K/V small enough to still be in cache when
+                # SDPA reads it. One 128-row x 512-token call goes back to DRAM and runs ~2x slower.
+                block_bytes = 2 * k_cache[0].numel() * k_cache.element_size()
+                rows = max(1, self.cpu_decode_chunk_bytes // (m * block_bytes))
+            calls += [(s, min(end, s + rows), m) for s in range(start, end, rows)]
+        if len(calls) == 1:
+            return self._decode_group(q, tables[:, :calls[0][2]], bias[..., :calls[0][2] * bs], k_cache, v_cache)
+        out = torch.empty_like(q)
+        for start, end, m in calls:
             out[start:end] = self._decode_group(q[start:end], tables[start:end, :m],
-                                                bias[start:end, ..., :m * k_cache.shape[1]], k_cache, v_cache)
+                                                bias[start:end, ..., :m * bs], k_cache, v_cache)
         return out
 
     def _decode_group(self, q: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor, k_cache: torch.Tensor,
