@@ -56,6 +56,9 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
         torch.set_default_dtype(previous)
     with torch.no_grad():
         model.load_weights(iter_weights(model_dir))
+        for module in model.modules():   # weights are final now: device-specific packed copies
+            if hasattr(module, "prepack"):
+                module.prepack()
     return model.eval().requires_grad_(False)
 
 

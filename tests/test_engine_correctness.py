@@ -89,6 +89,23 @@ def test_bf16_loading_runs(tiny_llama, make_engine):
     assert [len(o) for o in out] == [8, 8]
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built into this torch")
+def test_bf16_cpu_projections_use_onednn_packed_weights_bitwise_equal(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama, dtype="bfloat16")
+    model = engine.runner.model
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.packed_halves is not None
+    assert layer.mlp.gate_up_proj.packed is None        # used only through its packed halves
+    ids = make_prompts([40], seed=4)[0]
+    packed = _engine_logits(engine, ids)
+    for m in model.modules():                           # back to plain F.linear on the same weights
+        if hasattr(m, "packed"):
+            m.packed = None
+        if hasattr(m, "packed_halves"):
+            m.packed_halves = None
+    assert torch.equal(_engine_logits(engine, ids), packed)
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 def test_chunked_prefill_on_off_gives_same_tokens(chunked, tiny_llama, make_engine):
     prompts = make_prompts([300, 70, 5, 129, 33])

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import Linear, MergedLinear
+from engine.layers.linear import Linear, MergedLinear, linear, onednn_packed
 
 
 class GatedMLP(nn.Module):
@@ -15,11 +15,20 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
         self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj.packable = False   # forward uses its halves, packed separately below
+        self.packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def prepack(self) -> None:
+        n = self.intermediate_size
+        w = self.gate_up_proj.weight
+        halves = (onednn_packed(w[:n]), onednn_packed(w[n:]))
+        self.packed_halves = None if halves[0] is None else halves
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One matmul per half of the fused weight (contiguous row views, no copy): on CPU two GEMMs with
         # N = intermediate_size run ~10% faster than one with 2x N, and each output is then contiguous.
         w, b, n = self.gate_up_proj.weight, self.gate_up_proj.bias, self.intermediate_size
-        gate = F.linear(x, w[:n], None if b is None else b[:n])
-        up = F.linear(x, w[n:], None if b is None else b[n:])
+        packed = self.packed_halves or (None, None)
+        gate = linear(x, w[:n], None if b is None else b[:n], packed[0])
+        up = linear(x, w[n:], None if b is None else b[n:], packed[1])
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
