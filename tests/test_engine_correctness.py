@@ -91,6 +91,7 @@ def test_bf16_loading_runs(tiny_llama, make_engine):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built into this torch")
 def test_bf16_cpu_projections_use_onednn_packed_weights_bitwise_equal(tiny_llama, make_engine):
+    """(fp32 also runs on packed weights: the token-exact tests against transformers cover it.)"""
     engine = make_engine(tiny_llama, dtype="bfloat16")
     model = engine.runner.model
     layer = model.model.layers[0]
