@@ -56,7 +56,6 @@ class Transfer:
         self._pending = 0  # write frames not yet sent
         self._checksum = 0
         self._error: BaseException | None = None
-        self._failed_event = threading.Event()
         self._finished = threading.Event()
         self._finish_queued = False
         self._done_sent = False  # "done" went out with the last write
@@ -106,7 +105,6 @@ class Transfer:
             if self._error is None and not self._finished.is_set():
                 self._error = exc
             self._lock.notify_all()
-        self._failed_event.set()
         self._finished.set()
 
     def _sent(self, checksum: int) -> None:
@@ -259,7 +257,7 @@ class _Stream:
     def _check_tags(self, t: Transfer, dst_ids: np.ndarray, what: str) -> None:
         """Raise unless every destination block is still open to this reservation (shm.py)."""
         if not (self.peer.shm.tags[dst_ids] == token_tag(t.dst.token)).all():
-            t._failed_event.wait(0.5)  # the receiver's error answer to our open, if it comes, says why
+            t._finished.wait(0.5)  # the receiver's error answer to our open, if it comes, says why
             raise t._error or TransferError(f"kv transfer {t.request_id!r}: reservation {what} (failed, expired or cancelled)")
 
     def _done_fields(self, t: Transfer, checksum: int) -> dict[str, Any]:

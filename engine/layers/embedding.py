@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import linear, onednn_packed
+from engine.layers.linear import Linear, linear
 
 
 class VocabEmbedding(nn.Module):
@@ -18,15 +18,11 @@ class VocabEmbedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
-class LMHead(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
-        self.tied = False   # sharing the embedding's weight: no packed copy of a vocab-sized matrix
-        self.packed: torch.Tensor | None = None
+class LMHead(Linear):
+    """Set `packable = False` when it shares the embedding's weight: no packed copy of a vocab-sized matrix."""
 
-    def prepack(self) -> None:
-        self.packed = None if self.tied else onednn_packed(self.weight)
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__(hidden_size, vocab_size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -75,7 +75,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-            self.lm_head.tied = True
+            self.lm_head.packable = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor:
