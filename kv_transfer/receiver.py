@@ -424,7 +424,14 @@ class KVReceiver:
             elif op == "abort":
                 self._fail_locked(res, f"aborted by the sender: {frame.get('reason', '')}")
             else:
-                self._apply_done_locked(res, conn, _parse_done(frame), xid)
+                done = _parse_done(frame)
+                if res.state != "open" or res.session != conn.session:
+                    # e.g. a sender whose open/writes were rejected but that sent "done" before hearing so:
+                    # it must not bind the reservation to its connection (whose close would then fail it).
+                    log.warning("kv receiver: done for %r without an accepted open on this connection", rid)
+                    conn.reply({"op": "error", "rid": rid, "xid": xid, "error": f"done for {rid!r} without an accepted open"})
+                    return
+                self._apply_done_locked(res, conn, done, xid)
                 completed = self._maybe_complete_locked(res)
         if op == "abort":
             self._release_ready()
@@ -433,7 +440,6 @@ class KVReceiver:
 
     def _apply_done_locked(self, res: _Reservation, conn: _Conn, done: tuple[int, int], xid: Any) -> None:
         res.expected_writes, res.done_checksum, res.done_conn, res.done_xid = done[0], done[1], conn, xid
-        res.session = res.session or conn.session
 
     def _parse_write(self, frame: dict[str, Any]) -> tuple[list[tuple[int, int]], int, int, int, int, str | None]:
         runs, l0, l1 = frame.get("runs"), frame.get("l0"), frame.get("l1")

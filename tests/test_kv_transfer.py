@@ -250,6 +250,31 @@ def test_rejected_writes_leave_pool_untouched(sender, receiver_pool, backend):
     assert rx.num_active_reservations == 0
 
 
+def test_done_without_accepted_open_does_not_bind_the_reservation(sender, receiver_pool):
+    rx, _ = receiver_pool()
+    dst = rx.reserve("b", [6, 7])
+    host, port = rx.address.rsplit(":", 1)
+
+    def frame(s, body):
+        data = msgpack.packb(body)
+        s.sendall(struct.pack("!I", len(data)) + data)
+
+    def reply(s):
+        (n,) = struct.unpack("!I", s.recv(4))
+        return msgpack.unpackb(s.recv(n))
+
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        frame(s, {"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "x", "layout": dst.layout})
+        assert reply(s)["op"] == "hello_ok"
+        frame(s, {"op": "open", "rid": "b", "xid": 1, "token": dst.token, "blocks": [6, 9]})  # 9: not reserved
+        assert reply(s)["op"] == "error"
+        frame(s, {"op": "done", "rid": "b", "xid": 1, "token": dst.token, "writes": 1, "checksum": 0})
+        assert "without an accepted open" in reply(s)["error"]
+    time.sleep(0.2)  # that connection's close must not fail the reservation
+    assert sender.run(backend="tcp", dtype="float32", seed=2, dsts=[dst.to_dict()], srcs=[[0, 1]], layers=[(0, 2)])[0][0] == "ok"
+    assert rx.wait_blocking("b", 5).ok
+
+
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_cancel_returns_blocks_and_rejects_later_writes(sender, receiver_pool, backend):
     rx, pool = receiver_pool(shm_grace_s=0.3)
