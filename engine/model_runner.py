@@ -76,6 +76,7 @@ class ModelRunner:
             ctx = positions_t[:num_decode] + 1
             masked = torch.arange(dec_blocks * bs)[None, :] >= ctx[:, None]
             meta.decode_bias = torch.zeros(masked.shape, dtype=self.dtype).masked_fill_(masked, float("-inf"))[:, None, None, :]
+            meta.decode_context_lens = ctx.to(torch.int32)
             meta.decode_groups = decode_groups([len(s.block_table) for s in seqs[:num_decode]])
         for row, start, end, c in prefills:
             nblocks = -(-(c + end - start) // bs)
@@ -133,5 +134,6 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
     return AttentionMetadata(
         slot_blocks=mv(meta.slot_blocks), slot_offsets=mv(meta.slot_offsets), num_decode_tokens=meta.num_decode_tokens,
         decode_block_tables=mv(meta.decode_block_tables), decode_bias=mv(meta.decode_bias),
+        decode_context_lens=mv(meta.decode_context_lens),
         decode_groups=list(meta.decode_groups),
         prefills=[PrefillChunk(p.start, p.end, p.num_cached, mv(p.block_table)) for p in meta.prefills])

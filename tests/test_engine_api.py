@@ -330,24 +330,24 @@ def test_device_layer_defaults_to_cpu_without_importing_torch_npu():
 def test_attention_backend_registry():
     from engine.attention import available_backends, get_backend_class
 
-    assert {"torch", "npu"} <= set(available_backends())
-    assert get_backend_class(None, "cpu").name == "torch"
+    assert {"torch", "cpu", "npu"} <= set(available_backends())
+    assert get_backend_class(None, "cpu").name == "cpu"
+    assert get_backend_class(None, "cuda").name == "torch"
     with pytest.raises(ValueError, match="attention_backend"):
         get_backend_class("flash9000")
 
 
-@pytest.mark.parametrize("split_rows", [False, True])
+@pytest.mark.parametrize("backend_name,split_rows", [("torch", False), ("torch", True), ("cpu", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, split_rows):
+def test_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, backend_name, split_rows):
     """Paged attention through scattered block tables equals dense causal attention (grouped decode in
     fp32 and bf16, also split into one-row calls as big CPU batches are, and a prefill chunk after cached
-    context)."""
-    from engine.attention import AttentionMetadata, PrefillChunk
-    from engine.attention.torch_backend import TorchAttentionBackend
+    context), for the torch reference and the CPU backend (native decode kernel)."""
+    from engine.attention import AttentionMetadata, PrefillChunk, get_backend_class
 
     torch.manual_seed(0)
     hq, hkv, d, bs = 4, 2, 16, 4
-    backend = TorchAttentionBackend(hq, hkv, d)
+    backend = get_backend_class(backend_name)(hq, hkv, d)
     if split_rows:
         backend.cpu_decode_chunk_bytes = 1
     pool = torch.zeros(20, 1, 2, bs, hkv, d, dtype=dtype)
@@ -365,7 +365,8 @@ def test_torch_backend_paged_decode_and_chunked_prefill_match_dense_attention(dt
     pos = torch.tensor([n - 1 for n in lens])
     bias = torch.zeros(3, 3 * bs).masked_fill_(torch.arange(3 * bs)[None] >= (pos + 1)[:, None], float("-inf"))
     meta = AttentionMetadata(slot_blocks=padded[torch.arange(3), pos // bs], slot_offsets=pos % bs, num_decode_tokens=3,
-                             decode_block_tables=padded, decode_bias=bias.to(dtype if dtype == torch.float32 else torch.float32)[:, None, None, :])
+                             decode_block_tables=padded, decode_bias=bias.to(dtype if dtype == torch.float32 else torch.float32)[:, None, None, :],
+                             decode_context_lens=(pos + 1).to(torch.int32))
     out = backend.forward(torch.stack([q[-1] for q in qs]), torch.stack([k[-1] for k in ks]),
                           torch.stack([v[-1] for v in vs]), k_cache, v_cache, meta)
     tol = 1e-5 if dtype == torch.float32 else 3e-2

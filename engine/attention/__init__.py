@@ -9,9 +9,10 @@ from engine.attention.metadata import AttentionMetadata, PrefillChunk
 # name -> "module:Class"; modules are imported only when selected (the npu one imports torch_npu).
 _BACKENDS = {
     "torch": "engine.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "engine.attention.cpu_backend:CpuAttentionBackend",
     "npu": "engine.attention.npu_backend:NpuAttentionBackend",
 }
-_DEFAULT_FOR_DEVICE = {"cpu": "torch", "cuda": "torch", "npu": "npu"}
+_DEFAULT_FOR_DEVICE = {"cpu": "cpu", "cuda": "torch", "npu": "npu"}
 
 
 def register_backend(name: str, target: str) -> None:

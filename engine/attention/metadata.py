@@ -25,6 +25,7 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None   # [B, max_blocks] long (padded with a valid id)
     decode_bias: torch.Tensor | None = None           # [B, 1, 1, max_blocks * block_size] additive: 0 or -inf
+    decode_context_lens: torch.Tensor | None = None   # [B] int32: tokens each decode row attends to (incl. its own)
     # (start row, end row, blocks) per decode group; rows sorted by context length so a group attends over
     # only `blocks` blocks instead of the batch maximum. Empty: one group of all rows over every column.
     decode_groups: list[tuple[int, int, int]] = field(default_factory=list)

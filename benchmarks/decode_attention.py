@@ -1,0 +1,107 @@
+"""CPU decode attention: the native paged kernel vs the torch path (gather + SDPA), same inputs, same run.
+
+A pool laid out as the engine's (block-major, several layers, scattered block tables), B decode rows
+with contexts uniform in [--min-len, --max-len]; each call is one layer of one decode step. Prints the
+median time per call of both, their ratio, and the K/V bytes read per second against the machine's
+read bandwidth measured in the same run (a sum over a 1 GiB tensor, which reads every byte once).
+
+    .venv/bin/python benchmarks/decode_attention.py [--dtype bf16] [--batch 64] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from engine.attention import native
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.model_runner import decode_groups
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_inputs(args, dtype):
+    g = torch.Generator().manual_seed(args.seed)
+    bs, hq, hkv, d = args.block_size, args.heads, args.kv_heads, args.head_dim
+    lens = torch.randint(args.min_len, args.max_len + 1, (args.batch,), generator=g).sort().values
+    blocks = [-(-int(n) // bs) for n in lens]
+    num_blocks = 2 * sum(blocks)
+    pool = torch.empty(num_blocks, args.layers, 2, bs, hkv, d, dtype=dtype)
+    pool.normal_(generator=g)
+    k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = perm[:args.batch * max(blocks)].view(args.batch, max(blocks))
+    q = torch.randn(args.batch, hq + hkv, d, generator=g).to(dtype)[:, :hq]
+    width = max(blocks) * bs
+    bias = torch.zeros(args.batch, width).masked_fill_(torch.arange(width)[None] >= lens[:, None], float("-inf"))
+    meta = AttentionMetadata(slot_blocks=torch.zeros(0, dtype=torch.long), slot_offsets=torch.zeros(0, dtype=torch.long),
+                             num_decode_tokens=args.batch, decode_block_tables=tables,
+                             decode_bias=bias.to(dtype)[:, None, None, :], decode_context_lens=lens.to(torch.int32),
+                             decode_groups=decode_groups(blocks))
+    return q, k_cache, v_cache, meta, lens
+
+
+def median_s(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def read_gbps() -> float:
+    x = torch.ones(1 << 28)
+    return x.numel() * 4 / median_s(x.sum, 5) / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    dtype = DTYPES[args.dtype]
+    kernel = native.decode_kernel(dtype)
+    if kernel is None:
+        raise SystemExit("native kernel unavailable here (no C compiler?): nothing to compare")
+    q, k_cache, v_cache, meta, lens = make_inputs(args, dtype)
+    torch_path = TorchAttentionBackend(args.heads, args.kv_heads, args.head_dim)
+    scale = args.head_dim ** -0.5
+    kv_bytes = int(lens.sum()) * args.kv_heads * args.head_dim * 2 * k_cache.element_size()
+    limit_before = read_gbps()
+    t_torch = median_s(lambda: torch_path._decode(q, k_cache, v_cache, meta), args.repeats)
+    t_native = median_s(lambda: native.paged_decode(kernel, q, k_cache, v_cache, meta.decode_block_tables,
+                                                    meta.decode_context_lens, scale), args.repeats)
+    limit = (limit_before + read_gbps()) / 2
+    out = {"dtype": args.dtype, "batch": args.batch, "lens": [args.min_len, args.max_len], "threads": torch.get_num_threads(),
+           "kv_mib": round(kv_bytes / 2**20, 1), "torch_ms": round(t_torch * 1e3, 3), "native_ms": round(t_native * 1e3, 3),
+           "speedup": round(t_torch / t_native, 2), "native_gbps": round(kv_bytes / t_native / 1e9, 1),
+           "torch_gbps": round(kv_bytes / t_torch / 1e9, 1), "read_limit_gbps": round(limit, 1),
+           "native_vs_limit": round(kv_bytes / t_native / 1e9 / limit, 2)}
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"{args.dtype}, {args.batch} rows, contexts {args.min_len}..{args.max_len}, {out['kv_mib']} MiB of K/V per call, "
+          f"{out['threads']} threads")
+    print(f"  torch (gather + SDPA): {out['torch_ms']:8.3f} ms  {out['torch_gbps']:5.1f} GB/s")
+    print(f"  native paged kernel:   {out['native_ms']:8.3f} ms  {out['native_gbps']:5.1f} GB/s  "
+          f"({out['speedup']}x; {out['native_vs_limit']:.0%} of the {out['read_limit_gbps']} GB/s read limit)")
+
+
+if __name__ == "__main__":
+    main()

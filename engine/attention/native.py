@@ -1,0 +1,114 @@
+"""Builds and loads the CPU paged-decode kernel (paged_decode.c) with the system C compiler.
+
+Compiled once per machine and source version (`-march=native`, so the key includes the CPU's flags)
+into a user cache dir, then loaded with ctypes. Without a compiler, or if the build fails, `load()`
+returns None and the CPU backend keeps the torch path; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
+_SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int]
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDCLUSTER_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdcluster")
+    path = Path(root)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    path = Path(tempfile.gettempdir()) / f"pdcluster-{os.getuid()}"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.processor())
+    except OSError:
+        return platform.machine()
+
+
+def _build(compiler: list[str], out: Path) -> None:
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    try:
+        subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(tmp, out)   # atomic: concurrent builders each install a complete file
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> ctypes.CDLL | None:
+    compiler = shlex.split(os.environ.get("CC", ""))
+    if not compiler:
+        found = shutil.which("cc") or shutil.which("gcc")
+        compiler = [found] if found else []
+    if not compiler:
+        log.warning("no C compiler found: CPU decode attention uses the torch path (install gcc for the native kernel)")
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"paged_decode-{key}.so"
+    try:
+        if not path.exists():
+            _build(compiler, path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = str(getattr(e, "stderr", None) or e)
+        log.warning("native CPU decode kernel unavailable, using the torch path: %s", detail.strip()[-2000:])
+        return None
+    for symbol in _SYMBOLS.values():
+        fn = getattr(lib, symbol, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return lib
+
+
+def decode_kernel(dtype: torch.dtype):
+    """The compiled function for `dtype`, or None (no compiler, build failed, dtype not built)."""
+    lib = load()
+    symbol = _SYMBOLS.get(dtype)
+    return None if lib is None or symbol is None else getattr(lib, symbol, None)
+
+
+def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, Hq, D] (token rows may be strided); caches: a layer's [num_blocks, block_size, Hkv, D] views with
+    contiguous blocks; block_tables: [B, >= max blocks] int64; context_lens: [B] int32. Returns [B, Hq, D]."""
+    b, hq, d = q.shape
+    _, bs, hkv, _ = k_cache.shape
+    if q.stride()[1:] != (d, 1) or k_cache.stride()[1:] != (hkv * d, d, 1) or v_cache.stride() != k_cache.stride():
+        raise ValueError("paged_decode: q heads and cache blocks must be contiguous")
+    tables = block_tables.contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty((b, hq, d), dtype=q.dtype)
+    rc = kernel(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+                tables.stride(0), lens.data_ptr(), b, hq, hkv, d, bs, k_cache.stride(0), scale, torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError("paged_decode: could not allocate per-thread work buffers")
+    return out

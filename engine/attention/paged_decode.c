@@ -1,0 +1,373 @@
+/* Paged decode attention for CPUs: each sequence's one new query token attends to its K/V read
+ * straight from the block pool, once, in fp32 with an online softmax. The torch path gathers the
+ * blocks into a buffer first and reads them again in SDPA; here the pool is the only memory traffic.
+ *
+ * Compiled on first use by engine/attention/native.py (cc -O3 -march=native -fopenmp); loaded with
+ * ctypes. The OpenMP runtime is torch's own (same soname, already loaded), so no second thread pool.
+ * An AVX-512 path serves head sizes 64/128/256; plain C (auto-vectorised) serves everything else.
+ *
+ * Layout (DESIGN §3): a layer's K (and V) is a view [num_blocks, block_size, Hkv, D] whose block
+ * stride is `block_stride` elements and whose rows inside a block are contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define TILE 16   /* tokens scored together; a tile never crosses a block boundary */
+#define INLINE static inline __attribute__((always_inline))
+
+enum { KIND_F32, KIND_BF16, KIND_F16 };
+
+INLINE float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE uint16_t float_to_bf16(float f) {   /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);   /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+INLINE float load1(const void *p, int64_t i, int kind) {
+    if (kind == KIND_F32) return ((const float *)p)[i];
+    if (kind == KIND_BF16) return bf16_to_float(((const uint16_t *)p)[i]);
+#ifdef __FLT16_MAX__
+    return (float)((const _Float16 *)p)[i];
+#else
+    return 0.0f;   /* not exported without _Float16 */
+#endif
+}
+
+INLINE void store1(void *p, int64_t i, float x, int kind) {
+    if (kind == KIND_F32) ((float *)p)[i] = x;
+    else if (kind == KIND_BF16) ((uint16_t *)p)[i] = float_to_bf16(x);
+#ifdef __FLT16_MAX__
+    else ((_Float16 *)p)[i] = (_Float16)x;
+#endif
+}
+
+INLINE int64_t elem_size(int kind) { return kind == KIND_F32 ? 4 : 2; }
+
+/* exp(x) for x <= 0 (a score minus the running maximum), Cephes' expf polynomial, ~1 ulp. Below -87.3
+ * it returns ~1e-38 instead of 0, which does not change a softmax sum. */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* Per-item work buffer: for each query row, q * scale and acc [D], running max m and sum l, scores of one
+ * tile; plus one tile of converted rows. */
+static size_t work_floats(int64_t rows, int64_t d) { return (size_t)(rows * (2 * d + 2 + TILE) + TILE * d); }
+
+/* Softmax update of one query row over a tile of n scores (in place: scores become probabilities).
+ * Returns the factor by which the row's accumulator must be scaled first. */
+INLINE float softmax_tile(float *sg, int64_t n, float *m, float *l) {
+    float mx = *m, sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) mx = sg[t] > mx ? sg[t] : mx;
+    for (int64_t t = 0; t < n; t++) {
+        sg[t] = exp_nonpositive(sg[t] - mx);
+        sum += sg[t];
+    }
+    float corr = mx != *m ? exp_nonpositive(*m - mx) : 1.0f;
+    *l = *l * corr + sum;
+    *m = mx;
+    return corr;
+}
+
+/* One sequence, KV heads [h0, h1), any head size: plain C. */
+INLINE void item_generic(int kind, const void *q, void *out, const void *k_pool, const void *v_pool,
+                         const int64_t *table, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
+                         int64_t d, int64_t bs, int64_t block_stride, float scale, float *work) {
+    int64_t rows = (h1 - h0) * group, tok_stride = hkv * d, es = elem_size(kind);
+    float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *s = l + rows, *row = s + rows * TILE;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < d; i++) qf[r * d + i] = load1(q, (h0 * group + r) * d + i, kind) * scale;
+        for (int64_t i = 0; i < d; i++) acc[r * d + i] = 0.0f;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int64_t pos = 0; pos < ctx;) {
+        int64_t off = pos % bs, n = TILE;
+        if (n > bs - off) n = bs - off;
+        if (n > ctx - pos) n = ctx - pos;
+        int64_t base = table[pos / bs] * block_stride + off * tok_stride;
+        for (int64_t h = h0; h < h1; h++) {
+            const char *kb = (const char *)k_pool + (base + h * d) * es, *vb = (const char *)v_pool + (base + h * d) * es;
+            int64_t r0 = (h - h0) * group;
+            for (int64_t t = 0; t < n; t++) {
+                for (int64_t i = 0; i < d; i++) row[i] = load1(kb + t * tok_stride * es, i, kind);
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qg = qf + (r0 + g) * d;
+                    float dot = 0.0f;
+                    _Pragma("omp simd reduction(+:dot)")
+                    for (int64_t i = 0; i < d; i++) dot += qg[i] * row[i];
+                    s[(r0 + g) * TILE + t] = dot;
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                float corr = softmax_tile(s + (r0 + g) * TILE, n, m + r0 + g, l + r0 + g);
+                if (corr != 1.0f)
+                    for (int64_t i = 0; i < d; i++) acc[(r0 + g) * d + i] *= corr;
+            }
+            for (int64_t t = 0; t < n; t++) {
+                for (int64_t i = 0; i < d; i++) row[i] = load1(vb + t * tok_stride * es, i, kind);
+                for (int64_t g = 0; g < group; g++) {
+                    float p = s[(r0 + g) * TILE + t], *ag = acc + (r0 + g) * d;
+                    for (int64_t i = 0; i < d; i++) ag[i] += p * row[i];
+                }
+            }
+        }
+        pos += n;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < d; i++) store1(out, (h0 * group + r) * d + i, acc[r * d + i] / l[r], kind);
+}
+
+/* Tokens of the tile starting at pos: up to TILE, never past the block's end or the context. */
+INLINE int64_t tile_len(int64_t pos, int64_t ctx, int64_t bs) {
+    int64_t n = TILE, off = pos % bs;
+    if (n > bs - off) n = bs - off;
+    if (n > ctx - pos) n = ctx - pos;
+    return n;
+}
+
+/* Element offset of token `pos`'s row (head 0) in a layer's pool view. */
+INLINE int64_t tile_base(const int64_t *table, int64_t pos, int64_t bs, int64_t block_stride, int64_t tok_stride) {
+    return table[pos / bs] * block_stride + (pos % bs) * tok_stride;
+}
+
+#ifdef __AVX512F__
+INLINE void prefetch_span(const char *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
+}
+
+INLINE __m512 load16(const char *p, int kind) {
+    if (kind == KIND_F32) return _mm512_loadu_ps(p);
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (kind == KIND_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+INLINE __m512 exp16_nonpositive(__m512 x) {   /* exp_nonpositive on 16 lanes */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One sequence, KV heads [h0, h1), head size 16 * NV (NV a compile-time constant after inlining, so the
+ * per-row vectors stay in registers). */
+INLINE void item_avx512(int kind, const int NV, const void *q, void *out, const void *k_pool, const void *v_pool,
+                        const int64_t *table, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
+                        int64_t bs, int64_t block_stride, float scale, float *work) {
+    const int64_t d = 16 * NV;
+    int64_t rows = (h1 - h0) * group, tok_stride = hkv * d, es = elem_size(kind);
+    float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *s = l + rows;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int j = 0; j < NV; j++) {
+            __m512 x = load16((const char *)q + ((h0 * group + r) * d + 16 * j) * es, kind);
+            _mm512_storeu_ps(qf + r * d + 16 * j, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(acc + r * d + 16 * j, _mm512_setzero_ps());
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const int64_t span = (h1 - h0) * d * es;   /* bytes of one token's K (or V) row this item reads */
+    int64_t pos = 0, n = tile_len(0, ctx, bs), base = tile_base(table, 0, bs, block_stride, tok_stride) + h0 * d;
+    while (pos < ctx) {
+        int64_t next_pos = pos + n, next_n = next_pos < ctx ? tile_len(next_pos, ctx, bs) : 0;
+        int64_t next_base = next_n ? tile_base(table, next_pos, bs, block_stride, tok_stride) + h0 * d : 0;
+        const char *kb = (const char *)k_pool + base * es, *vb = (const char *)v_pool + base * es;
+        const char *next_kb = (const char *)k_pool + next_base * es, *next_vb = (const char *)v_pool + next_base * es;
+        __mmask16 live = (__mmask16)((1u << n) - 1u);
+        /* Scores, in memory order (token by token, the item's heads side by side); the next tile's rows are
+         * prefetched meanwhile: its block is anywhere in the pool, out of the hardware prefetcher's sight. */
+        for (int64_t t = 0; t < n; t++) {
+            if (t < next_n) prefetch_span(next_kb + t * tok_stride * es, span);
+            for (int64_t h = h0; h < h1; h++) {
+                const char *kr = kb + (t * tok_stride + (h - h0) * d) * es;
+                int64_t r0 = (h - h0) * group;
+                __m512 k[16];   /* NV <= 16; a fixed size lets the compiler keep the unrolled rows in registers */
+                for (int j = 0; j < NV; j++) k[j] = load16(kr + 16 * j * es, kind);
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qg = qf + (r0 + g) * d;
+                    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]), a1 = _mm512_setzero_ps();
+                    for (int j = 1; j < NV; j++) {
+                        if (j & 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], a1);
+                        else a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], a0);
+                    }
+                    s[(r0 + g) * TILE + t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+                }
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            float *sr = s + r * TILE;
+            __m512 sv = _mm512_maskz_loadu_ps(live, sr);
+            float mx = _mm512_mask_reduce_max_ps(live, sv);
+            mx = mx > m[r] ? mx : m[r];
+            __m512 p = _mm512_maskz_mov_ps(live, exp16_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
+            _mm512_storeu_ps(sr, p);
+            float corr = mx != m[r] ? exp_nonpositive(m[r] - mx) : 1.0f;
+            l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
+            m[r] = mx;
+            if (corr != 1.0f)
+                for (int j = 0; j < NV; j++) {
+                    float *a = acc + r * d + 16 * j;
+                    _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_set1_ps(corr)));
+                }
+        }
+        /* Weighted V, again in memory order. */
+        for (int64_t t = 0; t < n; t++) {
+            if (t < next_n) prefetch_span(next_vb + t * tok_stride * es, span);
+            for (int64_t h = h0; h < h1; h++) {
+                const char *vr = vb + (t * tok_stride + (h - h0) * d) * es;
+                int64_t r0 = (h - h0) * group;
+                __m512 v[16];
+                for (int j = 0; j < NV; j++) v[j] = load16(vr + 16 * j * es, kind);
+                for (int64_t g = 0; g < group; g++) {
+                    float *a = acc + (r0 + g) * d;
+                    __m512 p = _mm512_set1_ps(s[(r0 + g) * TILE + t]);
+                    for (int j = 0; j < NV; j++)
+                        _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, v[j], _mm512_loadu_ps(a + 16 * j)));
+                }
+            }
+        }
+        pos = next_pos, n = next_n, base = next_base;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < d; i++) store1(out, (h0 * group + r) * d + i, acc[r * d + i] / l[r], kind);
+}
+#endif
+
+typedef void (*item_fn)(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,
+                        int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,
+                        int64_t block_stride, float scale, float *work);
+
+/* One compiled item function per (dtype, head size): the dtype and the vector count must be constants
+ * inside the loops, which an argument passed through the OpenMP region is not. */
+#define ITEM_GENERIC(NAME, KIND)                                                                               \
+    static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,  \
+                     int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
+                     int64_t block_stride, float scale, float *work) {                                         \
+        item_generic(KIND, q, out, k_pool, v_pool, table, ctx, h0, h1, hkv, group, d, bs, block_stride, scale, work); \
+    }
+#define ITEM_AVX512(NAME, KIND, NV)                                                                            \
+    static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,  \
+                     int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
+                     int64_t block_stride, float scale, float *work) {                                         \
+        (void)d;                                                                                               \
+        item_avx512(KIND, NV, q, out, k_pool, v_pool, table, ctx, h0, h1, hkv, group, bs, block_stride, scale, work); \
+    }
+
+ITEM_GENERIC(item_f32, KIND_F32)
+ITEM_GENERIC(item_bf16, KIND_BF16)
+#ifdef __FLT16_MAX__
+ITEM_GENERIC(item_f16, KIND_F16)
+#endif
+#ifdef __AVX512F__
+ITEM_AVX512(item_f32_d64, KIND_F32, 4)
+ITEM_AVX512(item_f32_d128, KIND_F32, 8)
+ITEM_AVX512(item_f32_d256, KIND_F32, 16)
+ITEM_AVX512(item_bf16_d64, KIND_BF16, 4)
+ITEM_AVX512(item_bf16_d128, KIND_BF16, 8)
+ITEM_AVX512(item_bf16_d256, KIND_BF16, 16)
+ITEM_AVX512(item_f16_d64, KIND_F16, 4)
+ITEM_AVX512(item_f16_d128, KIND_F16, 8)
+ITEM_AVX512(item_f16_d256, KIND_F16, 16)
+#endif
+
+static item_fn pick_item(int kind, int64_t d) {
+#ifdef __AVX512F__
+    static const item_fn fast[3][3] = {{item_f32_d64, item_f32_d128, item_f32_d256},
+                                       {item_bf16_d64, item_bf16_d128, item_bf16_d256},
+                                       {item_f16_d64, item_f16_d128, item_f16_d256}};
+    if (d == 64 || d == 128 || d == 256) return fast[kind][d == 64 ? 0 : d == 128 ? 1 : 2];
+#endif
+    (void)d;
+    if (kind == KIND_F32) return item_f32;
+    if (kind == KIND_BF16) return item_bf16;
+#ifdef __FLT16_MAX__
+    return item_f16;
+#else
+    return NULL;
+#endif
+}
+
+/* q: [batch, hq, d] rows `q_stride` elements apart; out: [batch, hq, d] contiguous; tables: [batch, *] block
+ * ids, rows `table_stride` apart; context_lens: [batch]. Returns 0, or -1 if a work buffer could not be
+ * allocated, -2 if this dtype was not compiled. */
+static int decode(int kind, const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,
+                  const int64_t *tables, int64_t table_stride, const int32_t *context_lens, int64_t batch, int64_t hq,
+                  int64_t hkv, int64_t d, int64_t bs, int64_t block_stride, float scale, int num_threads) {
+    int64_t group = hq / hkv, es = elem_size(kind);
+    item_fn item = pick_item(kind, d);
+    if (!item) return -2;
+    /* Whole sequences per item when there are enough of them; else split the KV heads too. */
+    int64_t heads = hkv;
+    while (heads > 1 && batch * ((hkv + heads - 1) / heads) < 4 * (int64_t)num_threads) heads = (heads + 1) / 2;
+    int64_t per_seq = (hkv + heads - 1) / heads, items = batch * per_seq;
+    size_t floats = work_floats(heads * group, d);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *work = malloc(floats * sizeof(float));
+        if (!work) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!work) continue;
+            int64_t b = it / per_seq, h0 = (it % per_seq) * heads;
+            int64_t h1 = h0 + heads < hkv ? h0 + heads : hkv;
+            item((const char *)q + b * q_stride * es, (char *)out + b * hq * d * es, k_pool, v_pool,
+                 tables + b * table_stride, context_lens[b], h0, h1, hkv, group, d, bs, block_stride, scale, work);
+        }
+        free(work);
+    }
+    return failed ? -1 : 0;
+}
+
+#define EXPORT(NAME, KIND)                                                                                     \
+    int NAME(const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,               \
+             const int64_t *tables, int64_t table_stride, const int32_t *context_lens, int64_t batch, int64_t hq, \
+             int64_t hkv, int64_t d, int64_t bs, int64_t block_stride, float scale, int num_threads) {          \
+        return decode(KIND, q, q_stride, out, k_pool, v_pool, tables, table_stride, context_lens, batch, hq, hkv, d, \
+                      bs, block_stride, scale, num_threads);                                                   \
+    }
+
+EXPORT(paged_decode_f32, KIND_F32)
+EXPORT(paged_decode_bf16, KIND_BF16)
+#ifdef __FLT16_MAX__
+EXPORT(paged_decode_f16, KIND_F16)
+#endif

@@ -1,0 +1,134 @@
+"""The native CPU paged-decode kernel (engine/attention/paged_decode.c) against dense attention."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from engine.attention import native
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.metadata import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                    reason="no C compiler: the CPU backend runs the torch path")
+
+
+def _case(dtype, batch, hq, hkv, d, bs, seed=0, max_len=200):
+    """A pool with scattered blocks, per-row context lengths, and q rows that are a strided view (as the
+    attention layer's q is: a slice of the fused q/k tensor)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, max_len, (batch,), generator=g)
+    lens[0] = max_len                      # one row with a full last block or a long context
+    blocks = [int(-(-n // bs)) for n in lens]
+    num_blocks = sum(blocks) + 3
+    pool = torch.randn(num_blocks, 2, 2, bs, hkv, d, generator=g).to(dtype)   # 2 layers: blocks are strided
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(blocks)
+    tables, used = [], 0
+    for n in blocks:
+        row = perm[used:used + n]
+        used += n
+        tables.append(row + [row[0]] * (width - n))
+    tables = torch.tensor(tables)
+    qk = torch.randn(batch, hq + hkv, d, generator=g).to(dtype)
+    q = qk[:, :hq]
+    return q, k_cache, v_cache, tables, lens
+
+
+def _dense(q, k_cache, v_cache, tables, lens, bs):
+    """fp32 attention of each row over its first `len` tokens, built token by token from the table."""
+    hq, hkv = q.shape[1], k_cache.shape[2]
+    out = []
+    for i, n in enumerate(lens.tolist()):
+        pos = torch.arange(n)
+        blk = tables[i][pos // bs]
+        k = k_cache[blk, pos % bs].float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)   # [Hq, n, D]
+        v = v_cache[blk, pos % bs].float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
+        out.append(torch.nn.functional.scaled_dot_product_attention(q[i].float()[:, None], k, v)[:, 0])
+    return torch.stack(out)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,hq,hkv,d,bs", [
+    (9, 16, 8, 128, 16),    # GQA, the benchmark's head size (vector path on AVX-512)
+    (1, 8, 2, 64, 7),       # one row: KV heads split across threads; blocks not a multiple of the tile
+    (5, 12, 1, 80, 32),     # MQA, head size without a vector path (plain C)
+    (4, 4, 4, 16, 1),       # MHA, one-token blocks
+])
+def test_kernel_matches_dense_attention(dtype, batch, hq, hkv, d, bs):
+    kernel = native.decode_kernel(dtype)
+    assert kernel is not None
+    q, k_cache, v_cache, tables, lens = _case(dtype, batch, hq, hkv, d, bs)
+    out = native.paged_decode(kernel, q, k_cache, v_cache, tables, lens, d ** -0.5)
+    assert out.shape == (batch, hq, d) and out.dtype == dtype
+    ref = _dense(q, k_cache, v_cache, tables, lens, bs)
+    err = (out.float() - ref).abs().max().item()
+    if dtype == torch.float32:
+        assert err < 1e-5
+    else:   # only the final rounding to the storage dtype: at most one unit in the last place
+        ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+        assert err <= ulp * max(1.0, ref.abs().max().item())
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_decode_equals_torch_backend(dtype):
+    """Same metadata through both backends: the CPU backend's kernel agrees with gather + SDPA."""
+    from engine.model_runner import decode_groups
+
+    batch, hq, hkv, d, bs = 6, 8, 4, 64, 16
+    q, k_cache, v_cache, tables, lens = _case(dtype, batch, hq, hkv, d, bs, seed=3)
+    order = torch.argsort(lens)
+    q, tables, lens = q[order], tables[order], lens[order]
+    width = tables.shape[1] * bs
+    bias = torch.zeros(batch, width).masked_fill_(torch.arange(width)[None] >= lens[:, None], float("-inf"))
+    meta = AttentionMetadata(slot_blocks=torch.zeros(0, dtype=torch.long), slot_offsets=torch.zeros(0, dtype=torch.long),
+                             num_decode_tokens=batch, decode_block_tables=tables,
+                             decode_bias=bias.to(dtype)[:, None, None, :], decode_context_lens=lens.to(torch.int32),
+                             decode_groups=decode_groups([int(-(-n // bs)) for n in lens]))
+    cpu = CpuAttentionBackend(hq, hkv, d)._decode(q, k_cache, v_cache, meta)
+    ref = TorchAttentionBackend(hq, hkv, d)._decode(q, k_cache, v_cache, meta)
+    tol = 1e-5 if dtype == torch.float32 else 2.0 ** -6
+    assert (cpu.float() - ref.float()).abs().max().item() < tol
+
+
+@needs_compiler
+def test_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))
+    native.load.cache_clear()
+    try:
+        assert native.load() is not None
+        built = list(tmp_path.glob("paged_decode-*.so"))
+        assert len(built) == 1
+        native.load.cache_clear()
+        monkeypatch.setattr(native, "_build", lambda *a: pytest.fail("rebuilt although the cached build exists"))
+        assert native.load() is not None
+    finally:
+        native.load.cache_clear()
+
+
+def test_without_a_compiler_the_cpu_backend_uses_the_torch_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    native.load.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine.attention.native"):
+            backend = CpuAttentionBackend(4, 2, 16)
+        assert native.decode_kernel(torch.float32) is None
+        assert "torch path" in caplog.text
+        q, k_cache, v_cache, tables, lens = _case(torch.float32, 3, 4, 2, 16, 4, max_len=30)
+        width = tables.shape[1] * 4
+        bias = torch.zeros(3, width).masked_fill_(torch.arange(width)[None] >= lens[:, None], float("-inf"))
+        meta = AttentionMetadata(slot_blocks=torch.zeros(0, dtype=torch.long), slot_offsets=torch.zeros(0, dtype=torch.long),
+                                 num_decode_tokens=3, decode_block_tables=tables, decode_bias=bias[:, None, None, :],
+                                 decode_context_lens=lens.to(torch.int32))
+        out = backend._decode(q, k_cache, v_cache, meta)
+        assert (out - _dense(q, k_cache, v_cache, tables, lens, 4)).abs().max().item() < 1e-5
+    finally:
+        native.load.cache_clear()
