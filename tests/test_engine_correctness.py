@@ -91,20 +91,24 @@ def test_bf16_loading_runs(tiny_llama, make_engine):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built into this torch")
 def test_bf16_cpu_projections_use_onednn_packed_weights_bitwise_equal(tiny_llama, make_engine):
-    """(fp32 also runs on packed weights: the token-exact tests against transformers cover it.)"""
+    """(fp32 also runs on packed weights: the token-exact tests against transformers cover it.) The packed
+    copies replace the dense weights, so packing costs no memory."""
     engine = make_engine(tiny_llama, dtype="bfloat16")
     model = engine.runner.model
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.packed_halves is not None
     assert layer.mlp.gate_up_proj.packed is None        # used only through its packed halves
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert proj.weight.numel() == 0 and proj.weight.dtype == torch.bfloat16
     ids = make_prompts([40], seed=4)[0]
     packed = _engine_logits(engine, ids)
-    for m in model.modules():                           # back to plain F.linear on the same weights
-        if hasattr(m, "packed"):
-            m.packed = None
-        if hasattr(m, "packed_halves"):
-            m.packed_halves = None
-    assert torch.equal(_engine_logits(engine, ids), packed)
+    torch.backends.mkldnn.enabled = False               # loaded without packing: plain F.linear on dense weights
+    try:
+        plain = make_engine(tiny_llama, dtype="bfloat16")
+    finally:
+        torch.backends.mkldnn.enabled = True
+    assert plain.runner.model.model.layers[0].self_attn.qkv_proj.packed is None
+    assert torch.equal(_engine_logits(plain, ids), packed)
 
 
 @pytest.mark.parametrize("chunked", [True, False])

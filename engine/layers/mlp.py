@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import Linear, MergedLinear, linear, onednn_packed
+from engine.layers.linear import Linear, MergedLinear, linear, onednn_packed, release
 
 
 class GatedMLP(nn.Module):
@@ -23,6 +23,8 @@ class GatedMLP(nn.Module):
         w = self.gate_up_proj.weight
         halves = (onednn_packed(w[:n]), onednn_packed(w[n:]))
         self.packed_halves = None if halves[0] is None else halves
+        if self.packed_halves is not None:
+            release(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One matmul per half of the fused weight (contiguous row views, no copy): on CPU two GEMMs with
