@@ -7,14 +7,12 @@ keys and the transformers 5 `rope_parameters` key). `EngineArgs` carries the vLL
 from __future__ import annotations
 
 import json
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -52,6 +50,10 @@ class ModelConfig:
     qkv_bias: bool
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    layer_windows: list[int] = field(default_factory=list)   # sliding window per layer, 0 = full attention
+
+    def layer_window(self, index: int) -> int:
+        return self.layer_windows[index] if self.layer_windows else 0
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -74,11 +76,6 @@ class ModelConfig:
         if scaling is not None and rope_type not in ("llama3", "linear"):
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: llama3, linear")
         max_len = cfg.get("max_position_embeddings", 2048)
-        window = cfg.get("sliding_window")
-        uses_window = arch == "MistralForCausalLM" or cfg.get("use_sliding_window", False)
-        if uses_window and window and window < max_len:
-            log.warning("sliding_window=%d < max_position_embeddings=%d: capping the context to the window", window, max_len)
-            max_len = window
         eos = cfg.get("eos_token_id")
         return cls(
             architecture=arch,
@@ -97,6 +94,7 @@ class ModelConfig:
             qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             bos_token_id=cfg.get("bos_token_id"),
+            layer_windows=_layer_windows(cfg, arch),
         )
 
     @classmethod
@@ -146,3 +144,18 @@ class EngineArgs:
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
         parse_dtype(self.dtype)
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str) -> list[int]:
+    """Sliding-window size of each layer (0: full attention), read as transformers reads these configs:
+    Mistral windows every layer (`sliding_window`, 4096 when the key is absent, null = none); Qwen2 only with
+    `use_sliding_window`, on the `layer_types` marked "sliding_attention" (default: layers from
+    `max_window_layers` on); Llama has none."""
+    layers = cfg["num_hidden_layers"]
+    if arch == "MistralForCausalLM":
+        return [cfg.get("sliding_window", 4096) or 0] * layers
+    if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+                                           for i in range(layers)]
+        return [cfg["sliding_window"] if t == "sliding_attention" else 0 for t in types]
+    return [0] * layers

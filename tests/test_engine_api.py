@@ -337,12 +337,26 @@ def test_attention_backend_registry():
         get_backend_class("flash9000")
 
 
+def _dense_attention(q, k, v, window=0):
+    """fp32 causal (optionally sliding-window) attention of one sequence: [n, H, D] in, [n, Hq, D] out."""
+    n = q.shape[0]
+    pos = torch.arange(n)
+    mask = pos[None, :] <= pos[:, None]
+    if window:
+        mask &= pos[None, :] > pos[:, None] - window
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), attn_mask=mask,
+        enable_gqa=True).transpose(0, 1)
+
+
 @pytest.mark.parametrize("backend_name,split_rows", [("torch", False), ("torch", True), ("cpu", False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, backend_name, split_rows):
+@pytest.mark.parametrize("window", [0, 3])
+def test_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, backend_name, split_rows, window):
     """Paged attention through scattered block tables equals dense causal attention (grouped decode in
-    fp32 and bf16, also split into one-row calls as big CPU batches are, and a prefill chunk after cached
-    context), for the torch reference and the CPU backend (native decode kernel)."""
+    fp32 and bf16, also split into one-row calls as big CPU batches are, a prefill chunk after cached
+    context, a first chunk longer than the window), for the torch reference and the CPU backend (native
+    decode kernel), with full and sliding-window attention."""
     from engine.attention import AttentionMetadata, PrefillChunk, get_backend_class
 
     torch.manual_seed(0)
@@ -368,24 +382,17 @@ def test_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, b
                              decode_block_tables=padded, decode_bias=bias.to(dtype if dtype == torch.float32 else torch.float32)[:, None, None, :],
                              decode_context_lens=(pos + 1).to(torch.int32))
     out = backend.forward(torch.stack([q[-1] for q in qs]), torch.stack([k[-1] for k in ks]),
-                          torch.stack([v[-1] for v in vs]), k_cache, v_cache, meta)
+                          torch.stack([v[-1] for v in vs]), k_cache, v_cache, meta, window)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for i in range(3):
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            qs[i].float().transpose(0, 1), ks[i].float().transpose(0, 1), vs[i].float().transpose(0, 1),
-            is_causal=True, enable_gqa=True).transpose(0, 1)[-1]
-        assert (out[i].float() - ref).abs().max().item() < tol
-    # A 6-token chunk of sequence 1 after 5 cached tokens, written through the slot mapping.
+        assert (out[i].float() - _dense_attention(qs[i], ks[i], vs[i], window)[-1]).abs().max().item() < tol
+    # Sequence 1 prefilled in two chunks: 5 tokens with an empty cache, then 6 after those 5 cached.
     pool.zero_()
-    for p in range(5):
-        k_cache[tables[1][p // bs], p % bs] = ks[1][p]
-        v_cache[tables[1][p // bs], p % bs] = vs[1][p]
-    p6 = torch.arange(5, 11)
     blocks = torch.tensor(tables[1])
-    meta = AttentionMetadata(slot_blocks=blocks[p6 // bs], slot_offsets=p6 % bs,
-                             prefills=[PrefillChunk(0, 6, 5, blocks)])
-    out = backend.forward(qs[1][5:], ks[1][5:], vs[1][5:], k_cache, v_cache, meta)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        qs[1].float().transpose(0, 1), ks[1].float().transpose(0, 1), vs[1].float().transpose(0, 1),
-        is_causal=True, enable_gqa=True).transpose(0, 1)[5:]
-    assert (out.float() - ref).abs().max().item() < tol
+    ref = _dense_attention(qs[1], ks[1], vs[1], window)
+    for start, end in ((0, 5), (5, 11)):
+        p = torch.arange(start, end)
+        meta = AttentionMetadata(slot_blocks=blocks[p // bs], slot_offsets=p % bs,
+                                 prefills=[PrefillChunk(0, end - start, start, blocks)])
+        out = backend.forward(qs[1][start:end], ks[1][start:end], vs[1][start:end], k_cache, v_cache, meta, window)
+        assert (out.float() - ref[start:end]).abs().max().item() < tol

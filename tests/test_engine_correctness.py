@@ -171,3 +171,50 @@ def test_seeded_sampling_reproducible_across_runs_and_batches(tiny_llama, make_e
     other_seed = run_all(make_engine(tiny_llama), [prompt], SamplingParams(temperature=1.0, top_p=0.9, seed=4321,
                                                                             max_tokens=24, ignore_eos=True))[0]
     assert other_seed != alone
+
+
+SLIDING = {   # every layer windowed (Mistral v0.1 style); only layers >= max_window_layers (Qwen2)
+    "mistral": dict(sliding_window=24),
+    "qwen2": dict(use_sliding_window=True, sliding_window=20, max_window_layers=1),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(SLIDING))
+def test_sliding_window_models_match_transformers(arch, tmp_path, make_engine):
+    """Prompts and generations far longer than the window, staggered, with chunked prefill (chunks shorter and
+    longer than the window) and a prefix-cache hit: tokens equal transformers' sliding-window attention."""
+    from engine.config import ModelConfig
+
+    model = make_tiny_model(str(tmp_path / arch), arch, seed=7, **SLIDING[arch])
+    config = ModelConfig.from_pretrained(model)
+    window = SLIDING[arch]["sliding_window"]
+    assert config.max_model_len == 512      # the context is not capped to the window
+    assert config.layer_windows == ([window, window] if arch == "mistral" else [0, window])
+    prompts = make_prompts([300, 5, 70, 23, 129, 40], seed=31)
+    prompts.append(prompts[0][:200] + [7, 8, 9])        # shares 12 full blocks with the first prompt
+    engine = make_engine(model, block_size=16, max_num_batched_tokens=64)
+    got = run_staggered(engine, prompts, params=SamplingParams(temperature=0, max_tokens=48), first=3)
+    want = hf_greedy(model, prompts, max_new_tokens=48)
+    for i, p in enumerate(prompts):
+        assert got[str(i)] == want[i], f"{arch} prompt {i} (len {len(p)})"
+    assert engine.prefix_cache_hit_tokens >= 192
+    with torch.no_grad():
+        hf_logits = load_hf_model(model)(torch.tensor([prompts[0]])).logits[0]
+    assert (_engine_logits(engine, prompts[0]) - hf_logits).abs().max().item() <= 1e-3
+
+
+def test_sliding_window_config_follows_transformers():
+    from engine.config import ModelConfig
+
+    base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                max_position_embeddings=8192)
+    mistral = dict(base, architectures=["MistralForCausalLM"])
+    assert ModelConfig.from_dict(mistral).layer_windows == [4096] * 4            # transformers' default
+    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).layer_windows == [0] * 4
+    qwen2 = dict(base, architectures=["Qwen2ForCausalLM"], sliding_window=128, max_window_layers=2)
+    assert ModelConfig.from_dict(qwen2).layer_windows == [0] * 4                 # use_sliding_window false
+    assert ModelConfig.from_dict({**qwen2, "use_sliding_window": True}).layer_windows == [0, 0, 128, 128]
+    types = ["sliding_attention", "full_attention"] * 2
+    assert ModelConfig.from_dict({**qwen2, "use_sliding_window": True, "layer_types": types}).layer_windows == [128, 0, 128, 0]
+    assert ModelConfig.from_dict(dict(base, architectures=["LlamaForCausalLM"], sliding_window=64)).layer_windows == [0] * 4
+    assert ModelConfig.from_dict(mistral).max_model_len == 8192

@@ -40,12 +40,13 @@ def _case(dtype, batch, hq, hkv, d, bs, seed=0, max_len=200):
     return q, k_cache, v_cache, tables, lens
 
 
-def _dense(q, k_cache, v_cache, tables, lens, bs):
-    """fp32 attention of each row over its first `len` tokens, built token by token from the table."""
+def _dense(q, k_cache, v_cache, tables, lens, bs, window=0):
+    """fp32 attention of each row over its first `len` tokens (the last `window` of them if window > 0),
+    built token by token from the table."""
     hq, hkv = q.shape[1], k_cache.shape[2]
     out = []
     for i, n in enumerate(lens.tolist()):
-        pos = torch.arange(n)
+        pos = torch.arange(max(0, n - window) if window else 0, n)
         blk = tables[i][pos // bs]
         k = k_cache[blk, pos % bs].float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)   # [Hq, n, D]
         v = v_cache[blk, pos % bs].float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
@@ -77,8 +78,23 @@ def test_kernel_matches_dense_attention(dtype, batch, hq, hkv, d, bs):
 
 
 @needs_compiler
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+@pytest.mark.parametrize("d,bs", [(128, 16), (80, 7)])
+def test_kernel_sliding_window(window, d, bs):
+    """window > 0: each row attends to its last `window` tokens (a window start inside a block, at a block
+    boundary, longer than some contexts)."""
+    kernel = native.decode_kernel(torch.float32)
+    q, k_cache, v_cache, tables, lens = _case(torch.float32, 6, 8, 2, d, bs, seed=window, max_len=90)
+    out = native.paged_decode(kernel, q, k_cache, v_cache, tables, lens, d ** -0.5, window)
+    assert (out - _dense(q, k_cache, v_cache, tables, lens, bs, window)).abs().max().item() < 1e-5
+    full = native.paged_decode(kernel, q, k_cache, v_cache, tables, lens, d ** -0.5)
+    assert (out - full).abs().max().item() > 1e-3   # the window changed the answer
+
+
+@needs_compiler
+@pytest.mark.parametrize("window", [0, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_backend_decode_equals_torch_backend(dtype):
+def test_cpu_backend_decode_equals_torch_backend(dtype, window):
     """Same metadata through both backends: the CPU backend's kernel agrees with gather + SDPA."""
     from engine.model_runner import decode_groups
 
@@ -92,8 +108,8 @@ def test_cpu_backend_decode_equals_torch_backend(dtype):
                              num_decode_tokens=batch, decode_block_tables=tables,
                              decode_bias=bias.to(dtype)[:, None, None, :], decode_context_lens=lens.to(torch.int32),
                              decode_groups=decode_groups([int(-(-n // bs)) for n in lens]))
-    cpu = CpuAttentionBackend(hq, hkv, d)._decode(q, k_cache, v_cache, meta)
-    ref = TorchAttentionBackend(hq, hkv, d)._decode(q, k_cache, v_cache, meta)
+    cpu = CpuAttentionBackend(hq, hkv, d)._decode(q, k_cache, v_cache, meta, window)
+    ref = TorchAttentionBackend(hq, hkv, d)._decode(q, k_cache, v_cache, meta, window)
     tol = 1e-5 if dtype == torch.float32 else 2.0 ** -6
     assert (cpu.float() - ref.float()).abs().max().item() < tol
 

@@ -30,3 +30,13 @@ class AttentionMetadata:
     # only `blocks` blocks instead of the batch maximum. Empty: one group of all rows over every column.
     decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    _window_bias: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def decode_window_bias(self, window: int) -> torch.Tensor:
+        """`decode_bias` also hiding the positions more than `window` tokens back (sliding-window layers);
+        built once per step and window, shared by the layers."""
+        if window not in self._window_bias:
+            cols = torch.arange(self.decode_bias.shape[-1], device=self.decode_bias.device)
+            old = cols[None, :] < (self.decode_context_lens.to(cols.device)[:, None] - window)
+            self._window_bias[window] = self.decode_bias.masked_fill(old[:, None, None, :], float("-inf"))
+        return self._window_bias[window]

@@ -27,7 +27,7 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int]
+_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, ctypes.c_int]
 
 
 def cache_dir() -> Path:
@@ -97,9 +97,10 @@ def decode_kernel(dtype: torch.dtype):
 
 
 def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
     """q: [B, Hq, D] (token rows may be strided); caches: a layer's [num_blocks, block_size, Hkv, D] views with
-    contiguous blocks; block_tables: [B, >= max blocks] int64; context_lens: [B] int32. Returns [B, Hq, D]."""
+    contiguous blocks; block_tables: [B, >= max blocks] int64; context_lens: [B] int32; window > 0: attend to
+    each row's last `window` tokens only. Returns [B, Hq, D]."""
     b, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     if q.stride()[1:] != (d, 1) or k_cache.stride()[1:] != (hkv * d, d, 1) or v_cache.stride() != k_cache.stride():
@@ -108,7 +109,8 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty((b, hq, d), dtype=q.dtype)
     rc = kernel(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
-                tables.stride(0), lens.data_ptr(), b, hq, hkv, d, bs, k_cache.stride(0), scale, torch.get_num_threads())
+                tables.stride(0), lens.data_ptr(), b, hq, hkv, d, bs, k_cache.stride(0), scale, window,
+                torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged_decode: could not allocate per-thread work buffers")
     return out

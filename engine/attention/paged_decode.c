@@ -97,7 +97,7 @@ INLINE float softmax_tile(float *sg, int64_t n, float *m, float *l) {
 
 /* One sequence, KV heads [h0, h1), any head size: plain C. */
 INLINE void item_generic(int kind, const void *q, void *out, const void *k_pool, const void *v_pool,
-                         const int64_t *table, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
+                         const int64_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
                          int64_t d, int64_t bs, int64_t block_stride, float scale, float *work) {
     int64_t rows = (h1 - h0) * group, tok_stride = hkv * d, es = elem_size(kind);
     float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *s = l + rows, *row = s + rows * TILE;
@@ -107,7 +107,7 @@ INLINE void item_generic(int kind, const void *q, void *out, const void *k_pool,
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    for (int64_t pos = 0; pos < ctx;) {
+    for (int64_t pos = first; pos < ctx;) {
         int64_t off = pos % bs, n = TILE;
         if (n > bs - off) n = bs - off;
         if (n > ctx - pos) n = ctx - pos;
@@ -188,7 +188,7 @@ INLINE __m512 exp16_nonpositive(__m512 x) {   /* exp_nonpositive on 16 lanes */
 /* One sequence, KV heads [h0, h1), head size 16 * NV (NV a compile-time constant after inlining, so the
  * per-row vectors stay in registers). */
 INLINE void item_avx512(int kind, const int NV, const void *q, void *out, const void *k_pool, const void *v_pool,
-                        const int64_t *table, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
+                        const int64_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
                         int64_t bs, int64_t block_stride, float scale, float *work) {
     const int64_t d = 16 * NV;
     int64_t rows = (h1 - h0) * group, tok_stride = hkv * d, es = elem_size(kind);
@@ -203,7 +203,7 @@ INLINE void item_avx512(int kind, const int NV, const void *q, void *out, const 
         l[r] = 0.0f;
     }
     const int64_t span = (h1 - h0) * d * es;   /* bytes of one token's K (or V) row this item reads */
-    int64_t pos = 0, n = tile_len(0, ctx, bs), base = tile_base(table, 0, bs, block_stride, tok_stride) + h0 * d;
+    int64_t pos = first, n = tile_len(first, ctx, bs), base = tile_base(table, first, bs, block_stride, tok_stride) + h0 * d;
     while (pos < ctx) {
         int64_t next_pos = pos + n, next_n = next_pos < ctx ? tile_len(next_pos, ctx, bs) : 0;
         int64_t next_base = next_n ? tile_base(table, next_pos, bs, block_stride, tok_stride) + h0 * d : 0;
@@ -270,23 +270,23 @@ INLINE void item_avx512(int kind, const int NV, const void *q, void *out, const 
 #endif
 
 typedef void (*item_fn)(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,
-                        int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,
+                        int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,
                         int64_t block_stride, float scale, float *work);
 
 /* One compiled item function per (dtype, head size): the dtype and the vector count must be constants
  * inside the loops, which an argument passed through the OpenMP region is not. */
 #define ITEM_GENERIC(NAME, KIND)                                                                               \
     static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,  \
-                     int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
+                     int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
                      int64_t block_stride, float scale, float *work) {                                         \
-        item_generic(KIND, q, out, k_pool, v_pool, table, ctx, h0, h1, hkv, group, d, bs, block_stride, scale, work); \
+        item_generic(KIND, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, d, bs, block_stride, scale, work); \
     }
 #define ITEM_AVX512(NAME, KIND, NV)                                                                            \
     static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,  \
-                     int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
+                     int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
                      int64_t block_stride, float scale, float *work) {                                         \
         (void)d;                                                                                               \
-        item_avx512(KIND, NV, q, out, k_pool, v_pool, table, ctx, h0, h1, hkv, group, bs, block_stride, scale, work); \
+        item_avx512(KIND, NV, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, bs, block_stride, scale, work); \
     }
 
 ITEM_GENERIC(item_f32, KIND_F32)
@@ -324,11 +324,13 @@ static item_fn pick_item(int kind, int64_t d) {
 }
 
 /* q: [batch, hq, d] rows `q_stride` elements apart; out: [batch, hq, d] contiguous; tables: [batch, *] block
- * ids, rows `table_stride` apart; context_lens: [batch]. Returns 0, or -1 if a work buffer could not be
+ * ids, rows `table_stride` apart; context_lens: [batch]; window > 0: each row attends to its last `window`
+ * tokens only (sliding-window attention), 0: to all. Returns 0, or -1 if a work buffer could not be
  * allocated, -2 if this dtype was not compiled. */
 static int decode(int kind, const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,
                   const int64_t *tables, int64_t table_stride, const int32_t *context_lens, int64_t batch, int64_t hq,
-                  int64_t hkv, int64_t d, int64_t bs, int64_t block_stride, float scale, int num_threads) {
+                  int64_t hkv, int64_t d, int64_t bs, int64_t block_stride, float scale, int64_t window,
+                  int num_threads) {
     int64_t group = hq / hkv, es = elem_size(kind);
     item_fn item = pick_item(kind, d);
     if (!item) return -2;
@@ -349,9 +351,10 @@ static int decode(int kind, const void *q, int64_t q_stride, void *out, const vo
         for (int64_t it = 0; it < items; it++) {
             if (!work) continue;
             int64_t b = it / per_seq, h0 = (it % per_seq) * heads;
-            int64_t h1 = h0 + heads < hkv ? h0 + heads : hkv;
+            int64_t h1 = h0 + heads < hkv ? h0 + heads : hkv, ctx = context_lens[b];
+            int64_t first = window > 0 && ctx > window ? ctx - window : 0;
             item((const char *)q + b * q_stride * es, (char *)out + b * hq * d * es, k_pool, v_pool,
-                 tables + b * table_stride, context_lens[b], h0, h1, hkv, group, d, bs, block_stride, scale, work);
+                 tables + b * table_stride, first, ctx, h0, h1, hkv, group, d, bs, block_stride, scale, work);
         }
         free(work);
     }
@@ -361,9 +364,10 @@ static int decode(int kind, const void *q, int64_t q_stride, void *out, const vo
 #define EXPORT(NAME, KIND)                                                                                     \
     int NAME(const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,               \
              const int64_t *tables, int64_t table_stride, const int32_t *context_lens, int64_t batch, int64_t hq, \
-             int64_t hkv, int64_t d, int64_t bs, int64_t block_stride, float scale, int num_threads) {          \
+             int64_t hkv, int64_t d, int64_t bs, int64_t block_stride, float scale, int64_t window,            \
+             int num_threads) {                                                                                \
         return decode(KIND, q, q_stride, out, k_pool, v_pool, tables, table_stride, context_lens, batch, hq, hkv, d, \
-                      bs, block_stride, scale, num_threads);                                                   \
+                      bs, block_stride, scale, window, num_threads);                                           \
     }
 
 EXPORT(paged_decode_f32, KIND_F32)

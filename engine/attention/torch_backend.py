@@ -31,36 +31,43 @@ class TorchAttentionBackend:
         v_cache[meta.slot_blocks, meta.slot_offsets] = v
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: per-layer views [num_blocks, block_size, Hkv, D].
+                v_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: per-layer views [num_blocks, block_size, Hkv, D];
+        window > 0: sliding-window attention, each token sees its last `window` positions (itself included).
         Returns [T, Hq, D]."""
         self.write_kv(k, v, k_cache, v_cache, meta)
         nd = meta.num_decode_tokens
         if nd == q.shape[0] and not meta.prefills:
-            return self._decode(q, k_cache, v_cache, meta)
+            return self._decode(q, k_cache, v_cache, meta, window)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, window)
         for chunk in meta.prefills:
             qs = q[chunk.start:chunk.end].transpose(0, 1)           # [Hq, n, D]
+            n = chunk.end - chunk.start
             if chunk.num_cached == 0:
                 ks = k[chunk.start:chunk.end].transpose(0, 1)
                 vs = v[chunk.start:chunk.end].transpose(0, 1)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=self.gqa)
             else:
-                n = chunk.end - chunk.start
                 total = chunk.num_cached + n
                 ks = k_cache[chunk.block_table].flatten(0, 1)[:total].transpose(0, 1)
                 vs = v_cache[chunk.block_table].flatten(0, 1)[:total].transpose(0, 1)
-                q_pos = torch.arange(chunk.num_cached, total, device=q.device)
-                mask = torch.arange(total, device=q.device)[None, :] <= q_pos[:, None]
+            if chunk.num_cached == 0 and (not window or n <= window):
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=self.gqa)
+            else:
+                q_pos = torch.arange(chunk.num_cached, chunk.num_cached + n, device=q.device)[:, None]
+                k_pos = torch.arange(ks.shape[1], device=q.device)[None, :]
+                mask = k_pos <= q_pos
+                if window:
+                    mask &= k_pos > q_pos - window
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=self.gqa)
             out[chunk.start:chunk.end] = o.transpose(0, 1)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        tables, bias = meta.decode_block_tables, meta.decode_bias
+                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+        tables = meta.decode_block_tables
+        bias = meta.decode_window_bias(window) if window else meta.decode_bias
         bs = k_cache.shape[1]
         groups = meta.decode_groups or [(0, tables.shape[0], tables.shape[1])]
         # On CPU, gather and attend a few rows at a time: gathered K/V small enough to still be in cache when

@@ -11,9 +11,11 @@ from engine.layers.rotary import apply_rotary
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool, backend) -> None:
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool, backend,
+                 window: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.window = window   # > 0: sliding-window attention over the last `window` positions
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden_size)
@@ -28,5 +30,5 @@ class SelfAttention(nn.Module):
         qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)  # q and k in one go
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)
+        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.window)
         return self.o_proj(o.reshape(-1, self.q_size))

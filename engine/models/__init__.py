@@ -8,7 +8,7 @@ from engine.models.qwen2 import Qwen2ForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Same graph as Llama (the sliding window is handled by capping the context in ModelConfig)."""
+    """Same graph as Llama; its sliding window (`sliding_window`, every layer) is in `ModelConfig.layer_windows`."""
 
 
 MODEL_REGISTRY = {
