@@ -95,6 +95,19 @@ INLINE float softmax_tile(float *sg, int64_t n, float *m, float *l) {
     return corr;
 }
 
+/* Tokens of the tile starting at pos: up to TILE, never past the block's end or the context. */
+INLINE int64_t tile_len(int64_t pos, int64_t ctx, int64_t bs) {
+    int64_t n = TILE, off = pos % bs;
+    if (n > bs - off) n = bs - off;
+    if (n > ctx - pos) n = ctx - pos;
+    return n;
+}
+
+/* Element offset of token `pos`'s row (head 0) in a layer's pool view. */
+INLINE int64_t tile_base(const int64_t *table, int64_t pos, int64_t bs, int64_t block_stride, int64_t tok_stride) {
+    return table[pos / bs] * block_stride + (pos % bs) * tok_stride;
+}
+
 /* One sequence, KV heads [h0, h1), any head size: plain C. */
 INLINE void item_generic(int kind, const void *q, void *out, const void *k_pool, const void *v_pool,
                          const int64_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
@@ -107,54 +120,40 @@ INLINE void item_generic(int kind, const void *q, void *out, const void *k_pool,
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    for (int64_t pos = first; pos < ctx;) {
-        int64_t off = pos % bs, n = TILE;
-        if (n > bs - off) n = bs - off;
-        if (n > ctx - pos) n = ctx - pos;
-        int64_t base = table[pos / bs] * block_stride + off * tok_stride;
-        for (int64_t h = h0; h < h1; h++) {
-            const char *kb = (const char *)k_pool + (base + h * d) * es, *vb = (const char *)v_pool + (base + h * d) * es;
-            int64_t r0 = (h - h0) * group;
-            for (int64_t t = 0; t < n; t++) {
-                for (int64_t i = 0; i < d; i++) row[i] = load1(kb + t * tok_stride * es, i, kind);
+    for (int64_t pos = first; pos < ctx;) {   /* same order as the AVX-512 path: rows in memory order */
+        int64_t n = tile_len(pos, ctx, bs), base = tile_base(table, pos, bs, block_stride, tok_stride);
+        const char *kb = (const char *)k_pool + base * es, *vb = (const char *)v_pool + base * es;
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t h = h0; h < h1; h++) {
+                const char *kr = kb + (t * tok_stride + h * d) * es;
+                for (int64_t i = 0; i < d; i++) row[i] = load1(kr, i, kind);
                 for (int64_t g = 0; g < group; g++) {
-                    const float *qg = qf + (r0 + g) * d;
+                    const float *qg = qf + ((h - h0) * group + g) * d;
                     float dot = 0.0f;
                     _Pragma("omp simd reduction(+:dot)")
                     for (int64_t i = 0; i < d; i++) dot += qg[i] * row[i];
-                    s[(r0 + g) * TILE + t] = dot;
+                    s[((h - h0) * group + g) * TILE + t] = dot;
                 }
             }
-            for (int64_t g = 0; g < group; g++) {
-                float corr = softmax_tile(s + (r0 + g) * TILE, n, m + r0 + g, l + r0 + g);
-                if (corr != 1.0f)
-                    for (int64_t i = 0; i < d; i++) acc[(r0 + g) * d + i] *= corr;
-            }
-            for (int64_t t = 0; t < n; t++) {
-                for (int64_t i = 0; i < d; i++) row[i] = load1(vb + t * tok_stride * es, i, kind);
-                for (int64_t g = 0; g < group; g++) {
-                    float p = s[(r0 + g) * TILE + t], *ag = acc + (r0 + g) * d;
-                    for (int64_t i = 0; i < d; i++) ag[i] += p * row[i];
-                }
-            }
+        for (int64_t r = 0; r < rows; r++) {
+            float corr = softmax_tile(s + r * TILE, n, m + r, l + r);
+            if (corr != 1.0f)
+                for (int64_t i = 0; i < d; i++) acc[r * d + i] *= corr;
         }
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t h = h0; h < h1; h++) {
+                const char *vr = vb + (t * tok_stride + h * d) * es;
+                for (int64_t i = 0; i < d; i++) row[i] = load1(vr, i, kind);
+                for (int64_t g = 0; g < group; g++) {
+                    int64_t r = (h - h0) * group + g;
+                    float p = s[r * TILE + t], *ar = acc + r * d;
+                    for (int64_t i = 0; i < d; i++) ar[i] += p * row[i];
+                }
+            }
         pos += n;
     }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < d; i++) store1(out, (h0 * group + r) * d + i, acc[r * d + i] / l[r], kind);
-}
-
-/* Tokens of the tile starting at pos: up to TILE, never past the block's end or the context. */
-INLINE int64_t tile_len(int64_t pos, int64_t ctx, int64_t bs) {
-    int64_t n = TILE, off = pos % bs;
-    if (n > bs - off) n = bs - off;
-    if (n > ctx - pos) n = ctx - pos;
-    return n;
-}
-
-/* Element offset of token `pos`'s row (head 0) in a layer's pool view. */
-INLINE int64_t tile_base(const int64_t *table, int64_t pos, int64_t bs, int64_t block_stride, int64_t tok_stride) {
-    return table[pos / bs] * block_stride + (pos % bs) * tok_stride;
 }
 
 #ifdef __AVX512F__
