@@ -105,7 +105,9 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _, bs, hkv, _ = k_cache.shape
     if q.stride()[1:] != (d, 1) or k_cache.stride()[1:] != (hkv * d, d, 1) or v_cache.stride() != k_cache.stride():
         raise ValueError("paged_decode: q heads and cache blocks must be contiguous")
-    tables = block_tables.contiguous()
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or hq % hkv or k_cache.shape[3] != d:
+        raise ValueError(f"paged_decode: q {tuple(q.shape)} {q.dtype} does not fit the cache {tuple(k_cache.shape)} {k_cache.dtype}")
+    tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty((b, hq, d), dtype=q.dtype)
     rc = kernel(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
