@@ -19,7 +19,6 @@ import torch
 from engine.attention import native
 from engine.attention.metadata import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.model_runner import decode_groups
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,12 +35,8 @@ def make_inputs(args, dtype):
     perm = torch.randperm(num_blocks, generator=g)
     tables = perm[:args.batch * max(blocks)].view(args.batch, max(blocks))
     q = torch.randn(args.batch, hq + hkv, d, generator=g).to(dtype)[:, :hq]
-    width = max(blocks) * bs
-    bias = torch.zeros(args.batch, width).masked_fill_(torch.arange(width)[None] >= lens[:, None], float("-inf"))
     meta = AttentionMetadata(slot_blocks=torch.zeros(0, dtype=torch.long), slot_offsets=torch.zeros(0, dtype=torch.long),
-                             num_decode_tokens=args.batch, decode_block_tables=tables,
-                             decode_bias=bias.to(dtype)[:, None, None, :], decode_context_lens=lens.to(torch.int32),
-                             decode_groups=decode_groups(blocks))
+                             num_decode_tokens=args.batch, decode_block_tables=tables, decode_context_lens=lens.to(torch.int32))
     return q, k_cache, v_cache, meta, lens
 
 

@@ -39,8 +39,8 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch):
         """Flattened inputs; decodes (one new token) first, then prefill chunks."""
         bs = self.block_size
-        # Decodes sorted by block count so that decode groups (see `decode_groups`) are row ranges.
-        order = sorted(range(len(batch)), key=lambda i: (batch.num_new_tokens[i] != 1, len(batch.seqs[i].block_table)))
+        # Decodes sorted by context length so that decode groups (AttentionMetadata.decode_groups) are row ranges.
+        order = sorted(range(len(batch)), key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens))
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_new_tokens[i] for i in order]
         num_decode = sum(1 for n in counts if n == 1)
@@ -73,11 +73,7 @@ class ModelRunner:
         if num_decode:
             dec_blocks = max(len(s.block_table) for s in seqs[:num_decode])
             meta.decode_block_tables = tables[:num_decode, :dec_blocks]
-            ctx = positions_t[:num_decode] + 1
-            masked = torch.arange(dec_blocks * bs)[None, :] >= ctx[:, None]
-            meta.decode_bias = torch.zeros(masked.shape, dtype=self.dtype).masked_fill_(masked, float("-inf"))[:, None, None, :]
-            meta.decode_context_lens = ctx.to(torch.int32)
-            meta.decode_groups = decode_groups([len(s.block_table) for s in seqs[:num_decode]])
+            meta.decode_context_lens = (positions_t[:num_decode] + 1).to(torch.int32)
         for row, start, end, c in prefills:
             nblocks = -(-(c + end - start) // bs)
             meta.prefills.append(PrefillChunk(start, end, c, tables[row, :nblocks]))
@@ -109,31 +105,11 @@ class ModelRunner:
         return self.model.compute_logits(self.model(ids, positions, meta)).float()
 
 
-def decode_groups(blocks: list[int], overhead: int = 8) -> list[tuple[int, int, int]]:
-    """Split decode rows (sorted by ascending block count) into (start, end, blocks) groups minimising the
-    padded attention work: a group costs rows * its largest block count, plus `overhead` (in row-blocks)
-    for its extra gather and attention calls. Exact O(n^2) dynamic program; n is at most max_num_seqs."""
-    n = len(blocks)
-    best = [0] + [0] * n
-    cut = [0] * (n + 1)
-    for i in range(1, n + 1):
-        widest = blocks[i - 1]
-        best[i], cut[i] = min((best[j] + (i - j) * widest + overhead, j) for j in range(i))
-    groups = []
-    i = n
-    while i > 0:
-        groups.append((cut[i], i, blocks[i - 1]))
-        i = cut[i]
-    return groups[::-1]
-
-
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     def mv(t):
         return None if t is None else t.to(device, non_blocking=True)
 
     return AttentionMetadata(
         slot_blocks=mv(meta.slot_blocks), slot_offsets=mv(meta.slot_offsets), num_decode_tokens=meta.num_decode_tokens,
-        decode_block_tables=mv(meta.decode_block_tables), decode_bias=mv(meta.decode_bias),
-        decode_context_lens=mv(meta.decode_context_lens),
-        decode_groups=list(meta.decode_groups),
+        decode_block_tables=mv(meta.decode_block_tables), decode_context_lens=mv(meta.decode_context_lens),
         prefills=[PrefillChunk(p.start, p.end, p.num_cached, mv(p.block_table)) for p in meta.prefills])

@@ -377,10 +377,8 @@ def test_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, b
             v_cache[t[p // bs], p % bs] = v[p]
     padded = torch.tensor([t + [0] * (3 - len(t)) for t in tables])
     pos = torch.tensor([n - 1 for n in lens])
-    bias = torch.zeros(3, 3 * bs).masked_fill_(torch.arange(3 * bs)[None] >= (pos + 1)[:, None], float("-inf"))
     meta = AttentionMetadata(slot_blocks=padded[torch.arange(3), pos // bs], slot_offsets=pos % bs, num_decode_tokens=3,
-                             decode_block_tables=padded, decode_bias=bias.to(dtype if dtype == torch.float32 else torch.float32)[:, None, None, :],
-                             decode_context_lens=(pos + 1).to(torch.int32))
+                             decode_block_tables=padded, decode_context_lens=(pos + 1).to(torch.int32))
     out = backend.forward(torch.stack([q[-1] for q in qs]), torch.stack([k[-1] for k in ks]),
                           torch.stack([v[-1] for v in vs]), k_cache, v_cache, meta, window)
     tol = 1e-5 if dtype == torch.float32 else 3e-2

@@ -15,11 +15,13 @@ from engine.testing import load_hf_model, make_tiny_model
 from engine_helpers import GREEDY, hf_greedy, make_prompts, run_all, run_staggered
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_greedy_tokens_match_transformers_with_staggered_arrivals(arch, tiny_models, make_engine):
+@pytest.mark.parametrize("arch,backend", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", "torch")])
+def test_greedy_tokens_match_transformers_with_staggered_arrivals(arch, backend, tiny_models, make_engine):
+    """(backend None: the device default, `cpu` here; `torch`: the gather + SDPA path cuda and compiler-less
+    CPU hosts run.)"""
     model = tiny_models[arch]
     prompts = make_prompts()
-    engine = make_engine(model)
+    engine = make_engine(model, attention_backend=backend)
     got = run_staggered(engine, prompts)
     want = hf_greedy(model, prompts)
     for i, p in enumerate(prompts):

@@ -68,10 +68,9 @@ class TorchAttentionBackend:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
-        tables = meta.decode_block_tables
-        bias = meta.decode_window_bias(window) if window else meta.decode_bias
-        bs = k_cache.shape[1]
-        groups = meta.decode_groups or [(0, tables.shape[0], tables.shape[1])]
+        tables, bs = meta.decode_block_tables, k_cache.shape[1]
+        bias = meta.decode_bias(bs, q.dtype, window)
+        groups = meta.decode_groups(bs)
         # On CPU, gather and attend a few rows at a time: gathered K/V small enough to still be in cache when
         # SDPA reads it. One 128-row x 512-token call goes back to DRAM and runs ~2x slower.
         chunked = k_cache.device.type == "cpu"
@@ -107,7 +106,5 @@ class TorchAttentionBackend:
         # The query heads sharing one KV head act as that head's query rows: no GQA expansion, and on CPU
         # this SDPA call is several times faster than enable_gqa (bf16) or explicit matmuls on strided K/V.
         qg = q.reshape(b, hkv, self.num_heads // hkv, d)
-        if bias.dtype != q.dtype:
-            bias = bias.to(q.dtype)
         o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=bias)
         return o.reshape(b, self.num_heads, d)
