@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from engine.attention import native
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from pdcluster.engine.attention import native
+from pdcluster.engine.attention.metadata import AttentionMetadata
+from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

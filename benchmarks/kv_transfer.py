@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from kv_transfer import KVReceiver, KVSender, SharedKVPool  # noqa: E402
+from pdcluster.kv_transfer import KVReceiver, KVSender, SharedKVPool  # noqa: E402
 
 BLOCK = (16, 2, 16, 2, 128)  # layers, k/v, block_size, kv heads, head_dim
 BLOCK_BYTES = 16 * 2 * 16 * 2 * 128 * 2
@@ -108,10 +108,10 @@ def int8_greedy(num_prompts: int = 16, max_tokens: int = 32) -> dict:
     node would receive it with quant="int8"): the first token comes from prefill, the rest from decode."""
     import tempfile
 
-    from engine.llm_engine import LLMEngine
-    from engine.sampling_params import SamplingParams
-    from engine.testing import make_tiny_model
-    from kv_transfer import quant
+    from pdcluster.control.sampling_params import SamplingParams
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.testing import make_tiny_model
+    from pdcluster.kv_transfer import quant
 
     out: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

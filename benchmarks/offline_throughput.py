@@ -51,15 +51,16 @@ def make_requests(n: int, prompt_range: tuple[int, int], output_range: tuple[int
 
 
 def make_model(path: str) -> str:
-    from engine.testing import make_tiny_model   # LlamaConfig + LlamaForCausalLM.save_pretrained + tokenizer
+    from pdcluster.engine.testing import make_tiny_model  # LlamaConfig + LlamaForCausalLM.save_pretrained + tokenizer
 
     return make_tiny_model(path, arch="llama", **MODEL)
 
 
 def count_params(model_dir: str) -> tuple[int, int]:
     """(parameters used in matmuls per token: everything but the embedding table, total)."""
-    from safetensors import safe_open
     import glob
+
+    from safetensors import safe_open
 
     matmul = total = 0
     for f in glob.glob(f"{model_dir}/*.safetensors"):
@@ -98,14 +99,14 @@ def attention_flops(reqs: list[Request], hidden: int, layers: int) -> float:
 
 # ---------------------------------------------------------------- engine
 def engine_llm(model_dir: str, dtype: torch.dtype, args):
-    from engine import LLM
+    from pdcluster.engine import LLM
 
     return LLM(model=model_dir, dtype=dtype, kv_cache_memory=int(args.kv_cache_gib * (1 << 30)),
                max_num_seqs=args.max_num_seqs)
 
 
 def engine_generate(llm, reqs: list[Request]) -> tuple[float, list[list[int]]]:
-    from engine import SamplingParams
+    from pdcluster.engine import SamplingParams
 
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r.max_tokens) for r in reqs]
     t = time.perf_counter()

@@ -148,8 +148,8 @@ class FakeDecodeNode:
     """A decode node that answers every Generate with all its tokens at once (router overhead runs)."""
 
     def __init__(self, etcd: str, cluster: str, tokens_per_message: int) -> None:
-        from pdcluster.membership import NodeInfo, Registration
-        from pdcluster.transport import LoadPublisher, RouterServer
+        from pdcluster.control.membership import NodeInfo, Registration
+        from pdcluster.control.transport import LoadPublisher, RouterServer
 
         self.server, self.pub = RouterServer(), LoadPublisher()
         self.tokens_per_message = tokens_per_message
@@ -159,7 +159,7 @@ class FakeDecodeNode:
                                                                    control_addr=control, load_addr=load))
 
     async def serve(self) -> None:
-        from pdcluster.protocol import Generate, Tokens
+        from pdcluster.control.protocol import Generate, Tokens
 
         await self.registration.start(wait=10)
         while True:
@@ -178,7 +178,7 @@ class FakeDecodeNode:
 
 
 async def main_async(args) -> dict:
-    from pdcluster.up import LocalCluster
+    from pdcluster.cli.up import LocalCluster
 
     cluster = None
     fake_task = None

@@ -1,10 +1,10 @@
-"""Decode-node counters (engine gauges come from `pdcluster.node_runtime.EngineStatsCollector`)."""
+"""Decode-node counters (engine gauges come from `pdcluster.node.service.EngineStatsCollector`)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from pdcluster.metrics import TRANSFER_BUCKETS, get_or_create
+from pdcluster.control.metrics import TRANSFER_BUCKETS, get_or_create
 
 
 class DecodeMetrics:

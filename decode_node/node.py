@@ -17,17 +17,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kv_transfer import KVReceiver, SharedKVPool
-from kv_transfer.errors import ChecksumError
-from pdcluster.config import NodeConfig
-from pdcluster.membership import NodeInfo
-from pdcluster.node_runtime import EngineThread, NodeService, engine_args_from_config
-from pdcluster.protocol import Abort, Generate, Load, Message, Prefill, PrefillDone, Reject, Tokens
-from pdcluster.transport import PeerDealers
-from decode_node.metrics import DecodeMetrics
+from pdcluster.control.config import NodeConfig
+from pdcluster.control.membership import NodeInfo
+from pdcluster.control.protocol import Abort, Generate, Load, Message, Prefill, PrefillDone, Reject, Tokens
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.control.transport import PeerDealers
+from pdcluster.decode_node.metrics import DecodeMetrics
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.outputs import RequestOutput
+from pdcluster.kv_transfer import KVReceiver, SharedKVPool
+from pdcluster.kv_transfer.errors import ChecksumError
+from pdcluster.node.service import EngineThread, NodeService, engine_args_from_config
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class DecodeNode(NodeService):
         """KV pool in POSIX shm (CPU), so a same-host prefill node copies straight into it."""
         if self.config.device not in ("auto", "cpu"):
             return None
-        from engine.device import resolve_device
+        from pdcluster.engine.device import resolve_device
 
         if resolve_device(None if self.config.device == "auto" else self.config.device).type != "cpu":
             return None
@@ -173,7 +173,7 @@ class DecodeNode(NodeService):
         req = DecodeRequest(rid=msg.rid, router=identity, prompt_ids=prompt, params=params,
                             deadline=msg.deadline, prefill_node=msg.prefill_node)
         self.requests[req.rid] = req
-        log.info("request %s admitted from router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
+        log.info("request %s admitted from pdcluster.router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
                  msg.router, len(prompt), resumed, msg.prefill_node or "this node", extra={"request_id": req.rid})
         peer = self.view.nodes.get(msg.prefill_node) if msg.prefill_node else None
         if peer is not None and peer.role == "prefill":
@@ -384,6 +384,6 @@ def _logprob_entry(lp: Any) -> Any:
 
 
 def main(config: NodeConfig) -> int:
-    from pdcluster.node_runtime import run_service
+    from pdcluster.node.service import run_service
 
     return run_service(lambda: DecodeNode(config))

@@ -13,42 +13,16 @@ import itertools
 import logging
 import queue
 import threading
-from dataclasses import asdict, dataclass
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
-import torch
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.args import AsyncEngineArgs, EngineArgs
+from pdcluster.engine.outputs import RequestOutput
 
-from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+if TYPE_CHECKING:
+    from pdcluster.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class AsyncEngineArgs:
-    model: str
-    dtype: str = "float32"
-    device: str | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    gpu_memory_utilization: float = 0.9
-    kv_cache_memory: int | None = None
-    num_gpu_blocks_override: int | None = None
-    tensor_parallel_size: int = 1
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    max_model_len: int | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: tensor parallelism is not implemented yet (use 1)")
-
-    def to_engine_args(self) -> EngineArgs:
-        return EngineArgs(**asdict(self))
 
 
 class _Stream:
@@ -70,12 +44,15 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: AsyncEngineArgs | EngineArgs) -> "AsyncLLMEngine":
-        engine_args = args.to_engine_args() if isinstance(args, AsyncEngineArgs) else args
-        return cls(LLMEngine(engine_args))
+        from pdcluster.engine.llm_engine import LLMEngine  # torch; importing this module stays torch-free
+
+        return cls(LLMEngine(args))
 
     # ---- engine thread --------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        import torch
+
         torch.set_grad_enabled(False)
         while not self._stopped.is_set():
             block = not self.engine.has_unfinished_requests()

@@ -1,7 +1,7 @@
 """Model and engine configuration.
 
 `ModelConfig` is read from a HF `config.json` (both the transformers 4 `rope_theta`/`rope_scaling`
-keys and the transformers 5 `rope_parameters` key). `EngineArgs` carries the vLLM-named knobs.
+keys and the transformers 5 `rope_parameters` key). The engine knobs are `engine.args.EngineArgs`.
 """
 
 from __future__ import annotations
@@ -9,27 +9,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from pdcluster.engine.args import dtype_name
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _MODEL_TYPE_TO_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype: unsupported {dtype}; expected float32, bfloat16 or float16")
-        return dtype
-    try:
-        return _DTYPES[str(dtype).lower()]
-    except KeyError:
-        raise ValueError(f"dtype: unsupported {dtype!r}; expected float32, bfloat16 or float16") from None
+    return getattr(torch, dtype_name(dtype))
 
 
 @dataclass
@@ -106,44 +97,6 @@ class ModelConfig:
             raise FileNotFoundError(f"model: {path} is missing (expected config.json in the HF model directory)")
         with open(path) as f:
             return cls.from_dict(json.load(f))
-
-
-@dataclass
-class EngineArgs:
-    """Engine knobs; names follow vLLM."""
-
-    model: str
-    dtype: str | torch.dtype = "float32"
-    device: str | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None          # bytes for the KV pool; overrides gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9         # fraction of free device memory (CPU: available RAM, capped)
-    num_gpu_blocks_override: int | None = None  # exact pool size in blocks (tests)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    attention_backend: str | None = None        # None: chosen by device
-    kv_pool_tensor: torch.Tensor | None = None  # externally allocated pool (e.g. shm-backed), block-major shape
-    kv_pool_factory: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: tensor parallelism is not implemented yet (use 1)")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
-        parse_dtype(self.dtype)
 
 
 def _layer_windows(cfg: dict[str, Any], arch: str) -> list[int]:

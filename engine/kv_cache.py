@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+from pdcluster.engine.config import ModelConfig
 
 
 class KVCachePool:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import itertools
 from typing import Sequence as Seq
 
-from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.args import EngineArgs
+from pdcluster.engine.outputs import RequestOutput
 
 
 class LLM:
     def __init__(self, model: str, **kwargs) -> None:
+        from pdcluster.engine.llm_engine import LLMEngine  # torch; importing this module stays torch-free
+
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

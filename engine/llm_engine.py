@@ -8,18 +8,17 @@ from collections import Counter
 from dataclasses import fields
 from typing import Callable
 
-import torch
-
-from engine.block_manager import BlockManager
-from engine.config import EngineArgs, ModelConfig, parse_dtype
-from engine.device import free_memory_bytes, resolve_device
-from engine.kv_cache import KVCachePool
-from engine.loader import load_eos_token_ids, load_tokenizer
-from engine.model_runner import ModelRunner
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Sequence, SequenceStatus
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.args import EngineArgs
+from pdcluster.engine.block_manager import BlockManager
+from pdcluster.engine.config import ModelConfig, parse_dtype
+from pdcluster.engine.device import free_memory_bytes, resolve_device
+from pdcluster.engine.kv_cache import KVCachePool
+from pdcluster.engine.loader import load_eos_token_ids, load_tokenizer
+from pdcluster.engine.model_runner import ModelRunner
+from pdcluster.engine.outputs import CompletionOutput, RequestOutput
+from pdcluster.engine.scheduler import ScheduledBatch, Scheduler
+from pdcluster.engine.sequence import Sequence, SequenceStatus
 
 log = logging.getLogger(__name__)
 

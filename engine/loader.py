@@ -9,8 +9,8 @@ from typing import Iterator
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig
-from engine.models import get_model_class
+from pdcluster.engine.config import ModelConfig
+from pdcluster.engine.models import get_model_class
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"

@@ -7,14 +7,14 @@ from typing import Callable
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillChunk, get_backend_class
-from engine.config import ModelConfig
-from engine.kv_cache import KVCachePool
-from engine.loader import load_model
-from engine.sampler import Sampler, SampleRequest
-from engine.sampling_params import SamplingParams
-from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.attention import AttentionMetadata, PrefillChunk, get_backend_class
+from pdcluster.engine.config import ModelConfig
+from pdcluster.engine.kv_cache import KVCachePool
+from pdcluster.engine.loader import load_model
+from pdcluster.engine.sampler import Sampler, SampleRequest
+from pdcluster.engine.scheduler import ScheduledBatch
+from pdcluster.engine.sequence import Sequence
 
 
 class ModelRunner:

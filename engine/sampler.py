@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from pdcluster.control.sampling_params import SamplingParams
 
 # Below this temperature a row is sampled greedily, as in vLLM: logits / T would overflow.
 MIN_TEMPERATURE = 1e-5

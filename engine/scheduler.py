@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from pdcluster.engine.block_manager import BlockManager
+from pdcluster.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 
-from engine.block_manager import chain_hash
-from engine.sampling_params import SamplingParams
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.block_manager import chain_hash
 
 
 class SequenceStatus(enum.Enum):

@@ -5,12 +5,12 @@ dict via to_dict) â†’ the prefill node's `KVSender(pool).start(dst, src_ids)` â†
 `finish()`; the receiver resolves the reservation (`await wait`, `poll`, or `on_done`).
 """
 
-from kv_transfer.destination import Destination
-from kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
-from kv_transfer.layout import KVLayout
-from kv_transfer.receiver import KVReceiver, TransferResult
-from kv_transfer.sender import KVSender, Transfer
-from kv_transfer.shm import SharedKVPool
+from pdcluster.kv_transfer.destination import Destination
+from pdcluster.kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
+from pdcluster.kv_transfer.layout import KVLayout
+from pdcluster.kv_transfer.receiver import KVReceiver, TransferResult
+from pdcluster.kv_transfer.sender import KVSender, Transfer
+from pdcluster.kv_transfer.shm import SharedKVPool
 
 __all__ = [
     "ChecksumError",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kv_transfer.errors import LayoutMismatchError
+from pdcluster.kv_transfer.errors import LayoutMismatchError
 
 LAYOUT_VERSION = 1
 _CHECKED_FIELDS = ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim")

@@ -24,14 +24,14 @@ from typing import Any, Callable
 
 import torch
 
-from kv_transfer import dist as kvdist
-from kv_transfer import quant
-from kv_transfer.checksum import MASK64, checksum_bytes, checksum_runs, combine, words
-from kv_transfer.destination import Destination, host_id
-from kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
-from kv_transfer.layout import KVLayout, byte_view
-from kv_transfer.shm import block_tags, token_tag
-from kv_transfer.tcp import FrameError, IdleTimeout, configure, recv_frame, recv_into_views, send_frame
+from pdcluster.kv_transfer import dist as kvdist
+from pdcluster.kv_transfer import quant
+from pdcluster.kv_transfer.checksum import MASK64, checksum_bytes, checksum_runs, combine, words
+from pdcluster.kv_transfer.destination import Destination, host_id
+from pdcluster.kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
+from pdcluster.kv_transfer.layout import KVLayout, byte_view
+from pdcluster.kv_transfer.shm import block_tags, token_tag
+from pdcluster.kv_transfer.tcp import FrameError, IdleTimeout, configure, recv_frame, recv_into_views, send_frame
 
 log = logging.getLogger(__name__)
 

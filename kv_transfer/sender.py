@@ -23,16 +23,16 @@ import msgpack
 import numpy as np
 import torch
 
-from kv_transfer import dist as kvdist
-from kv_transfer import quant as kvquant
-from kv_transfer.checksum import block_sums, checksum_bytes, checksum_runs, combine, weighted, words
-from kv_transfer.fused_copy import copy_blocks, warm_up
-from kv_transfer.destination import Destination, host_id
-from kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
-from kv_transfer.layout import KVLayout, byte_view, runs
-from kv_transfer.receiver import WIRE_VERSION
-from kv_transfer.shm import SHM_DIR, SharedKVPool, token_tag
-from kv_transfer.tcp import IdleTimeout, configure, recv_frame, send_frame, send_views
+from pdcluster.kv_transfer import dist as kvdist
+from pdcluster.kv_transfer import quant as kvquant
+from pdcluster.kv_transfer.checksum import block_sums, checksum_bytes, checksum_runs, combine, weighted, words
+from pdcluster.kv_transfer.destination import Destination, host_id
+from pdcluster.kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
+from pdcluster.kv_transfer.fused_copy import copy_blocks, warm_up
+from pdcluster.kv_transfer.layout import KVLayout, byte_view, runs
+from pdcluster.kv_transfer.receiver import WIRE_VERSION
+from pdcluster.kv_transfer.shm import SHM_DIR, SharedKVPool, token_tag
+from pdcluster.kv_transfer.tcp import IdleTimeout, configure, recv_frame, send_frame, send_views
 
 log = logging.getLogger(__name__)
 

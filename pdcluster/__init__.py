@@ -1,0 +1,17 @@
+"""pdcluster: disaggregated prefill/decode LLM serving (docs/design.md).
+
+The public API, vLLM-named. Importing it does not import torch: the engine loads torch when one is built.
+"""
+
+from pdcluster.engine import (
+                              LLM,
+                              AsyncEngineArgs,
+                              AsyncLLMEngine,
+                              CompletionOutput,
+                              EngineArgs,
+                              RequestOutput,
+                              SamplingParams,
+)
+
+__all__ = ["LLM", "SamplingParams", "EngineArgs", "AsyncEngineArgs", "AsyncLLMEngine", "RequestOutput",
+           "CompletionOutput"]

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.llm_engine import LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
-from kv_transfer import Destination, KVSender, Transfer
-from pdcluster.config import NodeConfig
-from pdcluster.node_runtime import EngineThread, NodeService, engine_args_from_config
-from pdcluster.prefix_hash import block_hashes
-from pdcluster.protocol import Abort, Load, Message, Prefill, PrefillDone
-from prefill_node.metrics import PrefillMetrics
+from pdcluster.control.block_hash import block_hashes
+from pdcluster.control.config import NodeConfig
+from pdcluster.control.protocol import Abort, Load, Message, Prefill, PrefillDone
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.llm_engine import LLMEngine
+from pdcluster.engine.outputs import RequestOutput
+from pdcluster.kv_transfer import Destination, KVSender, Transfer
+from pdcluster.node.service import EngineThread, NodeService, engine_args_from_config
+from pdcluster.prefill_node.metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +268,6 @@ class PrefillNode(NodeService):
 
 
 def main(config: NodeConfig) -> int:
-    from pdcluster.node_runtime import run_service
+    from pdcluster.node.service import run_service
 
     return run_service(lambda: PrefillNode(config))

@@ -15,17 +15,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from engine.sampling_params import SamplingParams
-from pdcluster.metrics import CONTENT_TYPE_LATEST, render
-from router.cluster import NodeSource, RouterCluster
-from router.decode_client import DecodeClient, NoCapacity, RequestStream, StreamFailed
-from router.errors import APIError, bad_request, error_body, install_error_handlers
-from router.generation import ChoiceDelta, ChoiceRun, TokenLogprob, merge
-from router.metrics import RouterMetrics
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest
-from router.policies import make_policy
-from router.settings import RouterSettings
-from router.tokenizer import ModelInfo, Tokenizer, read_model_info
+from pdcluster.control.metrics import CONTENT_TYPE_LATEST, render
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.router.cluster import NodeSource, RouterCluster
+from pdcluster.router.decode_client import DecodeClient, NoCapacity, RequestStream, StreamFailed
+from pdcluster.router.errors import APIError, bad_request, error_body, install_error_handlers
+from pdcluster.router.generation import ChoiceDelta, ChoiceRun, TokenLogprob, merge
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdcluster.router.policies import make_policy
+from pdcluster.router.settings import RouterSettings
+from pdcluster.router.tokenizer import ModelInfo, Tokenizer, read_model_info
 
 log = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ import time
 import uuid
 from typing import Any
 
-from pdcluster.protocol import Abort, Generate, Message, Reject, Tokens
-from pdcluster.transport import PeerDealers
-from router.cluster import NodeState, RouterCluster
-from router.metrics import RouterMetrics
-from router.policies import Prompt, RoutingPolicy, choose_prefill, note_assignment
-from router.settings import RouterSettings
+from pdcluster.control.protocol import Abort, Generate, Message, Reject, Tokens
+from pdcluster.control.transport import PeerDealers
+from pdcluster.router.cluster import NodeState, RouterCluster
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.policies import Prompt, RoutingPolicy, choose_prefill, note_assignment
+from pdcluster.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from router.decode_client import RequestStream
-from router.metrics import RouterMetrics
-from router.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+from pdcluster.router.decode_client import RequestStream
+from pdcluster.router.metrics import RouterMetrics
+from pdcluster.router.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdcluster.metrics import E2E_BUCKETS, ITL_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, new_registry
+from pdcluster.control.metrics import E2E_BUCKETS, ITL_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, new_registry
 
 
 class RouterMetrics:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import math
 
-from pdcluster.prefix_hash import block_hashes, cached_prefix_blocks
-from router.cluster import NodeState
+from pdcluster.control.block_hash import block_hashes, cached_prefix_blocks
+from pdcluster.router.cluster import NodeState
 
 
 class Prompt:

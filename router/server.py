@@ -7,9 +7,9 @@ from typing import Any
 
 import uvicorn
 
-from router.app import create_app
-from router.cluster import NodeSource
-from router.settings import RouterSettings
+from pdcluster.router.app import create_app
+from pdcluster.router.cluster import NodeSource
+from pdcluster.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 
@@ -20,16 +20,16 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning") -
 
 
 def run_router(config: Any, source: NodeSource | None = None) -> None:
-    """Serve until SIGINT/SIGTERM. `config`: a `pdcluster.config.RouterConfig` or `RouterSettings`.
+    """Serve until SIGINT/SIGTERM. `config`: a `pdcluster.control.config.RouterConfig` or `RouterSettings`.
 
-    Without `source`, nodes come from etcd (`pdcluster.membership.ClusterView` on `config.etcd`).
+    Without `source`, nodes come from etcd (`pdcluster.control.membership.ClusterView` on `config.etcd`).
     """
     settings = config if isinstance(config, RouterSettings) else RouterSettings.from_config(config)
-    from pdcluster.metrics import new_registry
+    from pdcluster.control.metrics import new_registry
 
     registry = new_registry()  # shared by the app's metrics and the etcd view's connection gauge
     if source is None:
-        from pdcluster.membership import ClusterView
+        from pdcluster.control.membership import ClusterView
 
         source = _StartedOnLifespan(ClusterView(list(config.etcd), config.cluster, registry=registry))
     app = create_app(settings, source, registry)

@@ -1,4 +1,4 @@
-"""Router knobs. `RouterSettings.from_config` takes `pdcluster.config.RouterConfig` (or any object
+"""Router knobs. `RouterSettings.from_config` takes `pdcluster.control.config.RouterConfig` (or any object
 with some of these attribute names) so the CLI config and tests build the same thing."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import os
 import socket
 from dataclasses import dataclass, fields
 from typing import Any
+
 
 def default_router_id() -> str:
     return f"router-{socket.gethostname()}-{os.getpid()}"

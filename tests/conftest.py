@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from engine.testing import make_tiny_model
+from pdcluster.engine.testing import make_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +36,7 @@ def tiny_models(tiny_llama, tiny_qwen2, tiny_mistral) -> dict[str, str]:
 @contextlib.contextmanager
 def checked_engine(model: str, **kwargs):
     """An LLMEngine whose free-block count must be back at its start when the block exits."""
-    from engine.llm_engine import LLMEngine
+    from pdcluster.engine.llm_engine import LLMEngine
 
     kwargs.setdefault("num_gpu_blocks_override", 256)
     engine = LLMEngine.from_args(model, **kwargs)

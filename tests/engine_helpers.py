@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from pdcluster.control.sampling_params import SamplingParams
 
 PROMPT_LENGTHS = [1, 3, 17, 40, 100, 300, 33, 64, 129]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
@@ -22,7 +22,7 @@ _REF_CACHE: dict[tuple, list[int]] = {}
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int = 32) -> list[list[int]]:
     """transformers `generate` per prompt (fp32, greedy, no padding), stopping at EOS like the engine."""
-    from engine.testing import load_hf_model
+    from pdcluster.engine.testing import load_hf_model
 
     missing = [p for p in prompts if (model_dir, tuple(p), max_new_tokens) not in _REF_CACHE]
     if missing:

@@ -1,5 +1,5 @@
 """Test doubles for the router tests: a tiny byte-fallback tokenizer on disk, fake decode nodes
-(real zmq ROUTER sockets speaking pdcluster.protocol, in a thread) and a uvicorn server thread."""
+(real zmq ROUTER sockets speaking pdcluster.control.protocol, in a thread) and a uvicorn server thread."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 import uvicorn
 import zmq
 
-from pdcluster import protocol
-from pdcluster.membership import NodeInfo
-from pdcluster.protocol import Abort, Generate, Load, Reject, Tokens
+from pdcluster.control import protocol
+from pdcluster.control.membership import NodeInfo
+from pdcluster.control.protocol import Abort, Generate, Load, Reject, Tokens
 
 CORPUS = [
     "Hello world, this is a tiny test corpus for the router.",
@@ -158,7 +158,7 @@ class ServerThread:
     """uvicorn (uvloop + httptools, as in production) serving `app` on a free loopback port."""
 
     def __init__(self, app: Any) -> None:
-        from router.server import uvicorn_config
+        from pdcluster.router.server import uvicorn_config
 
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdcluster.etcd_server import free_port
-from pdcluster.up import LocalCluster, scrape_metrics
+from pdcluster.cli.up import LocalCluster, scrape_metrics
+from pdcluster.control.etcd_server import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,7 +30,7 @@ DONE = ("stop", "length")
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from engine.testing import make_tiny_model
+    from pdcluster.engine.testing import make_tiny_model
 
     model = make_tiny_model(str(tmp_path_factory.mktemp("admin") / MODEL_NAME), "llama")
     c = LocalCluster(model=model, work_dir=tmp_path_factory.mktemp("cluster"), num_prefill=1, num_decode=2,
@@ -205,7 +205,7 @@ async def test_drain_under_load_finishes_in_flight_requests_and_the_node_leaves(
     nodes = status(cluster)
     assert "decode-1" not in nodes and "decode-0" in nodes
     # The drained node stays cordoned (a restarted instance must not take traffic before uncordon).
-    from pdcluster.membership import close_quietly, connect, get_admin_state
+    from pdcluster.control.membership import close_quietly, connect, get_admin_state
 
     async def admin_state() -> str:
         client = await connect([cluster.etcd])

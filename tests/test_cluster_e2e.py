@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from pdcluster.up import LocalCluster, scrape_metrics
+from pdcluster.cli.up import LocalCluster, scrape_metrics
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -38,7 +38,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
-    from engine.testing import make_tiny_model
+    from pdcluster.engine.testing import make_tiny_model
 
     return make_tiny_model(str(tmp_path_factory.mktemp("e2e") / MODEL_NAME), "llama")
 
@@ -58,7 +58,7 @@ def cluster(model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def offline(model_dir):
     """Greedy reference outputs from the offline engine, by prompt ids."""
-    from engine import LLM, SamplingParams
+    from pdcluster.engine import LLM, SamplingParams
 
     llm = LLM(model=model_dir, dtype="float32", device="cpu", num_gpu_blocks_override=512)
     cache: dict[tuple, list[int]] = {}
@@ -266,7 +266,7 @@ async def test_etcd_restart_keeps_in_flight_requests(cluster, offline, tokenizer
     health = cluster.wait_ready(2, 2, timeout=30)
     assert len(health["decode_nodes"]) == 2 and len(health["prefill_nodes"]) == 2
     # Nodes re-registered: a fresh etcd view has them all.
-    from pdcluster.membership import connect, list_nodes, close_quietly
+    from pdcluster.control.membership import close_quietly, connect, list_nodes
 
     etcd = await connect([cluster.etcd])
     try:

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from pdcluster.config import NodeConfig, RouterConfig, load_config, parse_bytes, parse_endpoint
-from pdcluster.log import bind_request_id, setup_logging
+from pdcluster.control.config import NodeConfig, RouterConfig, load_config, parse_bytes, parse_endpoint
+from pdcluster.control.log import bind_request_id, setup_logging
 
 YAML = """
 cluster: prod

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdcluster.config import load_config
-from pdcluster.etcd_server import etcd_binary, free_port, is_reachable
+from pdcluster.control.config import load_config
+from pdcluster.control.etcd_server import etcd_binary, free_port, is_reachable
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_DIR = ROOT / "deploy" / "ansible"
@@ -439,7 +439,7 @@ def test_rendered_units_serve_a_request_and_drain_on_sigterm(deployed, tmp_path)
     decode` exist (written after this test); until then it skips."""
     if not _serving_commands_exist():
         pytest.skip("`pdcluster router/prefill/decode` not implemented yet; this test enables itself when they are")
-    from engine.testing import make_tiny_model
+    from pdcluster.engine.testing import make_tiny_model
 
     make_tiny_model(str(deployed.model), "llama")
     units, endpoint = deployed.unit_dir("cpuhost"), f"127.0.0.1:{deployed.etcd_port}"

@@ -13,13 +13,12 @@ import sys
 
 import pytest
 import torch
-
-from engine.block_manager import BlockManager
-from engine.config import EngineArgs
-from engine.kv_cache import KVCachePool
-from engine.sampling_params import SamplingParams
 from engine_helpers import GREEDY, hf_greedy, make_prompts, run_all
 
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.args import EngineArgs
+from pdcluster.engine.block_manager import BlockManager
+from pdcluster.engine.kv_cache import KVCachePool
 
 # ---- loading errors ---------------------------------------------------------------------------
 
@@ -29,7 +28,7 @@ def _copy(src, dst):
 
 
 def test_missing_model_dir_config_and_weights_are_named(tmp_path, tiny_llama):
-    from engine.llm_engine import LLMEngine
+    from pdcluster.engine.llm_engine import LLMEngine
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLMEngine.from_args(str(tmp_path / "nope"))
@@ -49,7 +48,7 @@ def test_missing_model_dir_config_and_weights_are_named(tmp_path, tiny_llama):
 
 
 def test_unsupported_architecture_lists_supported(tmp_path, tiny_llama):
-    from engine.llm_engine import LLMEngine
+    from pdcluster.engine.llm_engine import LLMEngine
 
     d = _copy(tiny_llama, tmp_path / "gpt")
     cfg_path = os.path.join(d, "config.json")
@@ -209,7 +208,8 @@ def test_two_reservations_sharing_a_cached_prefix(tiny_llama, make_engine):
 # ---- offline and async APIs -------------------------------------------------------------------
 
 def test_llm_generate_text_and_ids_in_order(tiny_llama):
-    from engine import LLM, SamplingParams as SP
+    from pdcluster.engine import LLM
+    from pdcluster.engine import SamplingParams as SP
 
     llm = LLM(model=tiny_llama, kv_cache_memory=4 << 20, max_num_seqs=4)
     start = llm.engine.num_free_blocks
@@ -227,7 +227,7 @@ def test_llm_generate_text_and_ids_in_order(tiny_llama):
 
 
 async def test_async_engine_concurrent_generate_stream_and_cancel(tiny_llama):
-    from engine import AsyncEngineArgs, AsyncLLMEngine
+    from pdcluster.engine import AsyncEngineArgs, AsyncLLMEngine
 
     with pytest.raises(ValueError, match="tensor parallelism"):
         AsyncEngineArgs(model=tiny_llama, tensor_parallel_size=2)
@@ -289,7 +289,7 @@ def test_kv_pool_layout_views_and_external_tensor(tiny_llama, make_engine):
 def test_block_manager_refcounts_prefix_hits_and_lru_eviction():
     bm = BlockManager(num_blocks=4, block_size=2)
     a = bm.allocate(2)
-    from engine.block_manager import chain_hash
+    from pdcluster.engine.block_manager import chain_hash
 
     h0 = chain_hash(None, [1, 2])
     h1 = chain_hash(h0, [3, 4])
@@ -319,7 +319,7 @@ def test_device_layer_defaults_to_cpu_without_importing_torch_npu():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.stdout.split() == ["cpu", "gloo", "nccl", "hccl", "cpu", "False"], out.stderr
-    from engine.device import collective_backend, resolve_device
+    from pdcluster.engine.device import collective_backend, resolve_device
 
     with pytest.raises(ValueError, match="device"):
         resolve_device("tpu")
@@ -328,7 +328,7 @@ def test_device_layer_defaults_to_cpu_without_importing_torch_npu():
 
 
 def test_attention_backend_registry():
-    from engine.attention import available_backends, get_backend_class
+    from pdcluster.engine.attention import available_backends, get_backend_class
 
     assert {"torch", "cpu", "npu"} <= set(available_backends())
     assert get_backend_class(None, "cpu").name == "cpu"
@@ -357,7 +357,7 @@ def test_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, b
     fp32 and bf16, also split into one-row calls as big CPU batches are, a prefill chunk after cached
     context, a first chunk longer than the window), for the torch reference and the CPU backend (native
     decode kernel), with full and sliding-window attention."""
-    from engine.attention import AttentionMetadata, PrefillChunk, get_backend_class
+    from pdcluster.engine.attention import AttentionMetadata, PrefillChunk, get_backend_class
 
     torch.manual_seed(0)
     hq, hkv, d, bs = 4, 2, 16, 4

@@ -9,10 +9,10 @@ import os
 
 import pytest
 import torch
+from engine_helpers import hf_greedy, make_prompts, run_all, run_staggered
 
-from engine.sampling_params import SamplingParams
-from engine.testing import load_hf_model, make_tiny_model
-from engine_helpers import GREEDY, hf_greedy, make_prompts, run_all, run_staggered
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.testing import load_hf_model, make_tiny_model
 
 
 @pytest.mark.parametrize("arch,backend", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", "torch")])
@@ -148,7 +148,7 @@ def test_preemption_when_pool_is_small_gives_same_tokens(tiny_mistral, make_engi
     engine = make_engine(tiny_mistral, num_gpu_blocks_override=14, block_size=16, max_num_batched_tokens=256)
     got = run_all(engine, prompts, params)
     assert engine.num_preemptions > 0
-    from engine.testing import load_hf_model as _hf
+    from pdcluster.engine.testing import load_hf_model as _hf
 
     hf = _hf(tiny_mistral)
     with torch.no_grad():
@@ -185,7 +185,7 @@ SLIDING = {   # every layer windowed (Mistral v0.1 style); only layers >= max_wi
 def test_sliding_window_models_match_transformers(arch, tmp_path, make_engine):
     """Prompts and generations far longer than the window, staggered, with chunked prefill (chunks shorter and
     longer than the window) and a prefix-cache hit: tokens equal transformers' sliding-window attention."""
-    from engine.config import ModelConfig
+    from pdcluster.engine.config import ModelConfig
 
     model = make_tiny_model(str(tmp_path / arch), arch, seed=7, **SLIDING[arch])
     config = ModelConfig.from_pretrained(model)
@@ -206,7 +206,7 @@ def test_sliding_window_models_match_transformers(arch, tmp_path, make_engine):
 
 
 def test_sliding_window_config_follows_transformers():
-    from engine.config import ModelConfig
+    from pdcluster.engine.config import ModelConfig
 
     base = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                 max_position_embeddings=8192)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from kv_transfer import fused_copy
-from kv_transfer.checksum import block_sums, checksum_runs, weighted, words
-from kv_transfer.layout import byte_view
+from pdcluster.kv_transfer import fused_copy
+from pdcluster.kv_transfer.checksum import block_sums, checksum_runs, weighted, words
+from pdcluster.kv_transfer.layout import byte_view
 
 
 def _pool(num_blocks: int, layer_bytes: int, seed: int) -> torch.Tensor:

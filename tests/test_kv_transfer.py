@@ -14,19 +14,18 @@ import msgpack
 import pytest
 import torch
 
-from kv_transfer import (
+from pdcluster.kv_transfer import (
     ChecksumError,
     Destination,
     KVLayout,
     KVReceiver,
     KVSender,
-    LayoutMismatchError,
     SharedKVPool,
     TransferError,
+    quant,
 )
-from kv_transfer import quant
-from kv_transfer.receiver import WIRE_VERSION
-from kv_transfer.shm import block_tags, token_tag
+from pdcluster.kv_transfer.receiver import WIRE_VERSION
+from pdcluster.kv_transfer.shm import block_tags, token_tag
 
 SHAPE = (64, 2, 2, 16, 2, 32)  # blocks, layers, k/v, block_size, kv heads, head_dim
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -14,11 +14,23 @@ import uuid
 
 import pytest
 
-from pdcluster import metrics
-from pdcluster.etcd_server import EtcdServer, free_port, is_reachable
-from pdcluster.membership import (
-    AdminState, Capacity, ClusterView, EtcdUnavailable, NodeInfo, Registration, admin_key, close_quietly,
-    connect, get_admin_state, list_admin_states, list_nodes, node_key, set_admin_state,
+from pdcluster.control import metrics
+from pdcluster.control.etcd_server import EtcdServer, free_port, is_reachable
+from pdcluster.control.membership import (
+    AdminState,
+    Capacity,
+    ClusterView,
+    EtcdUnavailable,
+    NodeInfo,
+    Registration,
+    admin_key,
+    close_quietly,
+    connect,
+    get_admin_state,
+    list_admin_states,
+    list_nodes,
+    node_key,
+    set_admin_state,
 )
 
 TTL = 2  # etcd's minimum lease TTL with default election settings
@@ -96,7 +108,7 @@ async def test_two_nodes_seen_then_deregister_removes_at_once(etcd, cluster):
 
 KILLED_NODE = textwrap.dedent("""
     import asyncio, sys, time
-    from pdcluster.membership import NodeInfo, Registration
+    from pdcluster.control.membership import NodeInfo, Registration
     async def main():
         reg = Registration([sys.argv[1]], sys.argv[2], NodeInfo("victim", "prefill"), ttl=int(sys.argv[3]))
         assert await reg.start(wait=20)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdcluster.up import LocalCluster
+from pdcluster.cli.up import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -22,7 +22,7 @@ MODEL_NAME = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from engine.testing import make_tiny_model
+    from pdcluster.engine.testing import make_tiny_model
 
     model = make_tiny_model(str(tmp_path_factory.mktemp("metrics") / MODEL_NAME), "llama")
     c = LocalCluster(model=model, work_dir=tmp_path_factory.mktemp("cluster"), num_prefill=1, num_decode=1,

@@ -8,10 +8,10 @@ import shutil
 import pytest
 import torch
 
-from engine.attention import native
-from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from pdcluster.engine.attention import native
+from pdcluster.engine.attention.cpu_backend import CpuAttentionBackend
+from pdcluster.engine.attention.metadata import AttentionMetadata
+from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
 
 needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                     reason="no C compiler: the CPU backend runs the torch path")
@@ -129,7 +129,7 @@ def test_without_a_compiler_the_cpu_backend_uses_the_torch_path(monkeypatch, tmp
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     native.load.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="engine.attention.native"):
+        with caplog.at_level(logging.WARNING, logger="pdcluster.engine.attention.native"):
             backend = CpuAttentionBackend(4, 2, 16)
         assert native.decode_kernel(torch.float32) is None
         assert "torch path" in caplog.text

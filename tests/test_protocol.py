@@ -7,9 +7,22 @@ import dataclasses
 import msgpack
 import pytest
 
-from pdcluster.protocol import (
-    MAX_FRAME_BYTES, MESSAGE_TYPES, PROTOCOL_VERSION, Abort, Generate, Load, Ping, Pong, Prefill, PrefillDone,
-    ProtocolError, Reject, Tokens, decode, encode,
+from pdcluster.control.protocol import (
+    MAX_FRAME_BYTES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Abort,
+    Generate,
+    Load,
+    Ping,
+    Pong,
+    Prefill,
+    PrefillDone,
+    ProtocolError,
+    Reject,
+    Tokens,
+    decode,
+    encode,
 )
 
 SAMPLES = [

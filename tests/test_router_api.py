@@ -1,5 +1,5 @@
 """The router end to end: real uvicorn + FastAPI app, the official openai client and raw httpx,
-against fake decode nodes that are real zmq ROUTER sockets speaking pdcluster.protocol."""
+against fake decode nodes that are real zmq ROUTER sockets speaking pdcluster.control.protocol."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import uuid
 import httpx
 import openai
 import pytest
-
-from pdcluster.membership import NodeInfo
-from router.app import create_app
-from router.cluster import StaticNodeSource
-from router.settings import RouterSettings
-from router.tokenizer import Tokenizer
 from router_fakes import FakeDecodeNode, ServerThread, make_tokenizer_dir, wait_until
+
+from pdcluster.control.membership import NodeInfo
+from pdcluster.router.app import create_app
+from pdcluster.router.cluster import StaticNodeSource
+from pdcluster.router.settings import RouterSettings
+from pdcluster.router.tokenizer import Tokenizer
 
 MAX_LEN = 256
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog."
@@ -342,7 +342,7 @@ def test_long_prompts_go_through_a_prefill_node_short_ones_do_not(env: Env) -> N
 def test_api_key_and_router_config(env: Env) -> None:
     from fastapi.testclient import TestClient
 
-    from pdcluster.config import RouterConfig
+    from pdcluster.control.config import RouterConfig
 
     config = RouterConfig(model=env.tokenizer.hf.name_or_path, api_key="sekret", served_model_name="tiny")
     settings = RouterSettings.from_config(config)

@@ -6,17 +6,24 @@ import asyncio
 import time
 
 import pytest
-
-from pdcluster.membership import NodeInfo
-from pdcluster.prefix_hash import block_hashes, cached_prefix_blocks
-from pdcluster.protocol import Load
-from pdcluster.transport import LoadPublisher
-from router.cluster import NodeState, RouterCluster, StaticNodeSource
-from router.policies import (LeastLoadedPolicy, PrefixAwarePolicy, Prompt, RoundRobinPolicy, choose_prefill,
-                             make_policy, note_assignment)
-from router.settings import RouterSettings
-from router.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer, read_model_info
 from router_fakes import make_tokenizer_dir
+
+from pdcluster.control.block_hash import block_hashes, cached_prefix_blocks
+from pdcluster.control.membership import NodeInfo
+from pdcluster.control.protocol import Load
+from pdcluster.control.transport import LoadPublisher
+from pdcluster.router.cluster import NodeState, RouterCluster, StaticNodeSource
+from pdcluster.router.policies import (
+    LeastLoadedPolicy,
+    PrefixAwarePolicy,
+    Prompt,
+    RoundRobinPolicy,
+    choose_prefill,
+    make_policy,
+    note_assignment,
+)
+from pdcluster.router.settings import RouterSettings
+from pdcluster.router.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer, read_model_info
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +230,7 @@ async def test_cluster_skips_cordoned_nodes_and_reads_load_reports() -> None:
 
 
 def test_config_accepts_exactly_the_router_policies():
-    from pdcluster.config import ROUTING_POLICIES
-    from router.policies import POLICIES
+    from pdcluster.control.config import ROUTING_POLICIES
+    from pdcluster.router.policies import POLICIES
 
     assert set(ROUTING_POLICIES) == set(POLICIES)

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import SampleRequest, Sampler, apply_penalties, filter_probs, seeded_uniform
-from engine.sampling_params import SamplingParams
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.sampler import Sampler, SampleRequest, apply_penalties, filter_probs, seeded_uniform
 
 
 def req(prompt=(1, 2, 3), output=(), eos=(), **kw) -> SampleRequest:

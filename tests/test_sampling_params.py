@@ -1,7 +1,7 @@
 import msgpack
 import pytest
 
-from engine.sampling_params import SamplingParams
+from pdcluster.control.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm():

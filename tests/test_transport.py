@@ -1,4 +1,4 @@
-"""pdcluster.transport over real zmq tcp sockets on loopback."""
+"""pdcluster.control.transport over real zmq tcp sockets on loopback."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdcluster import protocol
-from pdcluster.protocol import Abort, Generate, Load, Ping, Pong, Prefill, PrefillDone, Reject, Tokens
-from pdcluster.transport import DealerClient, LoadPublisher, LoadSubscriber, PeerDealers, RouterServer
+from pdcluster.control import protocol
+from pdcluster.control.protocol import Abort, Generate, Load, Ping, Pong, Prefill, PrefillDone, Reject, Tokens
+from pdcluster.control.transport import DealerClient, LoadPublisher, LoadSubscriber, PeerDealers, RouterServer
 
 SAMPLES = [
     Generate(rid="r1", prompt_ids=[1, 2, 3], sampling={"temperature": 0.0, "stop": ["x"]}, prefill_node=None,

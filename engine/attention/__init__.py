@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib
 
-from engine.attention.metadata import AttentionMetadata, PrefillChunk
+from pdcluster.engine.attention.metadata import AttentionMetadata, PrefillChunk
 
 # name -> "module:Class"; modules are imported only when selected (the npu one imports torch_npu).
 _BACKENDS = {
-    "torch": "engine.attention.torch_backend:TorchAttentionBackend",
-    "cpu": "engine.attention.cpu_backend:CpuAttentionBackend",
-    "npu": "engine.attention.npu_backend:NpuAttentionBackend",
+    "torch": "pdcluster.engine.attention.torch_backend:TorchAttentionBackend",
+    "cpu": "pdcluster.engine.attention.cpu_backend:CpuAttentionBackend",
+    "npu": "pdcluster.engine.attention.npu_backend:NpuAttentionBackend",
 }
 _DEFAULT_FOR_DEVICE = {"cpu": "cpu", "cuda": "torch", "npu": "npu"}
 

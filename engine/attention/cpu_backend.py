@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import native
-from engine.attention.metadata import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from pdcluster.engine.attention import native
+from pdcluster.engine.attention.metadata import AttentionMetadata
+from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
 
 
 class CpuAttentionBackend(TorchAttentionBackend):

@@ -8,7 +8,7 @@ Ascend hardware yet: see docs/engine.md.
 
 from __future__ import annotations
 
-from engine.attention.torch_backend import TorchAttentionBackend
+from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
 
 
 class NpuAttentionBackend(TorchAttentionBackend):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.metadata import AttentionMetadata
+from pdcluster.engine.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:

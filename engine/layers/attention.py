@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.layers.linear import Linear, MergedLinear
-from engine.layers.rotary import apply_rotary
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.layers.linear import Linear, MergedLinear
+from pdcluster.engine.layers.rotary import apply_rotary
 
 
 class SelfAttention(nn.Module):

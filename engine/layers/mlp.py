@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.linear import Linear, MergedLinear, linear, onednn_packed, release
+from pdcluster.engine.layers.linear import Linear, MergedLinear, linear, onednn_packed, release
 
 
 class GatedMLP(nn.Module):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.config import SUPPORTED_ARCHITECTURES
-from engine.models.llama import LlamaForCausalLM
-from engine.models.qwen2 import Qwen2ForCausalLM
+from pdcluster.engine.config import SUPPORTED_ARCHITECTURES
+from pdcluster.engine.models.llama import LlamaForCausalLM
+from pdcluster.engine.models.qwen2 import Qwen2ForCausalLM
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -9,14 +9,14 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata
-from engine.config import ModelConfig
-from engine.layers.attention import SelfAttention
-from engine.layers.embedding import LMHead, VocabEmbedding
-from engine.layers.layernorm import RMSNorm
-from engine.layers.linear import MergedLinear
-from engine.layers.mlp import GatedMLP
-from engine.layers.rotary import RotaryEmbedding
+from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.config import ModelConfig
+from pdcluster.engine.layers.attention import SelfAttention
+from pdcluster.engine.layers.embedding import LMHead, VocabEmbedding
+from pdcluster.engine.layers.layernorm import RMSNorm
+from pdcluster.engine.layers.linear import MergedLinear
+from pdcluster.engine.layers.mlp import GatedMLP
+from pdcluster.engine.layers.rotary import RotaryEmbedding
 
 # checkpoint name fragment -> (our fused module name fragment, shard)
 _FUSED = {

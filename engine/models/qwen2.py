@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from pdcluster.engine.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

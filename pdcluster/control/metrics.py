@@ -11,8 +11,15 @@ import threading
 import weakref
 from typing import Callable, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
-from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for HTTP handlers)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,  # noqa: F401  (re-exported for HTTP handlers)
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 
 # Latency buckets in seconds. TTFT spans queueing + prefill (ms to tens of s); TPOT/ITL are per
 # token (sub-ms on accelerators, ~50 ms+ on CPUs); E2E is the whole request.

@@ -18,17 +18,17 @@ def demo(
     max_tokens: int = typer.Option(32, help="tokens to generate per prompt"),
 ) -> None:
     """Offline generation demo on the engine (no cluster)."""
-    from engine.demo import run_demo
+    from pdcluster.cli.demo import run_demo
 
     run_demo(model=model or None, num_prompts=prompts, max_tokens=max_tokens)
 
 
-# ---- cluster services: thin wiring; the logic lives in pdcluster.up, router.server and the node packages
+# ---- cluster services: thin wiring; the logic lives in pdcluster.cli.up, router.server and the node packages
 
 def _load(kind: str, config: Path | None, overrides: dict[str, Any]):
     """Validated config (file < env < flags) with logging set up; exits 2 with the reason when invalid."""
-    from pdcluster.config import load_config
-    from pdcluster.log import setup_logging
+    from pdcluster.control.config import load_config
+    from pdcluster.control.log import setup_logging
 
     try:
         cfg = load_config(kind, config, overrides)
@@ -63,7 +63,7 @@ def router(
                                        node_id=node_id, routing_policy=routing_policy,
                                        disagg_min_tokens=disagg_min_tokens, api_key=api_key,
                                        log_level=log_level, log_format=log_format))
-    from router.server import run_router
+    from pdcluster.router.server import run_router
 
     run_router(cfg)
 
@@ -94,9 +94,9 @@ def _node_command(kind: str):
         overrides = {k: v for k, v in locals().items() if k not in ("config", "kind")}
         cfg = _load(kind, config, overrides)
         if kind == "prefill":
-            from prefill_node.node import main as serve
+            from pdcluster.prefill_node.node import main as serve
         else:
-            from decode_node.node import main as serve
+            from pdcluster.decode_node.node import main as serve
         raise typer.Exit(serve(cfg))
 
     command.__doc__ = f"Run a {kind} node (registers in etcd; SIGTERM drains)."
@@ -127,8 +127,8 @@ def up(
     smoke: bool = typer.Option(False, "--smoke", help="send one request through the cluster, then stop"),
 ) -> None:
     """Start a local cluster: etcd (if none is reachable), one router, N prefill and M decode nodes."""
-    from pdcluster.log import setup_logging
-    from pdcluster.up import LocalCluster, run_up
+    from pdcluster.cli.up import LocalCluster, run_up
+    from pdcluster.control.log import setup_logging
 
     setup_logging(log_level, "text", "up")
     if tensor_parallel_size not in (None, 1):
@@ -147,7 +147,7 @@ def up(
     raise typer.Exit(run_up(cluster_, smoke=smoke))
 
 
-# ---- admin commands: the logic lives in pdcluster.admin
+# ---- admin commands: the logic lives in pdcluster.cli.admin
 
 _ADMIN_ETCD = typer.Option(None, "--etcd", help="etcd endpoints host:port[,host:port] (env PDCLUSTER_ETCD)")
 _ADMIN_CLUSTER = typer.Option(None, "--cluster", help="cluster name (env PDCLUSTER_CLUSTER; default 'default')")
@@ -157,7 +157,7 @@ def _admin(coro_fn, *args: Any) -> Any:
     """Run one admin coroutine; an AdminError is printed and exits 1."""
     import asyncio
 
-    from pdcluster.admin import AdminError
+    from pdcluster.cli.admin import AdminError
 
     try:
         return asyncio.run(coro_fn(*args))
@@ -167,7 +167,7 @@ def _admin(coro_fn, *args: Any) -> Any:
 
 
 def _target(etcd: Optional[str], cluster: Optional[str]) -> tuple[list[str], str]:
-    from pdcluster.admin import AdminError, cluster_name, etcd_endpoints
+    from pdcluster.cli.admin import AdminError, cluster_name, etcd_endpoints
 
     try:
         return etcd_endpoints(etcd), cluster_name(cluster)
@@ -199,7 +199,7 @@ def status(
     interval: float = typer.Option(2.0, help="seconds between refreshes with --watch"),
 ) -> None:
     """Every node in etcd with its live stats (from its Load reports)."""
-    from pdcluster import admin
+    from pdcluster.cli import admin
 
     endpoints, name = _target(etcd, cluster)
     if not watch:
@@ -231,7 +231,7 @@ def nodes(
     """The membership list from etcd (no live stats)."""
     import dataclasses
 
-    from pdcluster import admin
+    from pdcluster.cli import admin
 
     endpoints, name = _target(etcd, cluster)
     listed = _admin(admin.cluster_status, endpoints, name, 0.0)
@@ -247,7 +247,7 @@ def cordon(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] 
            cluster: Optional[str] = _ADMIN_CLUSTER,
            reason: str = typer.Option("", help="why (kept in the admin record)")) -> None:
     """Stop sending new requests to NODE (running ones finish; it stays up). Survives restarts."""
-    from pdcluster import admin
+    from pdcluster.cli import admin
 
     endpoints, name = _target(etcd, cluster)
     _admin(admin.set_state, endpoints, name, node, "cordoned", reason)
@@ -258,7 +258,7 @@ def cordon(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] 
 def uncordon(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] = _ADMIN_ETCD,
              cluster: Optional[str] = _ADMIN_CLUSTER) -> None:
     """Let NODE take new requests again (after cordon or drain)."""
-    from pdcluster import admin
+    from pdcluster.cli import admin
 
     endpoints, name = _target(etcd, cluster)
     _admin(admin.set_state, endpoints, name, node, "active", "")
@@ -272,7 +272,7 @@ def drain(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] =
           reason: str = typer.Option("pdcluster drain", help="why (kept in the admin record)")) -> None:
     """No new requests to NODE, finish its in-flight ones, wait until it exits and leaves etcd.
     It stays cordoned afterwards: `pdcluster uncordon NODE` once its replacement is up. Exit 1 on timeout."""
-    from pdcluster import admin
+    from pdcluster.cli import admin
 
     endpoints, name = _target(etcd, cluster)
     typer.echo(f"draining {node} (timeout {timeout:g} s)...")
@@ -289,7 +289,7 @@ def health(
     """Exit 0 when etcd answers and at least one decode node is active and answering; else exit 1."""
     import asyncio
 
-    from pdcluster import admin
+    from pdcluster.cli import admin
 
     endpoints, name = _target(etcd, cluster)
     report = asyncio.run(admin.check_health(endpoints, name, timeout))

@@ -27,8 +27,8 @@ from typing import Any
 
 import yaml
 
-from pdcluster.config import parse_endpoint
-from pdcluster.etcd_server import EtcdServer, free_port, is_reachable
+from pdcluster.control.config import parse_endpoint
+from pdcluster.control.etcd_server import EtcdServer, free_port, is_reachable
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class LocalCluster:
             self.work_dir = Path(tempfile.mkdtemp(prefix="pdcluster-up-"))
             self._own_dir = True
         if self.model is None:
-            from engine.testing import make_tiny_model
+            from pdcluster.engine.testing import make_tiny_model
 
             self.model = make_tiny_model(str(self.work_dir / "tiny-llama"), "llama")
             self.node_config.setdefault("kv_cache_memory", "64MiB")  # not the CPU default of GiBs per node
@@ -172,7 +172,7 @@ class LocalCluster:
         env = dict(os.environ)
         if kind != "router" and self.threads_per_node:
             env["OMP_NUM_THREADS"] = str(self.threads_per_node)
-        cmd = [sys.executable, "-m", "pdcluster.cli", kind, "--config", str(config_path)]
+        cmd = [sys.executable, "-m", "pdcluster", kind, "--config", str(config_path)]
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         service = Service(kind, node_id, proc, log_path, **extra)

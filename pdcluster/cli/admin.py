@@ -3,7 +3,7 @@
 Membership and admin state come from etcd (DESIGN §4); live numbers come from each node's Load
 publisher, subscribed to for a moment (at most `LOAD_WAIT` s) — nothing here writes load into etcd.
 Every function talks to etcd with timeouts and raises `AdminError` with a message meant for the
-operator; `pdcluster.cli` turns that into a non-zero exit.
+operator; `pdcluster.cli.main` turns that into a non-zero exit.
 """
 
 from __future__ import annotations
@@ -14,11 +14,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.config import parse_endpoint
-from pdcluster.membership import (AdminState, EtcdUnavailable, NodeInfo, close_quietly, connect, get_admin_state,
-                                  list_admin_states, list_nodes, set_admin_state)
-from pdcluster.protocol import Load
-from pdcluster.transport import LoadSubscriber
+from pdcluster.control.config import parse_endpoint
+from pdcluster.control.membership import (
+    AdminState,
+    EtcdUnavailable,
+    NodeInfo,
+    close_quietly,
+    connect,
+    get_admin_state,
+    list_admin_states,
+    list_nodes,
+    set_admin_state,
+)
+from pdcluster.control.protocol import Load
+from pdcluster.control.transport import LoadSubscriber
 
 ENV_ETCD = "PDCLUSTER_ETCD"
 ENV_CLUSTER = "PDCLUSTER_CLUSTER"

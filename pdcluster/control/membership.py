@@ -25,8 +25,8 @@ from typing import Any, Awaitable, Callable
 import aetcd
 from prometheus_client import CollectorRegistry
 
-from pdcluster.config import parse_endpoint
-from pdcluster.metrics import etcd_connected_gauge
+from pdcluster.control.config import parse_endpoint
+from pdcluster.control.metrics import etcd_connected_gauge
 
 log = logging.getLogger(__name__)
 

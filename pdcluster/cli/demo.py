@@ -5,8 +5,8 @@ from __future__ import annotations
 import tempfile
 import time
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.llm import LLM
 
 _PROMPTS = [
     "Hello world! How are you today?",
@@ -25,7 +25,7 @@ def run_demo(model: str | None = None, num_prompts: int = 8, max_tokens: int = 3
         raise ValueError("num_prompts and max_tokens must be positive")
     with tempfile.TemporaryDirectory(prefix="pdcluster-demo-") as tmp:
         if model is None:
-            from engine.testing import make_tiny_model
+            from pdcluster.engine.testing import make_tiny_model
 
             print("no model given: creating a tiny random Llama (weights are random, so is the text)")
             model = make_tiny_model(tmp, "llama", num_hidden_layers=4, hidden_size=128, intermediate_size=256)

@@ -1,4 +1,4 @@
-"""asyncio zmq sockets that speak `pdcluster.protocol`.
+"""asyncio zmq sockets that speak `pdcluster.control.protocol`.
 
 Four small wrappers: `RouterServer` (a node's control socket), `DealerClient` (one peer's
 connection to it), `LoadPublisher` / `LoadSubscriber` (the ~2 Hz Load reports).
@@ -18,7 +18,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from pdcluster.protocol import Load, Message, ProtocolError, decode, encode
+from pdcluster.control.protocol import Load, Message, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
 

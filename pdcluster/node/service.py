@@ -18,11 +18,11 @@ import threading
 import time
 from typing import Any, Callable
 
-from pdcluster.config import NodeConfig
-from pdcluster.membership import Capacity, ClusterView, NodeInfo, Registration
-from pdcluster.metrics import DeviceCollector, new_registry, serve_metrics
-from pdcluster.protocol import Load, Message, Ping, Pong
-from pdcluster.transport import LoadPublisher, RouterServer
+from pdcluster.control.config import NodeConfig
+from pdcluster.control.membership import Capacity, ClusterView, NodeInfo, Registration
+from pdcluster.control.metrics import DeviceCollector, new_registry, serve_metrics
+from pdcluster.control.protocol import Load, Message, Ping, Pong
+from pdcluster.control.transport import LoadPublisher, RouterServer
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +31,7 @@ LOAD_INTERVAL = 0.5  # seconds between Load reports (~2 Hz)
 
 def engine_args_from_config(config: NodeConfig, **extra: Any):
     """`engine.config.EngineArgs` for a node config (vLLM knob names map one to one)."""
-    from engine.config import EngineArgs
+    from pdcluster.engine.args import EngineArgs
 
     return EngineArgs(
         model=config.model,
@@ -55,7 +55,7 @@ def _resolve_dtype(config: NodeConfig) -> str:
     if config.dtype != "auto":
         return config.dtype
     if config.device in ("auto", "cpu"):
-        from engine.device import resolve_device
+        from pdcluster.engine.device import resolve_device
 
         if config.device == "cpu" or resolve_device(None).type == "cpu":
             return "float32"

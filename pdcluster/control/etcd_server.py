@@ -41,7 +41,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def is_reachable(endpoint: str, timeout: float = 1.0) -> bool:
     """True when the etcd at `endpoint` ("host:port") answers its /health check as healthy."""
-    from pdcluster.config import parse_endpoint
+    from pdcluster.control.config import parse_endpoint
 
     host, port = parse_endpoint(endpoint)
     try:
