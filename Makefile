@@ -25,7 +25,7 @@ run: $(STAMP)
 # top-level folders mapped into the namespace, which import-linter only sees once installed.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	rm -rf build/lint
+	rm -rf build   # setuptools' build/lib keeps deleted modules, which would then be checked
 	$(PY) -m pip install -q --no-deps --no-build-isolation --target build/lint . 2>&1 | grep -v "^WARNING: Location" || true
 	cd build/lint && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
 

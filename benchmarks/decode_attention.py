@@ -35,8 +35,10 @@ def make_inputs(args, dtype):
     perm = torch.randperm(num_blocks, generator=g)
     tables = perm[:args.batch * max(blocks)].view(args.batch, max(blocks))
     q = torch.randn(args.batch, hq + hkv, d, generator=g).to(dtype)[:, :hq]
-    meta = AttentionMetadata(slot_blocks=torch.zeros(0, dtype=torch.long), slot_offsets=torch.zeros(0, dtype=torch.long),
-                             num_decode_tokens=args.batch, decode_block_tables=tables, decode_context_lens=lens.to(torch.int32))
+    none = torch.zeros(0, dtype=torch.long)
+    meta = TorchAttentionBackend.prepare(AttentionMetadata(   # the torch path's per-step metadata
+        slot_blocks=none, slot_offsets=none, num_decode_tokens=args.batch, decode_block_tables=tables,
+        decode_context_lens=lens.to(torch.int32)))
     return q, k_cache, v_cache, meta, lens
 
 
@@ -83,16 +85,17 @@ def main() -> None:
     t_native = median_s(lambda: native.paged_decode(kernel, q, k_cache, v_cache, meta.decode_block_tables,
                                                     meta.decode_context_lens, scale), args.repeats)
     limit = (limit_before + read_gbps()) / 2
-    out = {"dtype": args.dtype, "batch": args.batch, "lens": [args.min_len, args.max_len], "threads": torch.get_num_threads(),
-           "kv_mib": round(kv_bytes / 2**20, 1), "torch_ms": round(t_torch * 1e3, 3), "native_ms": round(t_native * 1e3, 3),
+    out = {"dtype": args.dtype, "batch": args.batch, "lens": [args.min_len, args.max_len],
+           "threads": torch.get_num_threads(), "kv_mib": round(kv_bytes / 2**20, 1),
+           "torch_ms": round(t_torch * 1e3, 3), "native_ms": round(t_native * 1e3, 3),
            "speedup": round(t_torch / t_native, 2), "native_gbps": round(kv_bytes / t_native / 1e9, 1),
            "torch_gbps": round(kv_bytes / t_torch / 1e9, 1), "read_limit_gbps": round(limit, 1),
            "native_vs_limit": round(kv_bytes / t_native / 1e9 / limit, 2)}
     if args.json:
         print(json.dumps(out))
         return
-    print(f"{args.dtype}, {args.batch} rows, contexts {args.min_len}..{args.max_len}, {out['kv_mib']} MiB of K/V per call, "
-          f"{out['threads']} threads")
+    print(f"{args.dtype}, {args.batch} rows, contexts {args.min_len}..{args.max_len}, "
+          f"{out['kv_mib']} MiB of K/V per call, {out['threads']} threads")
     print(f"  torch (gather + SDPA): {out['torch_ms']:8.3f} ms  {out['torch_gbps']:5.1f} GB/s")
     print(f"  native paged kernel:   {out['native_ms']:8.3f} ms  {out['native_gbps']:5.1f} GB/s  "
           f"({out['speedup']}x; {out['native_vs_limit']:.0%} of the {out['read_limit_gbps']} GB/s read limit)")

@@ -118,7 +118,8 @@ def int8_greedy(num_prompts: int = 16, max_tokens: int = 32) -> dict:
         for arch, dtype in (("llama", "float32"), ("qwen2", "bfloat16")):
             path = make_tiny_model(f"{tmp}/{arch}", arch=arch, num_key_value_heads=2)
             g = torch.Generator().manual_seed(0)
-            prompts = [torch.randint(3, 400, (int(n),), generator=g).tolist() for n in torch.randint(8, 48, (num_prompts,), generator=g)]
+            lengths = torch.randint(8, 48, (num_prompts,), generator=g)
+            prompts = [torch.randint(3, 400, (int(n),), generator=g).tolist() for n in lengths]
             runs = []
             for lossy in (False, True):
                 eng = LLMEngine.from_args(path, dtype=dtype, kv_cache_memory=64 << 20, max_num_batched_tokens=4096)
@@ -195,9 +196,9 @@ def main() -> None:
         memcpy, sock = gbps(nbytes, times["memcpy"]), gbps(nbytes, times["socket"])
         for backend in backends:
             limit_name, limit = ("memcpy", memcpy) if backend == "shm" else ("socket", sock)
-            rate = gbps(nbytes, times[backend])
+            rate, p50_ms = gbps(nbytes, times[backend]), round(statistics.median(times[backend]) * 1e3, 3)
             results.append({
-                "backend": backend, "size_mib": size, "gbps": rate, "p50_ms": round(statistics.median(times[backend]) * 1e3, 3),
+                "backend": backend, "size_mib": size, "gbps": rate, "p50_ms": p50_ms,
                 "blocks": nblocks, "limit": limit_name, "limit_gbps": limit, "vs_limit": round(rate / limit, 3),
             })  # fmt: skip
             if not args.json:

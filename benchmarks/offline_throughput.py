@@ -277,7 +277,8 @@ def parse_args(argv=None):
     p.add_argument("--model-dir", help="reuse a model directory instead of writing one to a temp dir")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--quick", action="store_true", help="32 requests, lengths 16..64; baselines on 2 (one-at-a-time) and 16 (static) requests")
+    p.add_argument("--quick", action="store_true",
+                   help="32 requests, lengths 16..64; baselines on 2 (one-at-a-time) and 16 (static) requests")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")
     args = p.parse_args(argv)
     if args.quick:
@@ -318,7 +319,8 @@ def main(argv=None) -> dict:
         log(f"model: {total_params / 1e6:.0f}M params; {len(reqs)} requests, {result['prompt_tokens']} prompt + "
             f"{result['output_tokens']} output tokens; torch threads {torch.get_num_threads()}")
         for name in args.dtypes.split(","):
-            result["results"].append(bench_dtype(name, DTYPES[name], model_dir, reqs, warmup, args, matmul_params, MODEL))
+            result["results"].append(
+                bench_dtype(name, DTYPES[name], model_dir, reqs, warmup, args, matmul_params, MODEL))
     summary(result)
     if args.json:
         print(json.dumps(result))

@@ -148,7 +148,8 @@ class FakeDecodeNode:
     """A decode node that answers every Generate with all its tokens at once (router overhead runs)."""
 
     def __init__(self, etcd: str, cluster: str, tokens_per_message: int) -> None:
-        from pdcluster.control.membership import NodeInfo, Registration
+        from pdcluster.control.records import NodeInfo
+        from pdcluster.control.registration import Registration
         from pdcluster.control.transport import LoadPublisher, RouterServer
 
         self.server, self.pub = RouterServer(), LoadPublisher()
@@ -250,7 +251,8 @@ def main() -> None:
           f"goodput {summary['goodput_requests_per_s']:.2f} req/s")
     for name in ("ttft", "tpot", "itl", "e2e"):
         s = summary[f"{name}_ms"]
-        print(f"  {name.upper():5s} ms: mean {s['mean']:.1f}  p50 {s['p50']:.1f}  p90 {s['p90']:.1f}  p99 {s['p99']:.1f}")
+        print(f"  {name.upper():5s} ms: mean {s['mean']:.1f}  p50 {s['p50']:.1f}  p90 {s['p90']:.1f}  "
+              f"p99 {s['p99']:.1f}")
     if summary["errors"]:
         print("  errors:", summary["errors"])
 

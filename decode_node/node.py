@@ -1,7 +1,7 @@
 """The decode node: admission, KV block reservation, remote (or local) prefill, the decode loop,
 token streaming to routers.
 
-A request's path (DESIGN §2): `Generate` from a router → reserve blocks (leading blocks already in
+A request's path (docs/design.md §3): `Generate` from a router → reserve blocks (leading blocks already in
 this node's prefix cache are shared, not re-sent) → `Prefill` to the chosen prefill node, which
 writes the prompt's KV straight into the reserved blocks of this node's shared-memory pool → on
 `PrefillDone` + the receiver's checksum ack the sequence joins the running batch → one `Tokens`
@@ -17,9 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.control.config import NodeConfig
-from pdcluster.control.membership import NodeInfo
 from pdcluster.control.protocol import Abort, Generate, Load, Message, Prefill, PrefillDone, Reject, Tokens
+from pdcluster.control.records import NodeInfo
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
 from pdcluster.decode_node.metrics import DecodeMetrics
@@ -27,7 +26,8 @@ from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.kv_transfer import KVReceiver, SharedKVPool
 from pdcluster.kv_transfer.errors import ChecksumError
-from pdcluster.node.service import EngineThread, NodeService, engine_args_from_config
+from pdcluster.node.config import NodeConfig, engine_args_from_config
+from pdcluster.node.service import NodeService
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class DecodeRequest:
     deadline: float
     prefill_node: str | None
     phase: str = "new"  # remote (prefill elsewhere) | engine (the engine owns it)
-    blocks: list[int] = field(default_factory=list)  # reserved by us, not yet the engine's
+    blocks: list[int] = field(default_factory=list)  # held in the engine while the remote KV lands
     prefill_done: asyncio.Future | None = None
     prefill_path: str = "local"
     num_cached_tokens: int = 0
@@ -94,8 +94,7 @@ class DecodeNode(NodeService):
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        self.engine_thread = EngineThread(self.engine, self.loop, self._on_outputs)
-        self.engine_thread.start()
+        self.start_engine_thread(self._on_outputs)
         self.peers = PeerDealers(self._on_peer_message)
         self._tasks_extra = [asyncio.create_task(self._deadline_loop(), name="deadlines")]
 
@@ -121,10 +120,10 @@ class DecodeNode(NodeService):
     def load(self) -> Load:
         s = self.engine_stats()
         remote = sum(1 for r in self.requests.values() if r.phase == "remote")
-        return Load(node_id=self.node_id, role=self.role, running=s.get("num_running", 0),
-                    waiting=s.get("num_waiting", 0) + remote, free_blocks=s.get("num_free_blocks", 0),
-                    total_blocks=s.get("num_total_blocks", 0), block_size=self.block_size,
-                    tokens_per_s=self.tokens_per_s("num_decode_tokens"), transfer_gbps=self.transfer_gbps())
+        return Load(node_id=self.node_id, role=self.role, running=s.num_running, waiting=s.num_waiting + remote,
+                    free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, block_size=self.block_size,
+                    tokens_per_s=self.tokens_per_s("num_decode_tokens"), transfer_gbps=self.transfer_gbps(),
+                    cached_block_hashes=self.cached_block_hashes())
 
     # ---- messages --------------------------------------------------------------------------------
 
@@ -165,7 +164,8 @@ class DecodeNode(NodeService):
             if not prompt:
                 raise ValueError("prompt_ids: the prompt is empty")
             if len(prompt) >= self.max_model_len:
-                raise ValueError(f"prompt_ids: {len(prompt)} tokens leave no room in max_model_len {self.max_model_len}")
+                raise ValueError(f"prompt_ids: {len(prompt)} tokens leave no room in max_model_len "
+                                 f"{self.max_model_len}")
         except (ValueError, TypeError) as exc:
             self.metrics.requests.labels("error").inc()
             self.control.send(identity, Tokens(rid=msg.rid, ids=[], finish="error", error=str(exc)))
@@ -173,7 +173,7 @@ class DecodeNode(NodeService):
         req = DecodeRequest(rid=msg.rid, router=identity, prompt_ids=prompt, params=params,
                             deadline=msg.deadline, prefill_node=msg.prefill_node)
         self.requests[req.rid] = req
-        log.info("request %s admitted from pdcluster.router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
+        log.info("request %s admitted from router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
                  msg.router, len(prompt), resumed, msg.prefill_node or "this node", extra={"request_id": req.rid})
         peer = self.view.nodes.get(msg.prefill_node) if msg.prefill_node else None
         if peer is not None and peer.role == "prefill":
@@ -189,14 +189,15 @@ class DecodeNode(NodeService):
         self.metrics.prefills.labels("local").inc()
         rid, prompt, params = req.rid, req.prompt_ids, req.params
         fut = self.engine_thread.call(lambda e: e.add_request(rid, prompt, params))
-        fut.add_done_callback(lambda f: f.exception() and self._fail(req, f"engine rejected the request: {f.exception()}"))
+        fut.add_done_callback(
+            lambda f: f.exception() and self._fail(req, f"engine rejected the request: {f.exception()}"))
 
     async def _remote_prefill(self, req: DecodeRequest, peer: NodeInfo) -> None:
-        rid, prompt = req.rid, req.prompt_ids
+        rid, prompt, params = req.rid, req.prompt_ids, req.params
         started = time.monotonic()
         backend = "unknown"
         try:
-            got = await self.engine_thread.call(lambda e: e.reserve_blocks_with_prefix(len(prompt), prompt))
+            got = await self.engine_thread.call(lambda e: e.reserve_remote(rid, prompt, params))
             if got is None:
                 raise RemotePrefillFailed("no_blocks", "not enough free KV blocks to reserve")
             req.blocks, cached_tokens = got
@@ -215,7 +216,8 @@ class DecodeNode(NodeService):
             try:
                 done: PrefillDone = await asyncio.wait_for(req.prefill_done, self.prefill_timeout)
             except asyncio.TimeoutError:
-                raise RemotePrefillFailed("timeout", f"no PrefillDone from {peer.node_id} in {self.prefill_timeout} s") from None
+                raise RemotePrefillFailed(
+                    "timeout", f"no PrefillDone from {peer.node_id} in {self.prefill_timeout} s") from None
             backend = done.kv_backend or backend
             if done.error:
                 raise RemotePrefillFailed("prefill_error", done.error)
@@ -250,27 +252,27 @@ class DecodeNode(NodeService):
         log.info("request %s: prefill done on %s (%d KV bytes via %s)", rid, peer.node_id, result.nbytes, backend,
                  extra={"request_id": rid})
         first_lp = _logprob_entry(done.logprobs[0]) if done.logprobs else None
-        blocks, req.blocks = req.blocks, []
+        req.blocks = []
         req.phase, req.prefill_path = "engine", f"remote:{peer.node_id}"
         req.num_cached_tokens = max(cached_tokens, done.num_cached_tokens)
 
         def add(engine: LLMEngine) -> None:
-            out = engine.add_prefilled_request(rid, prompt, req.params, blocks, done.first_token, first_lp)
+            out = engine.add_prefilled(rid, done.first_token, first_lp)
             # From the engine thread, so the first token reaches the loop before the next step's tokens.
             self.loop.call_soon_threadsafe(self._on_outputs, [out])
 
         try:
             await self.engine_thread.call(add)
         except Exception as exc:
-            self.engine_thread.post(lambda e: e.free_reserved(blocks))
-            self._fail(req, f"engine refused the prefilled request: {exc}")
+            self._fail(req, f"engine refused the prefilled request: {exc}")   # its abort frees the blocks
             return
         if req.aborted:  # aborted while the KV was landing
             self.engine_thread.post(lambda e: e.abort(rid))
             self._forget(req, "abort")
 
     async def _release_reservation(self, req: DecodeRequest, notify: str | None) -> None:
-        """Cancel the receiver's reservation, wait until no write can land, then free the blocks."""
+        """Cancel the receiver's reservation, wait until no write can land, then drop the engine's request
+        (and its blocks)."""
         if notify is not None:
             self.peers.send_existing(notify, Abort(rid=req.rid))
         self.receiver.cancel(req.rid)
@@ -281,9 +283,9 @@ class DecodeNode(NodeService):
                       req.rid, RELEASE_TIMEOUT)
         except Exception:
             pass  # resolved (as failed or unknown): no write can land any more
-        blocks, req.blocks = req.blocks, []
-        if blocks:
-            await self.engine_thread.call(lambda e: e.free_reserved(blocks))
+        if req.blocks:
+            req.blocks = []
+            await self.engine_thread.call(lambda e: e.abort(req.rid))
 
     def _on_peer_message(self, node_id: str, msg: Message) -> None:
         if not isinstance(msg, PrefillDone):

@@ -1,15 +1,22 @@
 """Engine arguments (vLLM names). Torch-free: the root package exports them and the router imports the
-root, so nothing here may pull in torch. dtype names are checked as strings; `parse_dtype` in
-`engine.config` turns them into torch dtypes when the engine is built."""
+root, so nothing here may pull in torch. dtype names are checked as strings; `resolve_dtype` in
+`engine.config` turns them (and "auto") into torch dtypes when the engine is built."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+from pdcluster.control.config import knob, parse_bytes
+
+if TYPE_CHECKING:
+    import torch
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
                "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16", "half": "float16"}
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")  # what a config file or flag may say
+DEVICE_CHOICES = ("auto", "npu", "cuda", "cpu")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -24,40 +31,50 @@ def dtype_name(dtype: Any) -> str:
 
 @dataclass
 class EngineArgs:
-    """Engine knobs; names follow vLLM."""
+    """Engine knobs; names and meanings follow vLLM. This is the one declaration of them: the node config,
+    its env variables and the `pdcluster prefill|decode` flags are derived from these fields (their
+    metadata: help text, choices, and `setting=False` for the two that only code can pass)."""
 
-    model: str
-    dtype: Any = "float32"                      # a name from DTYPE_NAMES or a torch.dtype
-    device: str | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None          # bytes for the KV pool; overrides gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9         # fraction of free device memory (CPU: available RAM, capped)
-    num_gpu_blocks_override: int | None = None  # exact pool size in blocks (tests)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
-    attention_backend: str | None = None        # None: chosen by device
-    kv_pool_tensor: Any = None                  # externally allocated pool tensor (e.g. shm-backed), block-major
-    kv_pool_factory: Callable[[tuple[int, ...], Any], Any] | None = None   # (shape, torch dtype) -> tensor
-    seed: int = 0
+    model: str = knob(help="HF checkpoint directory")
+    dtype: str | torch.dtype = knob("float32", choices=DTYPE_CHOICES,
+                                    help="weights and KV dtype; auto: float32 on CPU, else the checkpoint's")
+    device: str | None = knob(None, choices=DEVICE_CHOICES, help="auto: npu > cuda > cpu")
+    block_size: int = knob(16, help="tokens per KV block (vLLM-Ascend commonly uses 128)")
+    kv_cache_memory: int | None = knob(None, parse=parse_bytes,
+                                       help="KV pool bytes, e.g. 4GiB; unset (0): derived from "
+                                            "gpu_memory_utilization")
+    gpu_memory_utilization: float = knob(0.9, help="fraction of free device memory for weights, activations "
+                                                   "and KV (CPU: available RAM, capped)")
+    num_gpu_blocks_override: int | None = knob(None, help="exact KV pool size in blocks; unset (0): derived")
+    max_num_seqs: int = knob(256, help="max concurrently running sequences")
+    max_num_batched_tokens: int = knob(2048, help="token budget of one engine step")
+    max_model_len: int | None = knob(None, help="context limit; unset (0): the model's max_position_embeddings")
+    enable_chunked_prefill: bool = knob(True, help="split long prompts over several steps")
+    enable_prefix_caching: bool = knob(True, help="reuse cached full KV blocks of earlier prompts")
+    tensor_parallel_size: int = knob(1, help="must be 1 (tensor parallelism is not implemented yet)")
+    attention_backend: str | None = knob(None, help="attention backend name; unset: chosen by device")
+    seed: int = knob(0, help="base seed of the sampler")
+    # Only code passes these two: an externally allocated pool tensor (e.g. shm-backed, block-major), or a
+    # factory (shape, torch dtype) -> tensor that allocates it.
+    kv_pool_tensor: Any = knob(None, setting=False)
+    kv_pool_factory: Callable[[tuple[int, ...], Any], Any] | None = knob(None, setting=False)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size: tensor parallelism is not implemented yet (use 1)")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.max_num_seqs <= 0:
-            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+                     "num_gpu_blocks_override", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive bytes, got {self.kv_cache_memory}")
-        dtype_name(self.dtype)
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len "
+                             f"({self.max_model_len}) needs enable_chunked_prefill")
+        if self.dtype != "auto":
+            dtype_name(self.dtype)
 
 
 @dataclass

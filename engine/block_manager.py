@@ -1,18 +1,18 @@
 """Block allocator with reference counts and automatic prefix caching.
 
-A full block whose KV has been computed gets a chained hash (hash of the previous block's hash and
-its own token ids). Later requests whose prompts start with the same blocks share them (ref count).
-A block whose ref count drops to zero keeps its hash and stays reusable until it is evicted, least
-recently freed first, when fresh blocks run out. Free-block counts include these cached blocks.
+A full block whose KV has been computed is published under its chained hash (`pdcluster.control.block_hash`,
+the same stable hash the router uses for prefix-aware routing). Later requests whose prompts start with the
+same blocks share them (ref count). A block whose ref count drops to zero keeps its hash and stays reusable
+until it is evicted, least recently freed first, when fresh blocks run out. Free-block counts include these
+cached blocks.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 
-
-def chain_hash(prev_hash: int | None, token_ids) -> int:
-    return hash((prev_hash, tuple(token_ids)))
+from pdcluster.engine.sequence import Sequence
 
 
 class BlockManager:
@@ -22,8 +22,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: OrderedDict[int, int] = OrderedDict()   # least recently used first
         self.free_ids: deque[int] = deque(range(num_blocks))        # never hashed, or evicted
         self.cached_free: OrderedDict[int, None] = OrderedDict()     # ref 0 but hash kept; LRU order
         self.prefix_query_tokens = 0
@@ -33,54 +32,53 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_ids) + len(self.cached_free)
 
-    def match_prefix(self, token_ids: list[int], max_blocks: int) -> tuple[list[int], list[int]]:
-        """Leading cached blocks for these tokens (at most max_blocks): (block ids, their hashes).
-        Reference counts are not touched; call `acquire` to take them."""
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Leading cached blocks of `seq`'s tokens, leaving at least its last token to compute. Reference
+        counts are not touched: pass the result to `allocate`."""
         if not self.enable_prefix_caching:
-            return [], []
-        bs = self.block_size
-        ids: list[int] = []
-        hashes: list[int] = []
-        prev = None
-        for i in range(max_blocks):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = chain_hash(prev, tokens)
+            return []
+        hits: list[int] = []
+        for h in seq.block_hashes(self.block_size)[:(seq.num_tokens - 1) // self.block_size]:
             block = self.hash_to_block.get(h)
-            if block is None or self.block_tokens[block] != tokens:
+            if block is None:
                 break
-            ids.append(block)
-            hashes.append(h)
-            prev = h
-        return ids, hashes
+            hits.append(block)
+        return hits
 
-    def num_reclaimable(self, block_ids: list[int]) -> int:
-        """How many of these blocks currently count as free (cached with ref 0)."""
-        return sum(1 for b in block_ids if self.ref_counts[b] == 0)
-
-    def acquire(self, block_ids: list[int]) -> None:
-        for b in block_ids:
+    def allocate(self, seq: Sequence, num_tokens: int, cached: list[int] | None = None) -> bool:
+        """Blocks so that `seq` can hold its first `num_tokens` tokens. A sequence without blocks may start
+        with the prefix-cache hits `cached` (from `match_prefix`), shared instead of fresh. False, changing
+        nothing, when too few blocks are free. The one allocation path: admission, growth, reservations."""
+        cached = cached or []
+        if cached and seq.block_table:
+            raise ValueError("prefix-cache hits can only start an empty block table")
+        need = -(-num_tokens // self.block_size) - len(seq.block_table) - len(cached)
+        if need + sum(1 for b in cached if self.ref_counts[b] == 0) > self.num_free_blocks:
+            return False
+        for b in cached:
             if self.ref_counts[b] == 0:
                 del self.cached_free[b]
             self.ref_counts[b] += 1
+            self.hash_to_block.move_to_end(self.block_hash[b])
+        if cached:
+            seq.block_table, seq.num_cached_blocks = list(cached), len(cached)
+        for _ in range(need):
+            seq.block_table.append(self._fresh())
+        return True
 
-    def allocate(self, n: int) -> list[int] | None:
-        """n fresh blocks (ref 1), evicting least recently used cached blocks if needed; None if short."""
-        if n > self.num_free_blocks:
-            return None
-        out = []
-        for _ in range(n):
-            if self.free_ids:
-                b = self.free_ids.popleft()
-            else:
-                b, _ = self.cached_free.popitem(last=False)
-                self._forget(b)
-            self.ref_counts[b] = 1
-            out.append(b)
-        return out
+    def _fresh(self) -> int:
+        if self.free_ids:
+            b = self.free_ids.popleft()
+        else:
+            b, _ = self.cached_free.popitem(last=False)
+            self._forget(b)
+        self.ref_counts[b] = 1
+        return b
 
-    def free(self, block_ids: list[int]) -> None:
+    def free(self, seq: Sequence) -> None:
+        """Drop `seq`'s references to its blocks; blocks that were published stay in the prefix cache."""
         # Reverse order: a sequence's tail blocks become the least recently used, so they go first.
-        for b in reversed(block_ids):
+        for b in reversed(seq.block_table):
             if self.ref_counts[b] <= 0:
                 raise RuntimeError(f"block {b} freed more often than allocated")
             self.ref_counts[b] -= 1
@@ -89,18 +87,28 @@ class BlockManager:
                     self.cached_free[b] = None
                 else:
                     self.free_ids.append(b)
+        seq.block_table = []
+        seq.num_cached_blocks = 0
 
-    def register(self, block_id: int, block_hash: int, token_ids) -> None:
-        """Publish a full, computed block in the prefix cache (no-op if that content is already cached)."""
-        if not self.enable_prefix_caching or block_hash in self.hash_to_block or self.block_hash[block_id] is not None:
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Publish `seq`'s blocks that became full and computed since the last call in the prefix cache."""
+        full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if not self.enable_prefix_caching or full <= seq.num_cached_blocks:
             return
-        self.block_hash[block_id] = block_hash
-        self.block_tokens[block_id] = tuple(token_ids)
-        self.hash_to_block[block_hash] = block_id
+        hashes = seq.block_hashes(self.block_size)
+        for i in range(seq.num_cached_blocks, full):
+            b, h = seq.block_table[i], hashes[i]
+            if h not in self.hash_to_block and self.block_hash[b] is None:   # else that content is cached already
+                self.block_hash[b] = h
+                self.hash_to_block[h] = b
+        seq.num_cached_blocks = full
+
+    def cached_hashes(self, limit: int) -> list[int]:
+        """Hashes of up to `limit` blocks in the prefix cache, most recently used first."""
+        return list(itertools.islice(reversed(self.hash_to_block), limit))
 
     def _forget(self, b: int) -> None:
         h = self.block_hash[b]
         if h is not None and self.hash_to_block.get(h) == b:
             del self.hash_to_block[h]
         self.block_hash[b] = None
-        self.block_tokens[b] = None

@@ -23,6 +23,21 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return getattr(torch, dtype_name(dtype))
 
 
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, model_dir: str) -> torch.dtype:
+    """`EngineArgs.dtype` as a torch dtype. "auto" (as in vLLM): float32 on CPU (bf16 GEMV is slow there),
+    else the checkpoint's `torch_dtype` (bfloat16 when config.json names none)."""
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    if device.type == "cpu":
+        return torch.float32
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return torch.bfloat16
+    return parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -108,7 +123,8 @@ def _layer_windows(cfg: dict[str, Any], arch: str) -> list[int]:
     if arch == "MistralForCausalLM":
         return [cfg.get("sliding_window", 4096) or 0] * layers
     if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
-        types = cfg.get("layer_types") or ["sliding_attention" if i >= cfg.get("max_window_layers", 28) else "full_attention"
+        first_sliding = cfg.get("max_window_layers", 28)
+        types = cfg.get("layer_types") or ["sliding_attention" if i >= first_sliding else "full_attention"
                                            for i in range(layers)]
         return [cfg["sliding_window"] if t == "sliding_attention" else 0 for t in types]
     return [0] * layers

@@ -1,4 +1,4 @@
-"""Device layer: which accelerator this process uses, and the matching collective backend.
+"""Device layer: which accelerator this process uses, and how much memory it has free.
 
 `torch_npu` is imported only here and only when asked for (or probed by `detect_device`): on hosts
 without CANN its import hook can break, so any failure counts as "no NPU".
@@ -10,7 +10,7 @@ import os
 
 import torch
 
-_COLLECTIVE_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+_DEVICE_KINDS = ("npu", "cuda", "cpu")
 _npu_available: bool | None = None
 
 
@@ -42,7 +42,7 @@ def detect_device() -> str:
 
 def device_type(device: str | torch.device) -> str:
     kind = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-    if kind not in _COLLECTIVE_BACKENDS:
+    if kind not in _DEVICE_KINDS:
         raise ValueError(f"device: unsupported device {device!r}; expected one of npu, cuda, cpu")
     return kind
 
@@ -64,12 +64,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def collective_backend(device: str | torch.device | None = None) -> str:
-    """torch.distributed backend for this device kind: hccl, nccl or gloo."""
-    kind = detect_device() if device is None else device_type(device)
-    return _COLLECTIVE_BACKENDS[kind]
-
-
 def free_memory_bytes(device: torch.device) -> int:
     """Free memory on the device; on CPU, available system memory (MemAvailable)."""
     if device.type == "cuda":
@@ -87,9 +81,3 @@ def free_memory_bytes(device: torch.device) -> int:
         pass
     return 4 << 30
 
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "npu":
-        torch.npu.synchronize(device)

@@ -4,21 +4,21 @@ single-threaded; the offline `LLM`, the async engine and the node services each 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import fields
-from typing import Callable
 
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import EngineArgs
 from pdcluster.engine.block_manager import BlockManager
-from pdcluster.engine.config import ModelConfig, parse_dtype
+from pdcluster.engine.config import ModelConfig, resolve_dtype
 from pdcluster.engine.device import free_memory_bytes, resolve_device
 from pdcluster.engine.kv_cache import KVCachePool
+from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.engine.loader import load_eos_token_ids, load_tokenizer
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.engine.scheduler import ScheduledBatch, Scheduler
-from pdcluster.engine.sequence import Sequence, SequenceStatus
+from pdcluster.engine.sequence import Sequence
+from pdcluster.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +26,11 @@ CPU_KV_CACHE_CAP = 4 << 30   # on CPU the pool shares RAM with everything else
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, kv_connector: KVConnector | None = None) -> None:
         self.args = args
-        self.dtype = parse_dtype(args.dtype)
+        self.kv_connector = kv_connector
         self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, args.model)
         self.model_config = ModelConfig.from_pretrained(args.model)
         cfg = self.model_config
         self.tokenizer = load_tokenizer(args.model)
@@ -44,24 +45,20 @@ class LLMEngine:
         self.block_size = self.kv_pool.block_size
         pool_tokens = self.kv_pool.num_blocks * self.block_size
         if pool_tokens < cfg.max_model_len:
-            log.warning("KV pool holds %d tokens < max_model_len %d: capping max_model_len", pool_tokens, cfg.max_model_len)
+            log.warning("KV pool holds %d tokens < max_model_len %d: capping max_model_len", pool_tokens,
+                        cfg.max_model_len)
             cfg.max_model_len = pool_tokens
         self.block_manager = BlockManager(self.kv_pool.num_blocks, self.block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
                                    args.enable_chunked_prefill)
-        self.requests: dict[str, Sequence] = {}       # waiting, running, and finished-but-held
-        # Blocks handed out by reserve_blocks, with multiplicity: two reservations may share a cached prefix block.
-        self.reserved: Counter[int] = Counter()
-        self._pending: list[RequestOutput] = []
-        self.current_batch: ScheduledBatch | None = None
         self._arrivals = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_steps = 0
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
-        return cls(args)
+    def from_engine_args(cls, args: EngineArgs, kv_connector: KVConnector | None = None) -> "LLMEngine":
+        return cls(args, kv_connector)
 
     @classmethod
     def from_args(cls, model: str, **kwargs) -> "LLMEngine":
@@ -76,7 +73,8 @@ class LLMEngine:
         per_block = KVCachePool.bytes_per_block(cfg, a.block_size, self.dtype)
         if a.kv_pool_tensor is not None:
             t = a.kv_pool_tensor
-            return KVCachePool(t.shape[0], cfg.num_layers, a.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, t.device, tensor=t)
+            return KVCachePool(t.shape[0], cfg.num_layers, a.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                               t.device, tensor=t)
         if a.num_gpu_blocks_override is not None:
             num_blocks = a.num_gpu_blocks_override
         else:
@@ -100,7 +98,7 @@ class LLMEngine:
                       hold_blocks: bool = False) -> Sequence:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
-        if request_id in self.requests:
+        if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -121,173 +119,103 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_blocks: bool = False) -> None:
-        seq = self._new_sequence(request_id, prompt_token_ids, params, hold_blocks)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        self.scheduler.add(self._new_sequence(request_id, prompt_token_ids, params, hold_blocks))
 
     def abort(self, request_id: str) -> None:
-        """Stop a request and free its blocks now. Unknown or finished ids are a no-op."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return
-        self.scheduler.remove(seq)
+        """Stop a request (waiting, running, waiting for remote KV, or finished and holding its blocks) and
+        free its blocks now. Unknown ids are a no-op."""
+        self.scheduler.abort(request_id)
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a finished hold_blocks request (they stay in the prefix cache)."""
-        self.abort(request_id)
+        self.scheduler.abort(request_id)
+
+    def abort_all(self) -> None:
+        for request_id in list(self.scheduler.requests):
+            self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work()
 
     # ---- the step -------------------------------------------------------------------------------
 
-    def step(self, layer_done_callback: Callable[[int], None] | None = None) -> list[RequestOutput]:
-        outputs, self._pending = self._pending, []
+    def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return outputs
+            return []
         self.num_steps += 1
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             if seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self.num_decode_tokens += n
             else:
                 self.num_prefill_tokens += n
-        self.current_batch = batch   # what a layer_done_callback is being called for
-        sampled, tokens, logprobs = self.runner.run(batch, layer_done_callback)
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self._register_full_blocks(seq)
-        for seq, token, lp in zip(sampled, tokens, logprobs):
-            seq.append_token(token, lp)
-            if seq.stopped:
-                self.scheduler.finish(seq)
-                if not seq.hold_blocks:
-                    self.requests.pop(seq.request_id, None)
-            outputs.append(self._output(seq))
-        return outputs
+        connector = self.kv_connector
+        if connector is None:
+            sampled, tokens, logprobs = self.runner.run(batch)
+        else:
+            prompts = _prompts_finishing(batch)
+            connector.on_step_start(prompts)
+            sampled, tokens, logprobs = self.runner.run(batch, connector.on_layer_done)
+            for p in prompts:
+                connector.on_prompt_done(p.request_id, p.block_ids)
+        return [_request_output(seq) for seq in self.scheduler.update_from_output(batch, sampled, tokens, logprobs)]
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
-        if self.block_manager.enable_prefix_caching:
-            for block_id, h, tokens in seq.new_full_block_hashes(self.block_size):
-                self.block_manager.register(block_id, h, tokens)
+    # ---- remote prefill (decode node) -----------------------------------------------------------
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        new = seq.output_token_ids[seq.num_emitted:]
-        new_lp = seq.output_logprobs[seq.num_emitted:] if seq.params.logprobs is not None else None
-        seq.num_emitted = len(seq.output_token_ids)
-        finished = seq.stopped
-        cum = None
-        if seq.params.logprobs is not None and seq.output_logprobs:
-            cum = sum(lp[0] for lp in seq.output_logprobs if lp is not None)
-        completion = CompletionOutput(
-            index=0, text="", token_ids=list(seq.output_token_ids), cumulative_logprob=cum,
-            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
-        return RequestOutput(
-            request_id=seq.request_id, prompt=None, prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
-            finished=finished, new_token_ids=new, logprobs=new_lp, num_cached_tokens=seq.num_cached_tokens,
-            block_ids=list(seq.block_table) if seq.hold_blocks else None)
-
-    # ---- decode-node hooks ----------------------------------------------------------------------
-
-    def reserve_blocks(self, num_tokens: int, prompt_token_ids: list[int] | None = None) -> list[int] | None:
-        """Fresh blocks for `num_tokens` tokens, outside the scheduler (a remote prefill writes them).
-        None when not enough are free. Owned by the caller until `add_prefilled_request` or `free_reserved`."""
-        got = self.reserve_blocks_with_prefix(num_tokens, None)
-        return None if got is None else got[0]
-
-    def reserve_blocks_with_prefix(self, num_tokens: int, prompt_token_ids: list[int] | None
-                                   ) -> tuple[list[int], int] | None:
-        """Like `reserve_blocks`, but leading blocks already in the prefix cache for `prompt_token_ids`
-        are shared instead of allocated: returns (block ids, number of leading tokens already cached).
-        The remote prefill then only needs to write tokens from that index on."""
-        if num_tokens <= 0:
-            raise ValueError(f"num_tokens must be positive, got {num_tokens}")
-        needed = -(-num_tokens // self.block_size)
-        hits: list[int] = []
-        if prompt_token_ids:
-            hits, _ = self.block_manager.match_prefix(list(prompt_token_ids), (min(num_tokens, len(prompt_token_ids)) - 1) // self.block_size)
-        fresh = needed - len(hits)
-        if fresh + self.block_manager.num_reclaimable(hits) > self.block_manager.num_free_blocks:
-            return None
-        self.block_manager.acquire(hits)
-        blocks = hits + self.block_manager.allocate(fresh)
-        self.reserved.update(blocks)
-        return blocks, len(hits) * self.block_size
-
-    def _unreserve(self, block_ids: list[int]) -> None:
-        for b in block_ids:
-            self.reserved[b] -= 1
-            if self.reserved[b] <= 0:
-                del self.reserved[b]
-
-    def free_reserved(self, block_ids: list[int]) -> None:
-        owned = [b for b in block_ids if b in self.reserved]
-        self._unreserve(owned)
-        self.block_manager.free(owned)
-
-    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                              block_ids: list[int], first_token: int, first_logprobs=None) -> RequestOutput:
-        """Start decoding a request whose prompt KV is already in `block_ids` (from `reserve_blocks`).
-        `first_token` becomes its first output token; the returned output reports it (and says whether
-        the request already finished on it). The engine owns the blocks from here on."""
+    def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+                       ) -> tuple[list[int], int] | None:
+        """Admit a request whose prompt KV another node computes: blocks for the whole prompt, leading ones
+        shared from the prefix cache. Returns (block ids, number of leading prompt tokens already cached:
+        the remote side writes from there on), or None when too few blocks are free. The request then waits
+        for `add_prefilled` (or `abort`) and is never scheduled before."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
-        needed = -(-seq.num_prompt_tokens // self.block_size)
-        if len(block_ids) < needed:
-            raise ValueError(f"block_ids: {len(block_ids)} blocks cannot hold a {seq.num_prompt_tokens}-token prompt")
-        not_reserved = [b for b in block_ids if b not in self.reserved]
-        if not_reserved:
-            raise ValueError(f"block_ids: {not_reserved[:8]} were not reserved with reserve_blocks")
-        self._unreserve(block_ids)
-        seq.block_table = list(block_ids)
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        self._register_full_blocks(seq)
-        seq.status = SequenceStatus.RUNNING
-        seq.append_token(int(first_token), first_logprobs)
-        self.requests[request_id] = seq
-        self.scheduler.running.append(seq)
-        if seq.stopped:
-            self.scheduler.finish(seq)
-            self.requests.pop(request_id, None)
-        return self._output(seq)
+        if not self.scheduler.reserve(seq):
+            return None
+        return list(seq.block_table), seq.num_cached_tokens
+
+    def add_prefilled(self, request_id: str, first_token: int, first_logprobs=None) -> RequestOutput:
+        """The prompt KV of a `reserve_remote` request is in its blocks: it decodes from `first_token` on.
+        The returned output reports that token (and whether the request already finished on it)."""
+        seq = self.scheduler.waiting_for_kv.get(request_id)
+        if seq is None:
+            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV (see reserve_remote)")
+        self.scheduler.add_prefilled(seq, int(first_token), first_logprobs)
+        return _request_output(seq)
 
     # ---- stats ----------------------------------------------------------------------------------
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_manager.num_free_blocks
+    def cached_block_hashes(self, limit: int = 4096) -> list[int]:
+        """Stable hashes (`pdcluster.control.block_hash`) of blocks in the prefix cache, most recently used
+        first: what prefix-aware routing may count on this engine holding."""
+        return self.block_manager.cached_hashes(limit)
 
-    @property
-    def num_total_blocks(self) -> int:
-        return self.block_manager.num_blocks
+    def get_stats(self) -> EngineStats:
+        sched, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_reserved_blocks=sched.num_reserved_blocks(), num_running=len(sched.running),
+            num_waiting=len(sched.waiting), num_waiting_for_kv=len(sched.waiting_for_kv),
+            num_preemptions=sched.num_preemptions, prefix_cache_hit_tokens=bm.prefix_hit_tokens,
+            prefix_cache_query_tokens=bm.prefix_query_tokens, num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens, num_steps=self.num_steps)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+def _prompts_finishing(batch: ScheduledBatch) -> list[PromptInStep]:
+    return [PromptInStep(seq.request_id, list(seq.block_table), seq.num_prompt_tokens)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens)
+            if seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + n]
 
-    @property
-    def num_preemptions(self) -> int:
-        return self.scheduler.num_preemptions
 
-    @property
-    def prefix_cache_hit_tokens(self) -> int:
-        return self.block_manager.prefix_hit_tokens
-
-    @property
-    def prefix_cache_query_tokens(self) -> int:
-        return self.block_manager.prefix_query_tokens
-
-    def get_stats(self) -> dict[str, int]:
-        return {
-            "num_free_blocks": self.num_free_blocks, "num_total_blocks": self.num_total_blocks,
-            "num_reserved_blocks": sum(self.reserved.values()), "num_running": self.num_running,
-            "num_waiting": self.num_waiting, "num_preemptions": self.num_preemptions,
-            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
-            "prefix_cache_query_tokens": self.prefix_cache_query_tokens,
-            "num_prefill_tokens": self.num_prefill_tokens, "num_decode_tokens": self.num_decode_tokens,
-            "num_steps": self.num_steps,
-        }
+def _request_output(seq: Sequence) -> RequestOutput:
+    """The output of a sequence that just got one token (every step adds at most one per sequence)."""
+    want_lp = seq.params.logprobs is not None
+    cum = sum(lp[0] for lp in seq.output_logprobs if lp is not None) if want_lp and seq.output_logprobs else None
+    completion = CompletionOutput(
+        index=0, text="", token_ids=list(seq.output_token_ids), cumulative_logprob=cum,
+        logprobs=list(seq.output_logprobs) if want_lp else None,
+        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+    return RequestOutput(
+        request_id=seq.request_id, prompt=None, prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
+        finished=seq.stopped, new_token_ids=seq.output_token_ids[-1:],
+        logprobs=seq.output_logprobs[-1:] if want_lp else None, num_cached_tokens=seq.num_cached_tokens,
+        block_ids=list(seq.block_table) if seq.hold_blocks else None)

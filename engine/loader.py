@@ -64,8 +64,10 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
 
 def load_tokenizer(model_dir: str):
     """HF tokenizer from tokenizer.json / tokenizer_config.json; the chat template may sit in chat_template.jinja."""
-    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise FileNotFoundError(f"model: no tokenizer in {model_dir} (expected tokenizer.json and tokenizer_config.json)")
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in names):
+        raise FileNotFoundError(f"model: no tokenizer in {model_dir} "
+                                "(expected tokenizer.json and tokenizer_config.json)")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)

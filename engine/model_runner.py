@@ -39,8 +39,10 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch):
         """Flattened inputs; decodes (one new token) first, then prefill chunks."""
         bs = self.block_size
-        # Decodes sorted by context length so that decode groups (AttentionMetadata.decode_groups) are row ranges.
-        order = sorted(range(len(batch)), key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens))
+        # Decodes sorted by context length, so that rows of similar length are neighbours (the torch backend
+        # gathers decode K/V in groups of rows: TorchAttentionMetadata.decode_groups).
+        order = sorted(range(len(batch)),
+                       key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens))
         seqs = [batch.seqs[i] for i in order]
         counts = [batch.num_new_tokens[i] for i in order]
         num_decode = sum(1 for n in counts if n == 1)
@@ -79,7 +81,8 @@ class ModelRunner:
             meta.prefills.append(PrefillChunk(start, end, c, tables[row, :nblocks]))
         ids_t = torch.tensor(ids, dtype=torch.long)
         if self.device.type != "cpu":
-            ids_t, positions_t = ids_t.to(self.device, non_blocking=True), positions_t.to(self.device, non_blocking=True)
+            ids_t = ids_t.to(self.device, non_blocking=True)
+            positions_t = positions_t.to(self.device, non_blocking=True)
             meta = _to_device(meta, self.device)
         return ids_t, positions_t, meta, sample_rows, sample_seqs
 
@@ -87,12 +90,13 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, layer_done_callback: Callable[[int], None] | None = None):
         """Returns (sequences that got a token, tokens, logprobs)."""
         ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
-        hidden = self.model(ids, positions, meta, layer_done_callback)
+        hidden = self.model(ids, positions, self.attn_backend.prepare(meta), layer_done_callback)
         if not sample_seqs:
             return [], [], []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        requests = [SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids) for s in sample_seqs]
+        requests = [SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids)
+                    for s in sample_seqs]
         tokens, logprobs = self.sampler(logits, requests)
         return sample_seqs, tokens, logprobs
 
@@ -102,7 +106,7 @@ class ModelRunner:
         seq = Sequence("_logits", token_ids, SamplingParams(max_tokens=1), [], len(token_ids) + 1, 0)
         seq.block_table = list(block_table)
         ids, positions, meta, _, _ = self._prepare(ScheduledBatch([seq], [len(token_ids)]))
-        return self.model.compute_logits(self.model(ids, positions, meta)).float()
+        return self.model.compute_logits(self.model(ids, positions, self.attn_backend.prepare(meta))).float()
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:

@@ -3,7 +3,7 @@
 A row is sampled by inverse-CDF: one uniform number u per row picks the token whose cumulative
 probability interval (in token-id order) contains u. For a seeded request u is a pure function of
 (seed, position), so the token drawn at a position is the same whatever the batch, the device or
-the node that samples it (DESIGN.md §2); unseeded rows draw u from the sampler's own generator.
+the node that samples it (docs/design.md §3); unseeded rows draw u from the sampler's own generator.
 One number per row instead of V noise values keeps the sampler cheap on CPUs (B=256, V=32000).
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Sampler:
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(requests)} requests")
         plain_greedy = all(_is_greedy(r.params) and not r.params.has_penalties and r.params.logprobs is None
                            and len(r.output_ids) >= r.params.min_tokens for r in requests)
-        if plain_greedy:  # max().indices: same first-maximum index as argmax, ~4x faster on CPU bf16
+        if plain_greedy:  # max().indices: same first-maximum index as argmax, faster on CPU bf16 (docs/benchmarks.md)
             return logits.max(dim=-1).indices.tolist(), [None] * len(requests)
         return self._sample(logits, requests)
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import enum
 
+from pdcluster.control.block_hash import chain_hash
 from pdcluster.control.sampling_params import SamplingParams
-from pdcluster.engine.block_manager import chain_hash
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"   # blocks held; another node writes the prompt's KV
     FINISHED = "finished"
 
 
@@ -31,10 +32,10 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed_tokens = 0                # tokens whose KV is in the cache
         self.num_cached_tokens = 0                  # prompt tokens served by the prefix cache
-        self.block_hashes: list[int] = []           # hashes of the leading full, computed blocks
+        self.num_cached_blocks = 0                  # leading blocks of block_table published in the prefix cache
+        self._block_hashes: list[int] = []          # stable hashes of the full blocks of token_ids, grown lazily
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
-        self.num_emitted = 0                        # output tokens already reported by step()
 
     @property
     def num_tokens(self) -> int:
@@ -44,9 +45,13 @@ class Sequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+    def block_hashes(self, block_size: int) -> list[int]:
+        """Chained hashes (`pdcluster.control.block_hash`) of every full block of the tokens so far; each block
+        is hashed once (tokens only grow, so the list stays valid across preemption)."""
+        hashes = self._block_hashes
+        for i in range(len(hashes), self.num_tokens // block_size):
+            hashes.append(chain_hash(hashes[-1] if hashes else 0, self.token_ids[i * block_size:(i + 1) * block_size]))
+        return hashes
 
     def append_token(self, token: int, logprob=None) -> None:
         self.output_token_ids.append(token)
@@ -71,22 +76,3 @@ class Sequence:
     @property
     def stopped(self) -> bool:
         return self.finish_reason is not None
-
-    def reset_for_recompute(self) -> None:
-        """After preemption: the blocks are gone, everything (prompt + outputs so far) is recomputed."""
-        self.block_table = []
-        self.num_computed_tokens = 0
-        self.block_hashes = []
-        self.status = SequenceStatus.WAITING
-
-    def new_full_block_hashes(self, block_size: int) -> list[tuple[int, int, list[int]]]:
-        """(block id, hash, tokens) for blocks that became full and computed since the last call."""
-        out = []
-        full = self.num_computed_tokens // block_size
-        prev = self.block_hashes[-1] if self.block_hashes else None
-        for i in range(len(self.block_hashes), full):
-            tokens = self.token_ids[i * block_size:(i + 1) * block_size]
-            prev = chain_hash(prev, tokens)
-            self.block_hashes.append(prev)
-            out.append((self.block_table[i], prev, tokens))
-        return out

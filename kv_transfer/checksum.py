@@ -2,9 +2,9 @@
 
 Per block, the wrapping int64 sum of its bytes viewed as 64-bit words; blocks are then combined with
 odd weights (2k+1) so a block landing in the wrong slot changes the result. CPU pools are summed with
-numpy (one thread, ~60-85 GB/s from cache here, and no OpenMP team to wake or to fight the peer
-process for the two cores); device pools with torch on the device. Both wrap modulo 2**64, so a GPU
-sender and a CPU receiver agree. zlib.crc32 manages ~2.8 GB/s (see docs/kv_transfer.md).
+numpy (one thread: no OpenMP team to wake or to fight the peer process for the cores); device pools
+with torch on the device. Both wrap modulo 2**64, so a GPU sender and a CPU receiver agree. Far
+cheaper than zlib.crc32 (measured in docs/benchmarks.md; see docs/kv_transfer.md).
 """
 
 from __future__ import annotations

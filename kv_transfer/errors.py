@@ -8,3 +8,7 @@ class ChecksumError(TransferError):
 
 class LayoutMismatchError(TransferError):
     """Sender and receiver KV pools disagree on dtype, shape or layout version."""
+
+
+class StaleReservationError(TransferError):
+    """A sender saw its reservation closed before the receiver said why (shm block tags cleared)."""

@@ -4,12 +4,12 @@ The shm sender's hot loop, compiled with numba. Per block: each source word is l
 the receiver's pool and added to the block's "sent" sum; then the block just written is read back from
 the receiver's pool while it is still in this core's cache and summed again ("landed"). Neither sum
 costs an extra trip to memory; a separate pass by the receiver would re-read every byte from DRAM
-(~30 % of the copy's time on this machine).
+(measured in docs/benchmarks.md).
 
 Large copies are split over threads of our own (the kernel releases the GIL) rather than numba's
 parallel layer: its OpenMP workers spin after each region and steal the core the receiver needs, and
-its workqueue layer cannot be entered from two sender threads at once. Compiled on first use (~1 s,
-then cached on disk); `warm_up` does it ahead of time.
+its workqueue layer cannot be entered from two sender threads at once. Compiled on first use (then
+cached on disk); `warm_up` does it ahead of time.
 """
 
 from __future__ import annotations

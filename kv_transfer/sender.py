@@ -1,43 +1,35 @@
 """Sender side: writes source blocks of a local KV pool into a receiver's reserved blocks.
 
 Called from the thread that runs engine steps: `start` and `send_layers` only enqueue work; per
-receiver connection ("stream") a worker thread does the copying / sending and a reader thread routes
-replies. `finish` blocks until the receiver acknowledged every byte (checksums matched) or fails.
-The engine must not overwrite source blocks until `finish` returns.
+receiver connection ("stream") a worker thread has the stream's channel send the writes and a reader
+thread routes replies. `finish` blocks until the receiver acknowledged every byte (checksums matched)
+or fails. The engine must not overwrite source blocks until `finish` returns. The channel class is
+picked once per destination and connection (backends.choose); nothing here depends on which it is.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
-import struct
 import threading
 import time
 import uuid
 from itertools import count
 from typing import Any, Callable
 
-import msgpack
-import numpy as np
 import torch
 
-from pdcluster.kv_transfer import dist as kvdist
-from pdcluster.kv_transfer import quant as kvquant
-from pdcluster.kv_transfer.checksum import block_sums, checksum_bytes, checksum_runs, combine, weighted, words
-from pdcluster.kv_transfer.destination import Destination, host_id
-from pdcluster.kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
-from pdcluster.kv_transfer.fused_copy import copy_blocks, warm_up
-from pdcluster.kv_transfer.layout import KVLayout, byte_view, runs
-from pdcluster.kv_transfer.receiver import WIRE_VERSION
-from pdcluster.kv_transfer.shm import SHM_DIR, SharedKVPool, token_tag
-from pdcluster.kv_transfer.tcp import IdleTimeout, configure, recv_frame, send_frame, send_views
+from pdcluster.kv_transfer.backends import CHANNELS, choose
+from pdcluster.kv_transfer.channel import Channel, PoolViews
+from pdcluster.kv_transfer.checksum import combine
+from pdcluster.kv_transfer.destination import Destination
+from pdcluster.kv_transfer.errors import ChecksumError, LayoutMismatchError, StaleReservationError, TransferError
+from pdcluster.kv_transfer.layout import KVLayout, runs
+from pdcluster.kv_transfer.tcp import WIRE_VERSION, IdleTimeout, Wire, configure
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "shm", "tcp", "gloo", "nccl", "hccl")
-_LEN = struct.Struct("!I")
 _xids = count(1)
 
 
@@ -47,7 +39,7 @@ class Transfer:
     def __init__(self, sender: "KVSender", peer: "_Peer", dst: Destination, src_ids: list[int], dst_ids: list[int]):
         self.request_id = dst.request_id
         self.xid = next(_xids)  # echoed in replies: tells apart two transfers of one request id
-        self.backend = peer.backend
+        self.backend = peer.channel_cls.name
         self.dst = dst
         self._sender, self._peer = sender, peer
         self._runs = runs(dst_ids, src_ids)  # (dst_start, src_start, n)
@@ -116,7 +108,9 @@ class Transfer:
     def _acked(self, checksum: int) -> None:
         with self._lock:
             if self._error is None and checksum != self._done_checksum:
-                self._error = ChecksumError(f"kv transfer {self.request_id!r}: ack checksum {checksum:#x} != sent {self._done_checksum!r}")
+                self._error = ChecksumError(
+                    f"kv transfer {self.request_id!r}: ack checksum {checksum:#x} != sent {self._done_checksum!r}"
+                )
             self.checksum = checksum
         self._finished.set()
 
@@ -141,32 +135,29 @@ def _split(run_list: list[tuple[int, int, int]], parts: int) -> list[list[tuple[
 
 
 class _Stream:
-    """One connection to the receiver with its worker and reply-reader threads."""
+    """One connection to the receiver, its channel, and its worker and reply-reader threads."""
 
     def __init__(self, peer: "_Peer", index: int):
         self.peer = peer
         sender = peer.sender
-        host, port = peer.dst.host_port
-        self.sock = socket.create_connection((host, port), timeout=sender.connect_timeout)
-        configure(self.sock, sender.io_timeout)
-        send_frame(self.sock, {
-            "op": "hello", "version": WIRE_VERSION, "backend": peer.backend, "session": peer.session,
+        sock = socket.create_connection(peer.dst.host_port, timeout=sender.connect_timeout)
+        configure(sock, sender.io_timeout)
+        self.wire = Wire(sock)
+        self.wire.send({
+            "op": "hello", "version": WIRE_VERSION, "backend": peer.channel_cls.name, "session": peer.session,
             "layout": sender.layout.to_dict(), "stream": index,
         })  # fmt: skip
-        reply = recv_frame(self.sock)
+        reply = self.wire.recv()
         if reply["op"] != "hello_ok":
-            self.sock.close()
+            self.wire.close()
             raise LayoutMismatchError(f"receiver {peer.dst.address} refused the handshake: {reply.get('error')}")
         self.remote_layout = KVLayout.from_dict(reply["layout"])
         self.remote_layout.check_compatible(sender.layout, mine="sender", theirs="receiver")
-        self.pg = None
-        if peer.backend in kvdist.DIST_BACKENDS:
-            store = kvdist.join_store(host, reply["store_port"], sender.connect_timeout)
-            local_ip = self.sock.getsockname()[0]
-            self.pg = kvdist.pair_group(peer.backend, store, 1, local_ip, sender.io_timeout, peer.session)
-            self._store = store
+        self.channel: Channel = peer.channel_cls.connect(
+            self.wire, sender.views, reply, session=peer.session, connect_timeout=sender.connect_timeout,
+            io_timeout=sender.io_timeout,
+        )  # fmt: skip
         self.queue: queue.Queue = queue.Queue()
-        self.send_lock = threading.Lock()
         self.dead: BaseException | None = None
         for target in (self._work_loop, self._read_loop):
             threading.Thread(target=target, name=f"kv-send-{index}", daemon=True).start()
@@ -186,79 +177,32 @@ class _Stream:
 
     def close(self) -> None:
         self.queue.put(None)
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self.wire.shutdown()
+        self.channel.close()
 
     # ---- ops (run on the worker thread) ---------------------------------------------------------
 
     def open(self, t: Transfer) -> None:
         blocks = [d + i for d, _, n in t._runs for i in range(n)]
         if max(blocks) >= self.remote_layout.num_blocks:
-            raise TransferError(f"kv transfer {t.request_id!r}: destination block {max(blocks)} outside the receiver pool")
-        self._send({"op": "open", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "blocks": blocks})
+            raise TransferError(
+                f"kv transfer {t.request_id!r}: destination block {max(blocks)} outside the receiver pool"
+            )
+        self.wire.send({"op": "open", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "blocks": blocks})
 
     def write(self, t: Transfer, part: list[tuple[int, int, int]], l0: int, l1: int) -> None:
-        sender = self.peer.sender
         if time.time() > t.dst.deadline:
             raise TransferError(f"kv transfer {t.request_id!r}: destination deadline passed")
-        src_runs = [(s, n) for _, s, n in part]
-        header = {"op": "write", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "runs": [[d, n] for d, _, n in part], "l0": l0, "l1": l1}
-        full = l0 == 0 and l1 == sender.layout.num_layers
-        backend = self.peer.backend
-        if backend == "tcp" and sender.quant == "int8":
-            kv = torch.cat([sender.pool[s : s + n, l0:l1] for s, n in src_runs])
-            payload = kvquant.quantize(kv)
-            checksum = checksum_bytes(payload)
-            if sender.corrupt_writes_for_test:
-                payload = payload.clone()
-                payload[0] ^= 1
-            self._send({**header, "nbytes": payload.numel(), "checksum": checksum, "quant": "int8", **self._done_fields(t, checksum)}, [memoryview(payload.numpy())])
-        elif backend == "tcp":
-            checksum = checksum_runs(sender.words, src_runs, l0, l1)
-            nb = sender.np_bytes
-            if full:
-                views = [memoryview(nb[s : s + n].reshape(-1)) for s, n in src_runs]
-            else:
-                views = [memoryview(nb[b, l0:l1].reshape(-1)) for s, n in src_runs for b in range(s, s + n)]
-            if sender.corrupt_writes_for_test:
-                views[0] = _corrupted(views[0])
-            self._send({**header, "nbytes": sum(len(v) for v in views), "checksum": checksum, **self._done_fields(t, checksum)}, views)
-        elif backend == "shm":
-            dst_ids = np.array([d + i for d, _, n in part for i in range(n)], dtype=np.int64)
-            src_ids = np.array([s + i for _, s, n in part for i in range(n)], dtype=np.int64)
-            self._check_tags(t, dst_ids, "is not open to this transfer")  # no round trip to ask
-            wpl = sender.words.shape[2]  # words per layer
-            sent, landed = copy_blocks(self.peer.shm_words, sender.block_words, dst_ids, src_ids, l0 * wpl, l1 * wpl)
-            self._check_tags(t, dst_ids, "was withdrawn during the copy")
-            if sender.corrupt_writes_for_test:  # a byte changes after the copy; read back the slow way
-                byte_view(self.peer.shm.tensor)[part[0][0], l0, 0] ^= 1
-                landed = block_sums(words(byte_view(self.peer.shm.tensor)), [(d, n) for d, _, n in part], l0, l1)
-            checksum, landed_checksum = weighted(sent), weighted(landed)
-            nbytes = sum(n for _, n in src_runs) * (l1 - l0) * sender.layout.layer_bytes
-            self._send({**header, "nbytes": nbytes, "checksum": checksum, "landed": landed_checksum, **self._done_fields(t, checksum)})
-        else:
-            checksum = checksum_runs(sender.words, src_runs, l0, l1)
-            nblocks = sum(n for _, n in src_runs)
-            self._send({**header, "nbytes": nblocks * (l1 - l0) * sender.layout.layer_bytes, "checksum": checksum, **self._done_fields(t, checksum)})
-            tensors = (
-                [sender.pool[s : s + n] for s, n in src_runs]
-                if full
-                else [torch.cat([sender.pool[s : s + n, l0:l1] for s, n in src_runs])]
-            )
-            if sender.corrupt_writes_for_test:
-                tensors[0] = tensors[0].clone()
-                tensors[0].view(-1).view(torch.uint8)[0] ^= 1
-            for x in tensors:
-                kvdist.send(self.pg, x, 0)
-        t._sent(checksum)
-
-    def _check_tags(self, t: Transfer, dst_ids: np.ndarray, what: str) -> None:
-        """Raise unless every destination block is still open to this reservation (shm.py)."""
-        if not (self.peer.shm.tags[dst_ids] == token_tag(t.dst.token)).all():
+        base = {
+            "op": "write", "rid": t.request_id, "xid": t.xid, "token": t.dst.token,
+            "runs": [[d, n] for d, _, n in part], "l0": l0, "l1": l1,
+        }  # fmt: skip
+        try:
+            checksum = self.channel.write_runs(t.dst.token, part, l0, l1, lambda c: {**base, **self._done_fields(t, c)})
+        except StaleReservationError as exc:
             t._finished.wait(0.5)  # the receiver's error answer to our open, if it comes, says why
-            raise t._error or TransferError(f"kv transfer {t.request_id!r}: reservation {what} (failed, expired or cancelled)")
+            raise t._error or TransferError(f"kv transfer {t.request_id!r}: {exc}") from None
+        t._sent(checksum)
 
     def _done_fields(self, t: Transfer, checksum: int) -> dict[str, Any]:
         """When finish() was already called and this is the transfer's last unsent write, the write
@@ -280,15 +224,13 @@ class _Stream:
             if not t._done_sent:
                 t._done_checksum = checksum
         if t._error is None and not t._done_sent:
-            self._send({"op": "done", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "writes": writes, "checksum": checksum})
+            self.wire.send({
+                "op": "done", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "writes": writes,
+                "checksum": checksum,
+            })  # fmt: skip
 
     def abort(self, t: Transfer, reason: str) -> None:
-        self._send({"op": "abort", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "reason": reason})
-
-    def _send(self, body: dict[str, Any], payload: list[memoryview] | None = None) -> None:
-        data = msgpack.packb(body, use_bin_type=True)
-        with self.send_lock:  # the worker and run_now callers share the socket
-            send_views(self.sock, [memoryview(_LEN.pack(len(data)) + data), *(payload or [])])
+        self.wire.send({"op": "abort", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "reason": reason})
 
     # ---- threads ---------------------------------------------------------------------------------
 
@@ -320,7 +262,7 @@ class _Stream:
         try:
             while True:
                 try:
-                    frame = recv_frame(self.sock, idle_ok=True)
+                    frame = self.wire.recv(idle_ok=True)
                 except IdleTimeout:
                     continue
                 t = self.peer.transfers.get(frame.get("xid"))
@@ -343,20 +285,16 @@ class _Stream:
 
 
 class _Peer:
-    """All streams to one receiver for one backend; one session id on the receiver side."""
+    """All streams to one receiver over one channel class; one session id on the receiver side."""
 
-    def __init__(self, sender: "KVSender", dst: Destination, backend: str):
-        self.sender, self.dst, self.backend = sender, dst, backend
+    def __init__(self, sender: "KVSender", dst: Destination, channel_cls: type[Channel]):
+        self.sender, self.dst, self.channel_cls = sender, dst, channel_cls
         self.session = uuid.uuid4().hex
         self.transfers: dict[int, Transfer] = {}
-        self.shm: SharedKVPool | None = None
         self.dead: BaseException | None = None
-        nstreams = sender.num_streams if backend == "tcp" else 1
+        nstreams = sender.num_streams if channel_cls.parallel_streams else 1
         self.streams = [_Stream(self, 0)]
         self.streams += [_Stream(self, i) for i in range(1, nstreams)]
-        if backend == "shm":
-            self.shm = SharedKVPool.attach(dst.shm_name, self.streams[0].remote_layout.shape, sender.pool.dtype)
-            self.shm_words = words(byte_view(self.shm.tensor)).reshape(self.shm.tensor.shape[0], -1)
 
     def forget(self, t: Transfer) -> None:
         self.transfers.pop(t.xid, None)
@@ -383,25 +321,22 @@ class KVSender:
         connect_timeout: float = 5.0,
         io_timeout: float = 10.0,
     ):
-        if backend not in BACKENDS:
-            raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+        if backend != "auto" and backend not in CHANNELS:
+            raise ValueError(f"backend: expected auto or one of {list(CHANNELS)}, got {backend!r}")
         if quant not in (None, "int8"):
             raise ValueError(f"quant: expected None or 'int8', got {quant!r}")
         if num_streams < 1:
             raise ValueError("num_streams: expected >= 1")
         self.pool = pool
-        self.layout = KVLayout.of(pool)
-        self.words = words(byte_view(pool))
-        self.np_bytes = byte_view(pool).numpy() if pool.device.type == "cpu" else None
-        if self.np_bytes is not None:  # the shm path copies with fused_copy: compile it now, off the hot path
-            self.block_words = self.words.reshape(pool.shape[0], -1)
-            threading.Thread(target=warm_up, name="kv-send-warm-up", daemon=True).start()
+        self.views = PoolViews(pool)
+        self.layout = self.views.layout
+        for cls in set(CHANNELS.values()):
+            cls.prepare(self.views)
         self.backend = backend
         self.num_streams = num_streams
         self.quant = quant
         self.connect_timeout = connect_timeout
         self.io_timeout = io_timeout
-        self.corrupt_writes_for_test = False  # test hook: flip one byte after checksumming
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._lock = threading.Lock()
 
@@ -416,8 +351,7 @@ class KVSender:
         if bad:
             raise ValueError(f"src_block_ids: {bad[:5]} outside 0..{self.layout.num_blocks - 1}")
         self.layout.check_compatible(KVLayout.from_dict(dst.layout), mine="sender", theirs="receiver")
-        backend = self._choose_backend(dst)
-        peer = self._peer(dst, backend)
+        peer = self._peer(dst, choose(self.backend, self.quant, self.views, dst))
         t = Transfer(self, peer, dst, list(src_block_ids), dst_ids)
         peer.transfers[t.xid] = t
         peer.streams[0].run_now(t, lambda s: s.open(t))
@@ -435,35 +369,12 @@ class KVSender:
         for p in peers:
             p.close()
 
-    def _choose_backend(self, dst: Destination) -> str:
-        if self.backend != "auto":
-            if self.backend not in dst.backends:
-                raise TransferError(f"backend {self.backend!r} not offered by {dst.address} ({dst.backends})")
-            return self.backend
-        device = self.pool.device.type
-        same_host = dst.host_id == host_id() and dst.shm_name and os.path.exists(os.path.join(SHM_DIR, dst.shm_name))
-        if "shm" in dst.backends and same_host and device == "cpu":
-            return "shm"
-        native = kvdist.backend_for_device(device)
-        if device != "cpu" and native in dst.backends:
-            return native
-        for b in ("tcp", native):
-            if b in dst.backends:
-                return b
-        raise TransferError(f"no common KV backend with {dst.address} (it offers {dst.backends})")
-
-    def _peer(self, dst: Destination, backend: str) -> _Peer:
-        key = (dst.address, backend)
+    def _peer(self, dst: Destination, channel_cls: type[Channel]) -> _Peer:
+        key = (dst.address, channel_cls.name)
         with self._lock:
             peer = self._peers.get(key)
             if peer is not None and peer.dead is None:
                 return peer
-            peer = _Peer(self, dst, backend)
+            peer = _Peer(self, dst, channel_cls)
             self._peers[key] = peer
             return peer
-
-
-def _corrupted(view: memoryview) -> memoryview:
-    data = bytearray(view)
-    data[0] ^= 1
-    return memoryview(data)

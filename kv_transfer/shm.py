@@ -1,7 +1,7 @@
 """KV pool in POSIX shared memory: the receiver creates it, a same-host sender maps it and copies in.
 
 Files live in /dev/shm; the creator unlinks on close. Mapping with MAP_POPULATE pre-faults pages so the
-first transfer does not pay page faults (a fresh mapping copies at ~1/3 of memcpy speed).
+first transfer does not pay page faults (a fresh mapping copies far below memcpy speed).
 
 Next to the pool, `<name>.tags` holds one int64 per block: the tag of the reservation the block is open
 to, 0 when none. The receiver sets a reservation's tags before handing out its destination and clears

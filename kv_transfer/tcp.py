@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Any
+import threading
+from typing import Any, Sequence
 
 import msgpack
 
 MAX_HEADER_BYTES = 4 * 1024 * 1024
+WIRE_VERSION = 2  # of the frames in docs/kv_transfer.md; checked in the hello
 MAX_IOV = 512  # buffers per sendmsg/recvmsg call (IOV_MAX is 1024 on Linux)
 _LEN = struct.Struct("!I")
 
@@ -35,11 +37,6 @@ def configure(sock: socket.socket, timeout: float) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         sock.setsockopt(socket.SOL_SOCKET, opt, 4 * 1024 * 1024)
-
-
-def send_frame(sock: socket.socket, body: dict[str, Any]) -> None:
-    data = msgpack.packb(body, use_bin_type=True)
-    sock.sendall(_LEN.pack(len(data)) + data)
 
 
 def recv_exact(sock: socket.socket, n: int, *, idle_ok: bool = False) -> bytes:
@@ -100,3 +97,39 @@ def recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
         if got == 0:
             raise ConnectionError("peer closed the connection mid-payload")
         views = _advance(views, got)
+
+
+def drain(sock: socket.socket, nbytes: int) -> None:
+    """Read and drop nbytes (a rejected write's payload), keeping the stream in sync."""
+    scratch = bytearray(min(nbytes, 1 << 20))
+    while nbytes:
+        got = sock.recv_into(memoryview(scratch)[: min(nbytes, len(scratch))])
+        if got == 0:
+            raise ConnectionError("peer closed the connection")
+        nbytes -= got
+
+
+class Wire:
+    """One connection shared by threads: each frame (header + payload) goes out whole, in one gather."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._send_lock = threading.Lock()
+
+    def send(self, body: dict[str, Any], payload: Sequence[memoryview] = ()) -> None:
+        data = msgpack.packb(body, use_bin_type=True)
+        with self._send_lock:
+            send_views(self.sock, [memoryview(_LEN.pack(len(data)) + data), *payload])
+
+    def recv(self, *, idle_ok: bool = False) -> dict[str, Any]:
+        return recv_frame(self.sock, idle_ok=idle_ok)
+
+    def shutdown(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.shutdown()
+        self.sock.close()

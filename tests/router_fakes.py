@@ -14,8 +14,8 @@ import uvicorn
 import zmq
 
 from pdcluster.control import protocol
-from pdcluster.control.membership import NodeInfo
 from pdcluster.control.protocol import Abort, Generate, Load, Reject, Tokens
+from pdcluster.control.records import NodeInfo
 
 CORPUS = [
     "Hello world, this is a tiny test corpus for the router.",

@@ -20,7 +20,7 @@ import pytest
 from pdcluster.cli.up import LocalCluster, scrape_metrics
 from pdcluster.control.etcd_server import free_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 PDCLUSTER = str(Path(sys.executable).with_name("pdcluster"))
 MODEL_NAME = "tiny-llama"
@@ -145,9 +145,11 @@ async def test_cordon_stops_new_traffic_and_uncordon_restores_it(cluster):
         assert r.returncode == 0, r.stderr
         # The node itself reports it, and its requests already admitted drain out.
         await in_thread(wait_until, lambda: status(cluster)["decode-0"]["state"] == "cordoned", 10, "cordoned state")
-        await in_thread(wait_until, lambda: (lambda m: m["pdcluster_node_running_requests"] == 0
-                                             and m["pdcluster_node_waiting_requests"] == 0)(scrape_metrics(d0.metrics_url)),
-                        30, "decode-0 to finish its admitted requests")
+        def d0_idle() -> bool:
+            m = scrape_metrics(d0.metrics_url)
+            return m["pdcluster_node_running_requests"] == 0 and m["pdcluster_node_waiting_requests"] == 0
+
+        await in_thread(wait_until, d0_idle, 30, "decode-0 to finish its admitted requests")
         base0, base1 = finished(scrape_metrics(d0.metrics_url)), finished(scrape_metrics(d1.metrics_url))
         await in_thread(wait_until, lambda: finished(scrape_metrics(d1.metrics_url)) >= base1 + 6, 60,
                         "decode-1 to keep serving")
@@ -205,7 +207,8 @@ async def test_drain_under_load_finishes_in_flight_requests_and_the_node_leaves(
     nodes = status(cluster)
     assert "decode-1" not in nodes and "decode-0" in nodes
     # The drained node stays cordoned (a restarted instance must not take traffic before uncordon).
-    from pdcluster.control.membership import close_quietly, connect, get_admin_state
+    from pdcluster.control.etcd_client import close_quietly, connect
+    from pdcluster.control.queries import get_admin_state
 
     async def admin_state() -> str:
         client = await connect([cluster.etcd])

@@ -17,7 +17,7 @@ import pytest
 
 from pdcluster.cli.up import LocalCluster, scrape_metrics
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 MODEL_NAME = "tiny-llama"
 PROMPTS = [
@@ -89,7 +89,7 @@ def total(metrics: dict[str, dict[str, float]], key: str) -> float:
 
 
 def wait_idle(cluster: LocalCluster, timeout: float = 20.0) -> dict[str, dict[str, float]]:
-    """Until every node runs nothing and has all its KV blocks free again (DESIGN §5 invariant)."""
+    """Until every node runs nothing and has all its KV blocks free again (docs/design.md §7 invariant)."""
     deadline = time.monotonic() + timeout
     while True:
         metrics = {**node_metrics(cluster, "prefill"), **node_metrics(cluster, "decode")}
@@ -116,7 +116,8 @@ def expected_text(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-async def run_request(api: openai.AsyncOpenAI, kind: str, prompt, stream: bool, max_tokens: int) -> tuple[str, str, int]:
+async def run_request(api: openai.AsyncOpenAI, kind: str, prompt, stream: bool,
+                      max_tokens: int) -> tuple[str, str, int]:
     """(text, finish_reason, completion tokens) of one greedy request."""
     common = dict(model=MODEL_NAME, max_tokens=max_tokens, temperature=0)
     if kind == "chat":
@@ -166,20 +167,24 @@ async def test_concurrent_requests_match_offline_and_go_through_prefill(cluster,
         assert finish == ("length" if len(want) == n else "stop")
 
     after = wait_idle(cluster)
-    delta = lambda key, kind: total({k: v for k, v in after.items() if k.startswith(kind)}, key) - total(
-        {k: v for k, v in before.items() if k.startswith(kind)}, key)
+    def delta(key: str, kind: str) -> float:
+        return (total({k: v for k, v in after.items() if k.startswith(kind)}, key)
+                - total({k: v for k, v in before.items() if k.startswith(kind)}, key))
+
     # Every request's KV was computed on a prefill node and moved by a KV transfer.
     assert delta('pdcluster_node_prefills_total{path="remote"}', "decode") == len(cases)
     assert delta('pdcluster_node_prefills_total{path="local"}', "decode") == 0
     assert delta('pdcluster_node_prefill_requests_total{outcome="ok"}', "prefill") == len(cases)
-    transfers = lambda metrics: sum(v for m in metrics.values() for k, v in m.items()
-                                    if k.startswith("pdcluster_kv_transfers_total{"))
+    def transfers(metrics: dict) -> float:
+        return sum(v for m in metrics.values() for k, v in m.items() if k.startswith("pdcluster_kv_transfers_total{"))
+
     assert transfers(after) - transfers(before) == len(cases)
     assert any(m.get('pdcluster_kv_transfer_bytes_total{backend="shm"}', 0) > 0 for m in after.values())
     assert total(after, "pdcluster_kv_transfer_failures_total") == 0
     # Both prefill nodes and both decode nodes did some of the work.
     for name, m in after.items():
-        key = "pdcluster_node_prefill_tokens_total" if name.startswith("prefill") else "pdcluster_node_decode_tokens_total"
+        kind = "prefill" if name.startswith("prefill") else "decode"
+        key = f"pdcluster_node_{kind}_tokens_total"
         assert m[key] > before[name].get(key, 0), f"{name} got no work"
 
 
@@ -212,7 +217,8 @@ async def test_client_disconnect_aborts_and_frees_blocks(cluster):
     aborted = total(after, 'pdcluster_node_requests_total{outcome="abort"}') - total(
         before, 'pdcluster_node_requests_total{outcome="abort"}')
     assert aborted == 1
-    assert total(after, "pdcluster_node_decode_tokens_total") - total(before, "pdcluster_node_decode_tokens_total") < 400
+    decoded = total(after, "pdcluster_node_decode_tokens_total") - total(before, "pdcluster_node_decode_tokens_total")
+    assert decoded < 400
 
 
 async def test_new_node_gets_traffic_then_drains_on_sigterm_without_failures(cluster, offline, tokenizer):
@@ -266,7 +272,8 @@ async def test_etcd_restart_keeps_in_flight_requests(cluster, offline, tokenizer
     health = cluster.wait_ready(2, 2, timeout=30)
     assert len(health["decode_nodes"]) == 2 and len(health["prefill_nodes"]) == 2
     # Nodes re-registered: a fresh etcd view has them all.
-    from pdcluster.control.membership import close_quietly, connect, list_nodes
+    from pdcluster.control.etcd_client import close_quietly, connect
+    from pdcluster.control.queries import list_nodes
 
     etcd = await connect([cluster.etcd])
     try:
@@ -280,7 +287,7 @@ async def test_etcd_restart_keeps_in_flight_requests(cluster, offline, tokenizer
 
 
 async def test_dead_prefill_node_falls_back_to_local_prefill(cluster, offline, tokenizer):
-    """DESIGN §5: a prefill node that hangs, then dies, costs latency, never a failed request."""
+    """docs/design.md §7: a prefill node that hangs, then dies, costs latency, never a failed request."""
     doomed = cluster.start_node("prefill", "prefill-doomed")
     cluster.wait_ready(0, 0, timeout=60, nodes={"prefill-doomed"})
     before = node_metrics(cluster, "decode")

@@ -1,16 +1,29 @@
-"""Config loading (defaults < file < env < overrides), validation, and the logging setup it drives."""
+"""Config loading (defaults < file < env < overrides), validation, the flags and config classes derived from
+the knob declarations (EngineArgs, RouterSettings, CommonConfig), and the logging setup the config drives."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
 import os
+import re
+from pathlib import Path
 
 import pytest
+import typer
+import yaml
 
-from pdcluster.control.config import NodeConfig, RouterConfig, load_config, parse_bytes, parse_endpoint
+from pdcluster.cli.config import KINDS, load_config
+from pdcluster.cli.main import app
+from pdcluster.control.config import CommonConfig, env_name, field_type, parse_bytes, parse_endpoint, settings
 from pdcluster.control.log import bind_request_id, setup_logging
+from pdcluster.engine.args import EngineArgs
+from pdcluster.node.config import NODE_DEFAULTS, NodeConfig, engine_args_from_config
+from pdcluster.router.settings import RouterConfig, RouterSettings
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 YAML = """
 cluster: prod
@@ -48,7 +61,8 @@ def write(tmp_path, name, text):
 def test_defaults():
     cfg = load_config("decode", overrides={"model": "/m"}, env={})
     assert isinstance(cfg, NodeConfig)
-    assert (cfg.role, cfg.cluster, cfg.etcd, cfg.block_size, cfg.kv_backend) == ("decode", "default", ["127.0.0.1:2379"], 16, "auto")
+    assert (cfg.role, cfg.cluster, cfg.etcd, cfg.block_size, cfg.kv_backend) == (
+        "decode", "default", ["127.0.0.1:2379"], 16, "auto")
     assert cfg.node_id.startswith("decode-") and str(os.getpid()) in cfg.node_id
     router = load_config("router", env={})
     assert isinstance(router, RouterConfig) and router.port == 8000 and router.log_format == "text"
@@ -112,7 +126,8 @@ def test_bad_values_are_named():
         ({"max_num_seqs": 2.5}, "max_num_seqs: invalid value"),
         ({"bogus": 1}, "unknown decode option 'bogus'"),
         ({"lease_ttl": 0}, "lease_ttl: must be >= 1"),
-        ({"role": "prefill"}, "contradicts"),
+        ({"role": "prefill"}, "unknown decode option 'role'"),  # the kind sets it
+        ({"kv_cache_memory": -1}, "kv_cache_memory: must be >= 1"),
         ({"enable_chunked_prefill": False, "max_model_len": 4096}, "needs enable_chunked_prefill"),
     ]
     for overrides, match in cases:
@@ -156,7 +171,8 @@ def test_json_logging_carries_node_and_request_ids():
         assert [entry["msg"] for entry in lines] == ["plain 1", "tagged", "from context"]
         assert {entry["node_id"] for entry in lines} == {"router-a"}
         assert "request_id" not in lines[0] and lines[1]["request_id"] == "r-1" and lines[2]["request_id"] == "r-2"
-        assert lines[2]["level"] == "WARNING" and lines[0]["logger"] == "pdcluster.test" and lines[0]["ts"].endswith("Z")
+        assert lines[2]["level"] == "WARNING" and lines[0]["logger"] == "pdcluster.test"
+        assert lines[0]["ts"].endswith("Z")
 
         text = io.StringIO()
         setup_logging("INFO", "text", node_id="n1", stream=text)
@@ -168,3 +184,137 @@ def test_json_logging_carries_node_and_request_ids():
         root = logging.getLogger()
         for handler in [h for h in root.handlers if getattr(h, "_pdcluster", False)]:
             root.removeHandler(handler)
+
+
+# ---- one declaration: config classes, env variables and flags derive from the knob fields
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _sample(f: dataclasses.Field):
+    """A valid value different from the field's default."""
+    base, _ = field_type(f)
+    default, choices = _default(f), f.metadata["choices"]
+    if choices:
+        return next(c for c in choices if c != default)
+    return {"bool": lambda: not default, "int": lambda: (default or 0) + 3, "float": lambda: default / 2,
+            "str": lambda: f"x-{f.name}", "list[str]": lambda: ["h1:1", "h2:2"]}[base]()
+
+
+def _text(value) -> str:
+    return ",".join(value) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _flags(kind: str, argv: list[str]) -> dict:
+    """What `pdcluster <kind> <argv>` passes to the loader (parsed by the generated click options)."""
+    command = typer.main.get_command(app).commands[kind]
+    params = dict(command.make_context(kind, argv).params)
+    params.pop("config")
+    return params
+
+
+# Knobs whose only valid value is the default: setting another must fail with this (and not "unknown key").
+ONLY_DEFAULT = {"tensor_parallel_size": "tensor parallelism is not implemented yet"}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.slow
+def test_every_declared_knob_is_settable_from_file_env_and_flags(kind, tmp_path):
+    fields = settings(KINDS[kind])
+    assert len(fields) > 20
+    for f in fields:
+        value = _sample(f)
+        base = {} if kind == "router" or f.name == "model" else {"model": "/m"}
+        flag = "--" + f.name.replace("_", "-")
+        argv = [f"{flag}" if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, _text(value)]
+        for model_flag in (["--model", base["model"]] if base else []):
+            argv.append(model_flag)
+        path = tmp_path / f"{f.name}.yaml"
+        path.write_text(yaml.safe_dump({**base, f.name: value}))
+        env = {env_name(k): _text(v) for k, v in {**base, f.name: value}.items()}
+        ways = {"file": lambda: load_config(kind, path, env={}),
+                "env": lambda: load_config(kind, env=env),
+                "flag": lambda: load_config(kind, overrides=_flags(kind, argv), env={})}
+        for way, load in ways.items():
+            if f.name in ONLY_DEFAULT:
+                with pytest.raises(ValueError, match=ONLY_DEFAULT[f.name]):
+                    load()
+            else:
+                assert getattr(load(), f.name) == value, f"{kind} {f.name} via {way}"
+
+
+def test_config_classes_derive_from_the_declarations():
+    engine = {f.name: f for f in settings(EngineArgs)}
+    node = {f.name: f for f in settings(NodeConfig)}
+    router = {f.name: f for f in settings(RouterConfig)}
+    common = {f.name for f in settings(CommonConfig)}
+    assert "kv_pool_factory" not in node and "kv_pool_tensor" not in node and "kv_pool_factory" not in engine
+    assert set(engine) | common | {"kv_backend", "control_port", "load_port", "kv_port"} == set(node)
+    for name, f in engine.items():  # same type, help and default (unless the node says otherwise)
+        assert (node[name].type, node[name].metadata["help"]) == (f.type, f.metadata["help"]) and f.metadata["help"]
+        assert _default(node[name]) == NODE_DEFAULTS.get(name, _default(f))
+    assert {f.name for f in dataclasses.fields(RouterSettings)} | common == set(router)
+    assert all(f.metadata["help"] for f in settings(RouterConfig) + settings(NodeConfig))
+    # A NodeConfig becomes EngineArgs knob for knob; the code-only fields come as extras.
+    cfg = load_config("prefill", overrides={"model": "/m", "max_num_seqs": 7, "kv_cache_memory": "1MiB",
+                                            "max_model_len": 0, "dtype": "bfloat16"}, env={})
+    args = engine_args_from_config(cfg, kv_pool_factory=print)
+    assert (args.max_num_seqs, args.kv_cache_memory, args.max_model_len, args.dtype) == (7, 1 << 20, None, "bfloat16")
+    assert args.kv_pool_factory is print and args.device == "auto"
+
+
+def test_router_docs_list_only_settable_settings():
+    """Every knob docs/router.md's settings section names is a RouterConfig key, and every key is named."""
+    text = (DOCS / "router.md").read_text()
+    section = text[text.index("## Settings"):]
+    section = section[:section.index("\n## ", 1)]
+    values = {choice for f in settings(RouterConfig) for choice in f.metadata["choices"]}
+    named = set(re.findall(r"`([a-z_]+)`", section)) - values
+    router = {f.name for f in settings(RouterConfig)}
+    assert {f.name for f in dataclasses.fields(RouterSettings)} <= named <= router, named - router
+
+
+def test_router_config_is_the_router_settings(tmp_path):
+    path = tmp_path / "r.toml"
+    path.write_text('stall_timeout = 5\nmax_retries = 1\n[router]\nmax_in_flight = 10\nload_stale_s = 0.5\n')
+    cfg = load_config("router", path, overrides={"max_migrations": 0}, env={"PDCLUSTER_MAX_N": "2"})
+    assert isinstance(cfg, RouterSettings)
+    assert (cfg.stall_timeout, cfg.max_retries, cfg.max_in_flight, cfg.load_stale_s, cfg.max_migrations, cfg.max_n) \
+        == (5.0, 1, 10, 0.5, 0, 2)
+    for key, value, match in [("stall_timeout", 0, "stall_timeout: must be > 0"),
+                              ("max_in_flight", 0, "max_in_flight: must be >= 1"),
+                              ("max_retries", -1, "max_retries: must be >= 0"),
+                              ("routing_policy", "random", "routing_policy: 'random' is not one of")]:
+        with pytest.raises(ValueError, match=match):
+            load_config("router", overrides={key: value}, env={})
+
+
+def test_dtype_auto_is_resolved_by_the_engine(tmp_path):
+    import torch
+
+    from pdcluster.engine.config import resolve_dtype
+
+    (tmp_path / "config.json").write_text('{"torch_dtype": "float16"}')
+    assert resolve_dtype("auto", torch.device("cpu"), str(tmp_path)) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda", 0), str(tmp_path)) == torch.float16
+    assert resolve_dtype("auto", torch.device("cuda", 0), str(tmp_path / "missing")) == torch.bfloat16
+    assert resolve_dtype("bf16", torch.device("cpu"), str(tmp_path)) == torch.bfloat16
+    assert EngineArgs(model="/m", dtype="auto").dtype == "auto"
+    with pytest.raises(ValueError, match="dtype"):
+        EngineArgs(model="/m", dtype="int8")
+
+
+def _doc_table_keys(text: str, heading: str) -> set[str]:
+    section = text[text.index(heading) + len(heading):]
+    section = section[:section.index("\n#")]
+    return set(re.findall(r"^\| `([a-z_]+)` \|", section, re.MULTILINE))
+
+
+def test_operations_docs_tables_list_exactly_the_declared_knobs():
+    text = (DOCS / "operations.md").read_text()
+    common = {f.name for f in settings(CommonConfig)}
+    assert _doc_table_keys(text, "### Every process") == common
+    assert _doc_table_keys(text, "### Prefill and decode nodes\n") == {f.name for f in settings(NodeConfig)} - common
+    assert _doc_table_keys(text, "### Router\n\n| key") | {"host", "node_id"} == {
+        f.name for f in dataclasses.fields(RouterSettings)}

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdcluster.control.config import load_config
+from pdcluster.cli.config import load_config
 from pdcluster.control.etcd_server import etcd_binary, free_port, is_reachable
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +37,8 @@ CLUSTER = "deploytest"
 DRAIN_TIMEOUT = 42
 NPU_DEVICES = [0, 1]
 
-pytestmark = pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(),
-                                reason="ansible-core not installed (pip install -e '.[dev]')")
+pytestmark = [pytest.mark.deploy, pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(),
+                                                     reason="ansible-core not installed (pip install -e '.[dev]')")]
 
 FAKE_SET_ENV = """\
 export ASCEND_TOOLKIT_HOME=/usr/local/Ascend/ascend-toolkit/latest

@@ -1,6 +1,7 @@
-"""Engine APIs and bad input: errors that name the problem, abort/hold/release, the decode-node
-hooks (reserve, add_prefilled_request), the per-layer hook, LLM and AsyncLLMEngine, the KV pool,
-the block allocator and the device layer."""
+"""Engine APIs and bad input: errors that name the problem, abort/hold/release, the P/D flow through
+the decode-node entry points (reserve_remote, add_prefilled), LLM and AsyncLLMEngine, the KV pool,
+the attention backends and the device layer. Scheduler, block manager, KV connector and block hash
+units are in test_engine_core.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from engine_helpers import GREEDY, hf_greedy, make_prompts, run_all
 
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import EngineArgs
-from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.kv_cache import KVCachePool
 
 # ---- loading errors ---------------------------------------------------------------------------
@@ -27,6 +27,7 @@ def _copy(src, dst):
     return str(dst)
 
 
+@pytest.mark.slow
 def test_missing_model_dir_config_and_weights_are_named(tmp_path, tiny_llama):
     from pdcluster.engine.llm_engine import LLMEngine
 
@@ -79,7 +80,8 @@ def test_bad_requests_raise_value_errors_naming_the_field(tiny_llama, make_engin
 
 def test_prompt_of_full_context_stops_by_length(tiny_llama, make_engine):
     engine = make_engine(tiny_llama, max_num_batched_tokens=128)
-    out = run_all(engine, [make_prompts([512], seed=3)[0]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    out = run_all(engine, [make_prompts([512], seed=3)[0]],
+                  SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(out[0]) == 1
 
 
@@ -87,18 +89,18 @@ def test_prompt_of_full_context_stops_by_length(tiny_llama, make_engine):
 
 def test_abort_frees_blocks_immediately_and_is_idempotent(tiny_llama, make_engine):
     engine = make_engine(tiny_llama)
-    start = engine.num_free_blocks
+    start = engine.get_stats().num_free_blocks
     engine.add_request("x", make_prompts([100])[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.add_request("y", make_prompts([20])[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
-    assert engine.num_free_blocks < start and engine.num_running == 2
+    assert engine.get_stats().num_free_blocks < start and engine.get_stats().num_running == 2
     engine.abort("x")
     engine.abort("x")
     engine.abort("unknown")
-    assert engine.num_running == 1
+    assert engine.get_stats().num_running == 1
     engine.abort("y")
-    assert engine.num_free_blocks == start and not engine.has_unfinished_requests()
+    assert engine.get_stats().num_free_blocks == start and not engine.has_unfinished_requests()
 
 
 def test_stop_rules_eos_stop_ids_min_tokens_max_tokens(tiny_llama, make_engine):
@@ -124,43 +126,38 @@ def test_stop_rules_eos_stop_ids_min_tokens_max_tokens(tiny_llama, make_engine):
 
 def test_hold_blocks_keeps_blocks_until_release_and_they_feed_the_prefix_cache(tiny_llama, make_engine):
     engine = make_engine(tiny_llama)
-    start = engine.num_free_blocks
+    start = engine.get_stats().num_free_blocks
     prompt = make_prompts([70], seed=40)[0]
     engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
     outs = engine.step()
     assert outs[0].finished and len(outs[0].block_ids) == 5
-    assert engine.num_free_blocks == start - 5 and not engine.has_unfinished_requests()
+    assert engine.get_stats().num_free_blocks == start - 5 and not engine.has_unfinished_requests()
     engine.release("p")
-    assert engine.num_free_blocks == start
+    assert engine.get_stats().num_free_blocks == start
     run_all(engine, [prompt + [7]], GREEDY)
-    assert engine.prefix_cache_hit_tokens == 64
+    assert engine.get_stats().prefix_cache_hit_tokens == 64
 
 
-def test_layer_done_callback_runs_once_per_layer(tiny_llama, make_engine):
-    engine = make_engine(tiny_llama)
-    engine.add_request("a", make_prompts([10])[0], SamplingParams(temperature=0, max_tokens=1))
-    seen = []
-    engine.step(layer_done_callback=seen.append)
-    assert seen == list(range(engine.model_config.num_layers))
-
-
+@pytest.mark.slow
 def test_prefill_engine_to_decode_engine_via_reserved_blocks(tiny_llama, make_engine):
-    """The P/D flow in one process: P prefills with hold_blocks, its blocks are copied into blocks D
-    reserved, D decodes from the first token. Output must equal a local run."""
+    """The P/D flow in one process: D reserves blocks for the prompt, P prefills with hold_blocks, its
+    blocks are copied into D's, D decodes from the first token. Output must equal a local run."""
     prefill = make_engine(tiny_llama)
     decode = make_engine(tiny_llama, num_gpu_blocks_override=64)
     prompts = make_prompts([1, 37, 100, 16], seed=50)
     want = hf_greedy(tiny_llama, prompts)
     first_outputs = []
     for i, p in enumerate(prompts):
-        blocks = decode.reserve_blocks(len(p), p)
-        assert blocks is not None and len(blocks) == -(-len(p) // 16)
+        blocks, cached = decode.reserve_remote(f"d{i}", p, GREEDY)
+        assert cached == 0 and len(blocks) == -(-len(p) // 16)
         prefill.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
         out = prefill.step()[0]
         for src, dst in zip(out.block_ids, blocks):
             decode.kv_pool.block(dst).copy_(prefill.kv_pool.block(src))
         prefill.release(f"p{i}")
-        first_outputs.append(decode.add_prefilled_request(f"d{i}", p, GREEDY, blocks, out.new_token_ids[0]))
+        if i == 0:
+            assert decode.get_stats().num_waiting_for_kv == 1 and not decode.step()   # never scheduled while waiting
+        first_outputs.append(decode.add_prefilled(f"d{i}", out.new_token_ids[0]))
     assert all(o.new_token_ids == [w[0]] for o, w in zip(first_outputs, want))
     got = {}
     while decode.has_unfinished_requests():
@@ -168,51 +165,61 @@ def test_prefill_engine_to_decode_engine_via_reserved_blocks(tiny_llama, make_en
             if o.finished:
                 got[o.request_id] = o.outputs[0].token_ids
     assert [got[f"d{i}"] for i in range(len(prompts))] == want
-    # The prefilled prompt blocks went into D's prefix cache.
-    blocks, cached = decode.reserve_blocks_with_prefix(len(prompts[2]), prompts[2])
-    assert cached == 96
-    decode.free_reserved(blocks)
+    # The prefilled prompt blocks went into D's prefix cache: a new reservation shares them.
+    blocks, cached = decode.reserve_remote("again", prompts[2], GREEDY)
+    assert cached == 96 and decode.get_stats().num_reserved_blocks == len(blocks) == 7
+    decode.abort("again")
 
 
-def test_reserve_blocks_limits_and_max_tokens_one(tiny_llama, make_engine):
+def test_reserve_remote_limits_lifecycle_and_errors(tiny_llama, make_engine):
     decode = make_engine(tiny_llama, num_gpu_blocks_override=8)
-    assert decode.reserve_blocks(16 * 9) is None
-    blocks = decode.reserve_blocks(20)
-    assert len(blocks) == 2 and decode.num_free_blocks == 6
-    out = decode.add_prefilled_request("one", [5] * 20, SamplingParams(max_tokens=1), blocks, 9)
+    assert len(decode.reserve_remote("x", [6] * 100, GREEDY)[0]) == 7
+    assert decode.reserve_remote("big", [5] * 20, GREEDY) is None
+    assert decode.get_stats().num_waiting_for_kv == 1      # a failed reservation leaves nothing behind
+    decode.abort("x")
+    blocks, _ = decode.reserve_remote("one", [5] * 20, SamplingParams(max_tokens=1))
+    stats = decode.get_stats()
+    assert len(blocks) == 2 and stats.num_free_blocks == 6 and stats.num_reserved_blocks == 2
+    assert not decode.has_unfinished_requests()            # waiting for KV is not schedulable work
+    out = decode.add_prefilled("one", 9)
     assert out.finished and out.finish_reason == "length" and out.outputs[0].token_ids == [9]
-    assert decode.num_free_blocks == 8 and not decode.has_unfinished_requests()
-    blocks = decode.reserve_blocks(3)
-    with pytest.raises(ValueError, match="block_ids"):
-        decode.add_prefilled_request("bad", [5] * 40, GREEDY, blocks, 9)
-    with pytest.raises(ValueError, match="block_ids"):
-        decode.add_prefilled_request("bad2", [5] * 3, GREEDY, [7], 9)
-    decode.free_reserved(blocks)
-    decode.free_reserved(blocks)     # double free is ignored
+    assert decode.get_stats().num_free_blocks == 8 and not decode.has_unfinished_requests()
+    with pytest.raises(ValueError, match="request_id"):
+        decode.add_prefilled("one", 9)                    # finished: no longer waiting
+    decode.reserve_remote("two", [5] * 3, GREEDY)
+    with pytest.raises(ValueError, match="request_id"):
+        decode.reserve_remote("two", [5] * 3, GREEDY)
+    with pytest.raises(ValueError, match="not waiting for remote KV"):
+        decode.add_prefilled("nope", 9)
+    decode.abort("two")
+    decode.abort("two")     # idempotent
+    assert decode.get_stats().num_reserved_blocks == 0
 
 
 def test_two_reservations_sharing_a_cached_prefix(tiny_llama, make_engine):
     engine = make_engine(tiny_llama, num_gpu_blocks_override=16)
     prompt = make_prompts([40], seed=70)[0]
     run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=1))      # caches 2 full blocks
-    a, cached_a = engine.reserve_blocks_with_prefix(len(prompt), prompt)
-    b, cached_b = engine.reserve_blocks_with_prefix(len(prompt), prompt)
+    a, cached_a = engine.reserve_remote("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    b, cached_b = engine.reserve_remote("b", prompt, GREEDY)
     assert cached_a == cached_b == 32 and a[:2] == b[:2] and a[2] != b[2]
-    out = engine.add_prefilled_request("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True), a, 5)
-    assert not out.finished
-    engine.free_reserved(b)
+    assert engine.get_stats().num_reserved_blocks == 6      # shared blocks count once per reservation
+    out = engine.add_prefilled("a", 5)
+    assert not out.finished and out.num_cached_tokens == 32
+    engine.abort("b")
     while engine.has_unfinished_requests():
         engine.step()
 
 
 # ---- offline and async APIs -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_llm_generate_text_and_ids_in_order(tiny_llama):
     from pdcluster.engine import LLM
     from pdcluster.engine import SamplingParams as SP
 
     llm = LLM(model=tiny_llama, kv_cache_memory=4 << 20, max_num_seqs=4)
-    start = llm.engine.num_free_blocks
+    start = llm.engine.get_stats().num_free_blocks
     prompts = ["Hello world!", make_prompts([50])[0], "The quick brown fox", make_prompts([3])[0], "A"]
     outs = llm.generate(prompts, sampling_params=SP(temperature=0, max_tokens=32))
     assert len(outs) == 5 and outs[0].prompt == "Hello world!"
@@ -223,9 +230,10 @@ def test_llm_generate_text_and_ids_in_order(tiny_llama):
     assert all(o.finish_reason in ("stop", "length") for o in outs)
     lp = llm.generate([[5, 6, 7]], SP(temperature=0, max_tokens=4, logprobs=3))[0]
     assert len(lp.outputs[0].logprobs) == 4 and len(lp.outputs[0].logprobs[0][1]) == 3
-    assert llm.engine.num_free_blocks == start
+    assert llm.engine.get_stats().num_free_blocks == start
 
 
+@pytest.mark.slow
 async def test_async_engine_concurrent_generate_stream_and_cancel(tiny_llama):
     from pdcluster.engine import AsyncEngineArgs, AsyncLLMEngine
 
@@ -233,7 +241,7 @@ async def test_async_engine_concurrent_generate_stream_and_cancel(tiny_llama):
         AsyncEngineArgs(model=tiny_llama, tensor_parallel_size=2)
     engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama, num_gpu_blocks_override=128))
     try:
-        start = engine.engine.num_free_blocks
+        start = engine.engine.get_stats().num_free_blocks
         prompts = make_prompts([5, 40, 90, 12], seed=60)
         results = await asyncio.wait_for(asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts)), 60)
         assert [r.outputs[0].token_ids for r in results] == hf_greedy(tiny_llama, prompts)
@@ -243,22 +251,49 @@ async def test_async_engine_concurrent_generate_stream_and_cancel(tiny_llama):
         assert streamed == results[1].outputs[0].token_ids
 
         async def consume_forever():
-            async for _ in engine.generate_stream(prompts[2], SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)):
+            forever = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+            async for _ in engine.generate_stream(prompts[2], forever):
                 pass
 
         task = asyncio.create_task(consume_forever())
         await asyncio.sleep(0.3)
-        assert engine.engine.num_free_blocks < start
+        assert engine.engine.get_stats().num_free_blocks < start
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(100):
-            if engine.engine.num_free_blocks == start and not engine.engine.has_unfinished_requests():
+            if engine.engine.get_stats().num_free_blocks == start and not engine.engine.has_unfinished_requests():
                 break
             await asyncio.sleep(0.05)
-        assert engine.engine.num_free_blocks == start
+        assert engine.engine.get_stats().num_free_blocks == start
         with pytest.raises(ValueError, match="empty"):
             await engine.generate([], GREEDY)
+    finally:
+        engine.shutdown()
+
+
+async def test_async_engine_fails_in_flight_requests_on_a_failed_step_and_keeps_serving(tiny_llama):
+    from pdcluster.engine import AsyncEngineArgs, AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_engine_args(AsyncEngineArgs(model=tiny_llama, num_gpu_blocks_override=64))
+    try:
+        start = engine.engine.get_stats().num_free_blocks
+        run = engine.engine.runner.run
+        calls = []
+
+        def broken_once(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("device lost")
+            return run(*args, **kwargs)
+
+        engine.engine.runner.run = broken_once
+        long = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+        with pytest.raises(RuntimeError, match="device lost"):
+            await asyncio.wait_for(asyncio.gather(engine.generate([5, 6, 7], long), engine.generate([8, 9], long)), 60)
+        assert engine.engine.get_stats().num_free_blocks == start and not engine.engine.scheduler.requests
+        out = await asyncio.wait_for(engine.generate([5, 6, 7], GREEDY), 60)
+        assert out.outputs[0].token_ids == hf_greedy(tiny_llama, [[5, 6, 7]])[0]
     finally:
         engine.shutdown()
 
@@ -275,56 +310,30 @@ def test_kv_pool_layout_views_and_external_tensor(tiny_llama, make_engine):
     assert k.data_ptr() == engine.kv_pool.tensor[0, 1, 0].data_ptr() and k.shape == (10, 8, 2, 16)
     ext = torch.zeros(shape)
     other = make_engine(tiny_llama, kv_pool_tensor=ext, block_size=8)
-    assert other.kv_pool.tensor is ext and other.num_total_blocks == 10
+    assert other.kv_pool.tensor is ext and other.get_stats().num_total_blocks == 10
     run_all(other, [make_prompts([20])[0]], SamplingParams(temperature=0, max_tokens=2))
     assert ext.abs().sum() > 0     # the engine wrote its KV into the caller's tensor
     made = []
-    third = make_engine(tiny_llama, kv_cache_memory=5 * KVCachePool.bytes_per_block(cfg, 8, torch.float32), block_size=8,
-                        num_gpu_blocks_override=None, kv_pool_factory=lambda s, d: made.append(s) or torch.zeros(s, dtype=d))
-    assert made == [KVCachePool.shape_for(cfg, 5, 8)] and third.num_total_blocks == 5
+    third = make_engine(tiny_llama, kv_cache_memory=5 * KVCachePool.bytes_per_block(cfg, 8, torch.float32),
+                        block_size=8, num_gpu_blocks_override=None,
+                        kv_pool_factory=lambda s, d: made.append(s) or torch.zeros(s, dtype=d))
+    assert made == [KVCachePool.shape_for(cfg, 5, 8)] and third.get_stats().num_total_blocks == 5
     with pytest.raises(ValueError, match="kv_pool_tensor"):
         KVCachePool(10, 2, 8, 2, 16, torch.float32, tensor=torch.zeros(3, 3))
 
 
-def test_block_manager_refcounts_prefix_hits_and_lru_eviction():
-    bm = BlockManager(num_blocks=4, block_size=2)
-    a = bm.allocate(2)
-    from pdcluster.engine.block_manager import chain_hash
-
-    h0 = chain_hash(None, [1, 2])
-    h1 = chain_hash(h0, [3, 4])
-    bm.register(a[0], h0, [1, 2])
-    bm.register(a[1], h1, [3, 4])
-    hits, hashes = bm.match_prefix([1, 2, 3, 4, 5], 2)
-    assert hits == a and hashes == [h0, h1]
-    assert bm.match_prefix([1, 2, 9, 9], 2)[0] == a[:1]
-    bm.acquire(hits)
-    bm.free(a)
-    assert bm.num_free_blocks == 2
-    bm.free(a)
-    assert bm.num_free_blocks == 4 and bm.match_prefix([1, 2, 3, 4], 2)[0] == a   # cached while free
-    fresh = bm.allocate(3)          # two never-used blocks, then evicts the LRU cached one: the tail block a[1]
-    assert a[1] in fresh and a[0] not in fresh
-    assert bm.match_prefix([1, 2, 3, 4], 2)[0] == a[:1]
-    assert bm.allocate(2) is None
-    with pytest.raises(RuntimeError):
-        bm.free([a[1], a[1]])
-
-
+@pytest.mark.slow
 def test_device_layer_defaults_to_cpu_without_importing_torch_npu():
-    code = ("import sys, engine.device as d; print(d.detect_device(), d.collective_backend('cpu'), "
-            "d.collective_backend('cuda'), d.collective_backend('npu'), d.resolve_device('cpu'), "
+    code = ("import sys, pdcluster.engine.device as d; print(d.detect_device(), d.resolve_device('cpu'), "
             "'torch_npu' in sys.modules)")
     env = dict(os.environ, PDCLUSTER_SKIP_NPU="1")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert out.stdout.split() == ["cpu", "gloo", "nccl", "hccl", "cpu", "False"], out.stderr
-    from pdcluster.engine.device import collective_backend, resolve_device
+    assert out.stdout.split() == ["cpu", "cpu", "False"], out.stderr
+    from pdcluster.engine.device import resolve_device
 
     with pytest.raises(ValueError, match="device"):
         resolve_device("tpu")
-    with pytest.raises(ValueError, match="device"):
-        collective_backend("tpu")
 
 
 def test_attention_backend_registry():
@@ -380,7 +389,7 @@ def test_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, b
     meta = AttentionMetadata(slot_blocks=padded[torch.arange(3), pos // bs], slot_offsets=pos % bs, num_decode_tokens=3,
                              decode_block_tables=padded, decode_context_lens=(pos + 1).to(torch.int32))
     out = backend.forward(torch.stack([q[-1] for q in qs]), torch.stack([k[-1] for k in ks]),
-                          torch.stack([v[-1] for v in vs]), k_cache, v_cache, meta, window)
+                          torch.stack([v[-1] for v in vs]), k_cache, v_cache, backend.prepare(meta), window)
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     for i in range(3):
         assert (out[i].float() - _dense_attention(qs[i], ks[i], vs[i], window)[-1]).abs().max().item() < tol
@@ -392,5 +401,6 @@ def test_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, b
         p = torch.arange(start, end)
         meta = AttentionMetadata(slot_blocks=blocks[p // bs], slot_offsets=p % bs,
                                  prefills=[PrefillChunk(0, end - start, start, blocks)])
-        out = backend.forward(qs[1][start:end], ks[1][start:end], vs[1][start:end], k_cache, v_cache, meta, window)
+        out = backend.forward(qs[1][start:end], ks[1][start:end], vs[1][start:end], k_cache, v_cache,
+                              backend.prepare(meta), window)
         assert (out.float() - ref[start:end]).abs().max().item() < tol

@@ -12,7 +12,10 @@ import torch
 from engine_helpers import hf_greedy, make_prompts, run_all, run_staggered
 
 from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.sequence import Sequence
 from pdcluster.engine.testing import load_hf_model, make_tiny_model
+
+pytestmark = pytest.mark.slow  # reference runs of transformers models
 
 
 @pytest.mark.parametrize("arch,backend", [("llama", None), ("qwen2", None), ("mistral", None), ("llama", "torch")])
@@ -26,15 +29,16 @@ def test_greedy_tokens_match_transformers_with_staggered_arrivals(arch, backend,
     want = hf_greedy(model, prompts)
     for i, p in enumerate(prompts):
         assert got[str(i)] == want[i], f"{arch} prompt {i} (len {len(p)})"
-    assert engine.num_decode_tokens > 0 and engine.num_prefill_tokens == sum(map(len, prompts))
+    assert engine.get_stats().num_decode_tokens > 0 and engine.get_stats().num_prefill_tokens == sum(map(len, prompts))
 
 
 def _engine_logits(engine, ids):
-    blocks = engine.block_manager.allocate(-(-len(ids) // engine.block_size))
+    seq = Sequence("logits", ids, SamplingParams(max_tokens=1), [], len(ids) + 1, 0)
+    assert engine.block_manager.allocate(seq, len(ids))
     try:
-        return engine.runner.prefill_logits(ids, blocks)
+        return engine.runner.prefill_logits(ids, seq.block_table)
     finally:
-        engine.block_manager.free(blocks)
+        engine.block_manager.free(seq)
 
 
 VARIANTS = {
@@ -129,8 +133,8 @@ def test_prefix_cache_hits_give_same_tokens(tiny_qwen2, make_engine):
     prompts = [shared + t for t in tails] + [shared]
     engine = make_engine(tiny_qwen2, block_size=16)
     got = [run_all(engine, [p], prefix=f"p{i}-")[0] for i, p in enumerate(prompts)]   # one after another
-    assert engine.prefix_cache_hit_tokens >= 4 * 64
-    assert engine.prefix_cache_query_tokens == sum(map(len, prompts))
+    assert engine.get_stats().prefix_cache_hit_tokens >= 4 * 64
+    assert engine.get_stats().prefix_cache_query_tokens == sum(map(len, prompts))
     assert got == hf_greedy(tiny_qwen2, prompts)
 
 
@@ -139,7 +143,7 @@ def test_prefix_caching_disabled_has_no_hits(tiny_llama, make_engine):
     engine = make_engine(tiny_llama, enable_prefix_caching=False)
     run_all(engine, [shared + [5]], prefix="a")
     run_all(engine, [shared + [6]], prefix="b")
-    assert engine.prefix_cache_hit_tokens == 0
+    assert engine.get_stats().prefix_cache_hit_tokens == 0
 
 
 def test_preemption_when_pool_is_small_gives_same_tokens(tiny_mistral, make_engine):
@@ -147,7 +151,7 @@ def test_preemption_when_pool_is_small_gives_same_tokens(tiny_mistral, make_engi
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     engine = make_engine(tiny_mistral, num_gpu_blocks_override=14, block_size=16, max_num_batched_tokens=256)
     got = run_all(engine, prompts, params)
-    assert engine.num_preemptions > 0
+    assert engine.get_stats().num_preemptions > 0
     from pdcluster.engine.testing import load_hf_model as _hf
 
     hf = _hf(tiny_mistral)
@@ -166,7 +170,8 @@ def test_seeded_sampling_reproducible_across_runs_and_batches(tiny_llama, make_e
     again = run_all(make_engine(tiny_llama, seed=99), [prompt], seeded)[0]
     others = make_prompts([5, 80, 200], seed=32)
     mixed_params = [SamplingParams(temperature=0.8, max_tokens=20), seeded,
-                    SamplingParams(temperature=0, max_tokens=30), SamplingParams(temperature=1.0, seed=7, max_tokens=10)]
+                    SamplingParams(temperature=0, max_tokens=30),
+                    SamplingParams(temperature=1.0, seed=7, max_tokens=10)]
     batched = run_all(make_engine(tiny_llama, max_num_batched_tokens=64), [others[0], prompt, others[1], others[2]],
                       mixed_params)[1]
     assert alone == again == batched
@@ -199,7 +204,7 @@ def test_sliding_window_models_match_transformers(arch, tmp_path, make_engine):
     want = hf_greedy(model, prompts, max_new_tokens=48)
     for i, p in enumerate(prompts):
         assert got[str(i)] == want[i], f"{arch} prompt {i} (len {len(p)})"
-    assert engine.prefix_cache_hit_tokens >= 192
+    assert engine.get_stats().prefix_cache_hit_tokens >= 192
     with torch.no_grad():
         hf_logits = load_hf_model(model)(torch.tensor([prompts[0]])).logits[0]
     assert (_engine_logits(engine, prompts[0]) - hf_logits).abs().max().item() <= 1e-3
@@ -217,6 +222,8 @@ def test_sliding_window_config_follows_transformers():
     assert ModelConfig.from_dict(qwen2).layer_windows == [0] * 4                 # use_sliding_window false
     assert ModelConfig.from_dict({**qwen2, "use_sliding_window": True}).layer_windows == [0, 0, 128, 128]
     types = ["sliding_attention", "full_attention"] * 2
-    assert ModelConfig.from_dict({**qwen2, "use_sliding_window": True, "layer_types": types}).layer_windows == [128, 0, 128, 0]
-    assert ModelConfig.from_dict(dict(base, architectures=["LlamaForCausalLM"], sliding_window=64)).layer_windows == [0] * 4
+    with_types = {**qwen2, "use_sliding_window": True, "layer_types": types}
+    assert ModelConfig.from_dict(with_types).layer_windows == [128, 0, 128, 0]
+    llama = dict(base, architectures=["LlamaForCausalLM"], sliding_window=64)
+    assert ModelConfig.from_dict(llama).layer_windows == [0] * 4
     assert ModelConfig.from_dict(mistral).max_model_len == 8192

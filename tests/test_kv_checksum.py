@@ -39,7 +39,8 @@ def test_fused_copy_copies_listed_blocks_and_sums_both_ends(monkeypatch, split):
     src_w, dst_w = words(byte_view(src_pool)), words(byte_view(dst_pool))
     src_ids, dst_ids = np.array([9, 2, 4], dtype=np.int64), np.array([1, 5, 0], dtype=np.int64)
     wpl = src_w.shape[2]
-    sent, landed = fused_copy.copy_blocks(dst_w.reshape(6, -1), src_w.reshape(10, -1), dst_ids, src_ids, 1 * wpl, 3 * wpl)
+    dst_blocks, src_blocks = dst_w.reshape(6, -1), src_w.reshape(10, -1)
+    sent, landed = fused_copy.copy_blocks(dst_blocks, src_blocks, dst_ids, src_ids, 1 * wpl, 3 * wpl)
     assert torch.equal(dst_pool[[1, 5, 0], 1:3], src_pool[[9, 2, 4], 1:3])
     assert not dst_pool[:, 0].any() and not dst_pool[[2, 3, 4]].any()  # other layers and blocks untouched
     want = block_sums(src_w, [(9, 1), (2, 1), (4, 1)], 1, 3)

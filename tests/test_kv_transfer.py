@@ -9,6 +9,7 @@ import signal
 import socket
 import struct
 import time
+from contextlib import nullcontext
 
 import msgpack
 import pytest
@@ -24,8 +25,11 @@ from pdcluster.kv_transfer import (
     TransferError,
     quant,
 )
-from pdcluster.kv_transfer.receiver import WIRE_VERSION
 from pdcluster.kv_transfer.shm import block_tags, token_tag
+from pdcluster.kv_transfer.tcp import WIRE_VERSION
+from pdcluster.kv_transfer.testing import corrupt_writes
+
+pytestmark = pytest.mark.slow  # real processes or sockets: each test takes most of a second
 
 SHAPE = (64, 2, 2, 16, 2, 32)  # blocks, layers, k/v, block_size, kv heads, head_dim
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,9 +45,13 @@ def source_pool(seed: int, dtype: str, shape=SHAPE) -> torch.Tensor:
 
 
 def _run_job(job: dict) -> list:
+    with corrupt_writes(job["backend"]) if job.get("corrupt") else nullcontext():
+        return _run_transfers(job)
+
+
+def _run_transfers(job: dict) -> list:
     pool = source_pool(job["seed"], job["dtype"], tuple(job.get("shape", SHAPE)))
     sender = KVSender(pool, backend=job["backend"], num_streams=job.get("streams", 1), quant=job.get("quant"))
-    sender.corrupt_writes_for_test = job.get("corrupt", False)
     out = []
     try:
         transfers = []
@@ -162,7 +170,10 @@ def test_layer_range_only_touches_those_layers(sender, receiver_pool):
     src = source_pool(3, "bfloat16")
     dst = rx.reserve("r", [10, 12])
     # only layer 1 is sent: the receiver completes when the sender says done, layer 0 stays zero
-    assert sender.run(backend="tcp", dtype="bfloat16", seed=3, dsts=[dst.to_dict()], srcs=[[4, 5]], layers=[(1, 2)])[0][0] == "ok"
+    assert (
+        sender.run(backend="tcp", dtype="bfloat16", seed=3, dsts=[dst.to_dict()], srcs=[[4, 5]], layers=[(1, 2)])[0][0]
+        == "ok"
+    )
     assert rx.wait_blocking("r", 10).ok
     assert torch.equal(pool[[10, 12], 1], src[[4, 5], 1])
     assert not pool[[10, 12], 0].view(torch.uint8).any()
@@ -175,7 +186,15 @@ def test_many_interleaved_requests(sender, receiver_pool, backend):
     n = 16
     dsts = [rx.reserve(f"r{i}", [63 - 2 * i, 62 - 2 * i]) for i in range(n)]
     srcs = [[i, 40 + i] for i in range(n)]
-    out = sender.run(backend=backend, dtype="float16", seed=11, streams=3, dsts=[d.to_dict() for d in dsts], srcs=srcs, layers=[(0, 1), (1, 2)])
+    out = sender.run(
+        backend=backend,
+        dtype="float16",
+        seed=11,
+        streams=3,
+        dsts=[d.to_dict() for d in dsts],
+        srcs=srcs,
+        layers=[(0, 1), (1, 2)],
+    )
     assert all(o[0] == "ok" for o in out), out
     for i, d in enumerate(dsts):
         assert rx.wait_blocking(f"r{i}", 10).ok
@@ -189,7 +208,9 @@ def test_async_wait_and_on_done(sender, receiver_pool):
 
     async def main():
         waiter = asyncio.create_task(rx.wait("x", 20))
-        out = await asyncio.to_thread(sender.run, backend="tcp", dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[7, 8, 9]], layers=[(0, 2)])
+        out = await asyncio.to_thread(
+            sender.run, backend="tcp", dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[7, 8, 9]], layers=[(0, 2)]
+        )
         return out, await waiter
 
     out, result = asyncio.run(main())
@@ -198,7 +219,10 @@ def test_async_wait_and_on_done(sender, receiver_pool):
     seen = []
     rx2, _ = receiver_pool(on_done=lambda rid, r: seen.append((rid, r.ok)))
     dst = rx2.reserve("y", [0])
-    assert sender.run(backend="shm", dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[0]], layers=[(0, 2)])[0][0] == "ok"
+    assert (
+        sender.run(backend="shm", dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[0]], layers=[(0, 2)])[0][0]
+        == "ok"
+    )
     deadline = time.time() + 5
     while not seen and time.time() < deadline:
         time.sleep(0.01)
@@ -208,11 +232,13 @@ def test_async_wait_and_on_done(sender, receiver_pool):
 # ---- integrity and safety ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp", "gloo"])
+@pytest.mark.parametrize("backend", ["shm", "tcp", "tcp+int8", "gloo"])
 def test_checksum_mismatch_is_an_error(sender, receiver_pool, backend):
     rx, _ = receiver_pool()
     dst = rx.reserve("c", [8, 9, 10])
-    out = sender.run(backend=backend, dtype="float32", seed=2, corrupt=True, dsts=[dst.to_dict()], srcs=[[1, 2, 3]], layers=[(0, 2)])
+    out = sender.run(
+        backend=backend, dtype="float32", seed=2, corrupt=True, dsts=[dst.to_dict()], srcs=[[1, 2, 3]], layers=[(0, 2)]
+    )
     assert out[0][0] == "error" and out[0][1] == "ChecksumError", out
     with pytest.raises(ChecksumError, match="checksum mismatch"):
         rx.wait_blocking("c", 10)
@@ -237,14 +263,21 @@ def test_rejected_writes_leave_pool_untouched(sender, receiver_pool, backend):
         _tampered(good, block_ids=[20, 99]),  # outside the pool
         _tampered(expired, deadline=time.time() + 30),  # the receiver's deadline counts, not the sender's copy
     ]
-    out = sender.run(backend=backend, dtype="float32", seed=5, dsts=jobs, srcs=[[1, 2], [1, 2], [1, 2], [3]], layers=[(0, 2)])
+    out = sender.run(
+        backend=backend, dtype="float32", seed=5, dsts=jobs, srcs=[[1, 2], [1, 2], [1, 2], [3]], layers=[(0, 2)]
+    )
     assert all(o[0] == "error" and o[1] == "TransferError" for o in out), out
     assert "bad token" in out[0][2] and "not reserved" in out[1][2] and "outside" in out[2][2]
     assert not pool.view(torch.uint8).any()
     with pytest.raises(TransferError, match="deadline"):
         rx.wait_blocking("old", 5)
     # the receiver keeps serving: the real destination still works
-    assert sender.run(backend=backend, dtype="float32", seed=5, dsts=[good.to_dict()], srcs=[[1, 2]], layers=[(0, 2)])[0][0] == "ok"
+    assert (
+        sender.run(backend=backend, dtype="float32", seed=5, dsts=[good.to_dict()], srcs=[[1, 2]], layers=[(0, 2)])[0][
+            0
+        ]
+        == "ok"
+    )
     assert rx.wait_blocking("good", 5).ok
     assert rx.num_active_reservations == 0
 
@@ -270,7 +303,10 @@ def test_done_without_accepted_open_does_not_bind_the_reservation(sender, receiv
         frame(s, {"op": "done", "rid": "b", "xid": 1, "token": dst.token, "writes": 1, "checksum": 0})
         assert "without an accepted open" in reply(s)["error"]
     time.sleep(0.2)  # that connection's close must not fail the reservation
-    assert sender.run(backend="tcp", dtype="float32", seed=2, dsts=[dst.to_dict()], srcs=[[0, 1]], layers=[(0, 2)])[0][0] == "ok"
+    assert (
+        sender.run(backend="tcp", dtype="float32", seed=2, dsts=[dst.to_dict()], srcs=[[0, 1]], layers=[(0, 2)])[0][0]
+        == "ok"
+    )
     assert rx.wait_blocking("b", 5).ok
 
 
@@ -295,6 +331,7 @@ def test_cancel_returns_blocks_and_rejects_later_writes(sender, receiver_pool, b
         rx.reserve("w", [5])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_sender_killed_mid_transfer(receiver_pool, backend):
     failed = []
@@ -302,7 +339,16 @@ def test_sender_killed_mid_transfer(receiver_pool, backend):
     dst = rx.reserve("k", list(range(0, 32)), timeout_s=60)
     proc = SenderProc()
     try:
-        proc.conn.send({"hang_after_first_layer": True, "backend": backend, "dtype": "float32", "seed": 1, "dsts": [dst.to_dict()], "srcs": [list(range(32))]})
+        proc.conn.send(
+            {
+                "hang_after_first_layer": True,
+                "backend": backend,
+                "dtype": "float32",
+                "seed": 1,
+                "dsts": [dst.to_dict()],
+                "srcs": [list(range(32))],
+            }
+        )
         assert proc.conn.poll(60) and proc.conn.recv() == "hanging"
         assert rx.num_active_reservations == 1
         killed_at = time.time()
@@ -322,8 +368,20 @@ def test_garbage_on_the_port_is_dropped(sender, receiver_pool):
     rx, pool = receiver_pool()
     host, port = rx.address.rsplit(":", 1)
     # 1) pure garbage, 2) a huge length prefix, 3) a valid hello followed by a frame that is not a map
-    hello = msgpack.packb({"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "evil", "layout": KVLayout.of(pool).to_dict()})
-    payloads = [os.urandom(4096), struct.pack("!I", 2**31) + b"x" * 64, struct.pack("!I", len(hello)) + hello + struct.pack("!I", 3) + msgpack.packb(7) + b"zz"]
+    hello = msgpack.packb(
+        {
+            "op": "hello",
+            "version": WIRE_VERSION,
+            "backend": "tcp",
+            "session": "evil",
+            "layout": KVLayout.of(pool).to_dict(),
+        }
+    )
+    payloads = [
+        os.urandom(4096),
+        struct.pack("!I", 2**31) + b"x" * 64,
+        struct.pack("!I", len(hello)) + hello + struct.pack("!I", 3) + msgpack.packb(7) + b"zz",
+    ]
     for data in payloads:
         with socket.create_connection((host, int(port)), timeout=5) as s:
             s.sendall(data)
@@ -335,7 +393,10 @@ def test_garbage_on_the_port_is_dropped(sender, receiver_pool):
                 pass
     assert not pool.view(torch.uint8).any()
     dst = rx.reserve("after", [1])
-    assert sender.run(backend="tcp", dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[0]], layers=[(0, 2)])[0][0] == "ok"
+    assert (
+        sender.run(backend="tcp", dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[0]], layers=[(0, 2)])[0][0]
+        == "ok"
+    )
     assert rx.wait_blocking("after", 5).ok
 
 
@@ -348,7 +409,9 @@ def test_layout_mismatch_fails_clearly(sender, receiver_pool):
     host, port = rx.address.rsplit(":", 1)
     theirs = {**KVLayout.of(pool).to_dict(), "head_dim": 64}
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        body = msgpack.packb({"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "s", "layout": theirs})
+        body = msgpack.packb(
+            {"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "s", "layout": theirs}
+        )
         s.sendall(struct.pack("!I", len(body)) + body)
         (n,) = struct.unpack("!I", s.recv(4))
         reply = msgpack.unpackb(s.recv(n))
@@ -366,11 +429,21 @@ def test_int8_wire_compression_round_trip(sender, receiver_pool):
     rx, pool = receiver_pool("bfloat16")
     src = source_pool(9, "bfloat16")
     dst = rx.reserve("q", [2, 3, 50])
-    out = sender.run(backend="tcp", dtype="bfloat16", seed=9, quant="int8", dsts=[dst.to_dict()], srcs=[[5, 6, 7]], layers=[(0, 1), (1, 2)])
+    out = sender.run(
+        backend="tcp",
+        dtype="bfloat16",
+        seed=9,
+        quant="int8",
+        dsts=[dst.to_dict()],
+        srcs=[[5, 6, 7]],
+        layers=[(0, 1), (1, 2)],
+    )
     assert out[0][0] == "ok", out
     res = rx.wait_blocking("q", 10)
     lay = KVLayout.of(pool)
-    assert res.nbytes == quant.wire_bytes(3, 2, lay.block_size, lay.num_kv_heads, lay.head_dim) < 3 * lay.block_bytes * 0.6
+    assert (
+        res.nbytes == quant.wire_bytes(3, 2, lay.block_size, lay.num_kv_heads, lay.head_dim) < 3 * lay.block_bytes * 0.6
+    )
     got, want = pool[[2, 3, 50]].float(), src[[5, 6, 7]].float()
     assert not torch.equal(got, want)  # lossy, but within half a quantisation step per (block, layer, k|v, head)
     step = want.abs().amax(dim=(3, 5), keepdim=True) / 127
@@ -387,4 +460,3 @@ def test_destination_is_a_msgpack_dict(receiver_pool):
     with pytest.raises(ValueError, match="block_ids"):
         rx.reserve("e", [64])
     rx.cancel("d")
-

@@ -10,41 +10,20 @@ import signal
 import sys
 import textwrap
 import urllib.request
-import uuid
 
 import pytest
 
 from pdcluster.control import metrics
+from pdcluster.control.cluster_view import ClusterView
+from pdcluster.control.etcd_client import EtcdUnavailable, close_quietly, connect
 from pdcluster.control.etcd_server import EtcdServer, free_port, is_reachable
-from pdcluster.control.membership import (
-    AdminState,
-    Capacity,
-    ClusterView,
-    EtcdUnavailable,
-    NodeInfo,
-    Registration,
-    admin_key,
-    close_quietly,
-    connect,
-    get_admin_state,
-    list_admin_states,
-    list_nodes,
-    node_key,
-    set_admin_state,
-)
+from pdcluster.control.queries import get_admin_state, list_admin_states, list_nodes, set_admin_state
+from pdcluster.control.records import AdminState, Capacity, NodeInfo, admin_key, node_key
+from pdcluster.control.registration import Registration
+
+pytestmark = pytest.mark.slow  # real processes or sockets: each test takes most of a second
 
 TTL = 2  # etcd's minimum lease TTL with default election settings
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    with EtcdServer() as server:
-        yield server
-
-
-@pytest.fixture
-def cluster() -> str:
-    return f"t-{uuid.uuid4().hex[:8]}"
 
 
 async def eventually(predicate, timeout: float) -> bool:
@@ -108,7 +87,8 @@ async def test_two_nodes_seen_then_deregister_removes_at_once(etcd, cluster):
 
 KILLED_NODE = textwrap.dedent("""
     import asyncio, sys, time
-    from pdcluster.control.membership import NodeInfo, Registration
+    from pdcluster.control.records import NodeInfo
+    from pdcluster.control.registration import Registration
     async def main():
         reg = Registration([sys.argv[1]], sys.argv[2], NodeInfo("victim", "prefill"), ttl=int(sys.argv[3]))
         assert await reg.start(wait=20)
@@ -228,6 +208,7 @@ def test_node_info_json_round_trip_and_validation():
     assert AdminState.from_json(AdminState("draining", "x", 1.0).to_json()) == AdminState("draining", "x", 1.0)
 
 
+@pytest.mark.slow
 async def test_etcd_outage_keeps_view_and_reregisters_after_restart(tmp_path, cluster):
     server = EtcdServer(data_dir=tmp_path / "etcd")
     registry = metrics.new_registry()

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdcluster.cli.up import LocalCluster
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 MODEL_NAME = "tiny-llama"
 
@@ -102,13 +102,19 @@ async def test_every_process_exports_parseable_metrics_that_move_under_load(clus
         > value(d0, "pdcluster_node_decode_tokens", "pdcluster_node_decode_tokens_total")
     total = value(d1, "pdcluster_node_kv_blocks_total")
     assert total > 0 and value(d1, "pdcluster_node_kv_blocks_free") <= total
+    assert value(d1, "pdcluster_node_kv_blocks_reserved") == 0   # every request done: no block waits for KV
+    assert value(d1, "pdcluster_node_engine_steps", "pdcluster_node_engine_steps_total") \
+        > value(d0, "pdcluster_node_engine_steps", "pdcluster_node_engine_steps_total")
     for gauge in ("pdcluster_node_running_requests", "pdcluster_node_waiting_requests",
                   "pdcluster_node_kv_blocks_used", "pdcluster_node_prefix_cache_hit_ratio"):
         assert d1[gauge]["type"] == "gauge", gauge
     assert "pdcluster_node_preemptions" in d1
 
     p0, p1 = before["prefill"], after["prefill"]
-    sent = lambda f: value(f, "pdcluster_kv_transfer_bytes", "pdcluster_kv_transfer_bytes_total", backend="shm")
+
+    def sent(f):
+        return value(f, "pdcluster_kv_transfer_bytes", "pdcluster_kv_transfer_bytes_total", backend="shm")
+
     assert sent(p1) > sent(p0)
     # What the prefill node sent is what the decode node received.
     assert sent(p1) - sent(p0) == value(d1, "pdcluster_kv_received_bytes", "pdcluster_kv_received_bytes_total") \

@@ -40,6 +40,14 @@ def _case(dtype, batch, hq, hkv, d, bs, seed=0, max_len=200):
     return q, k_cache, v_cache, tables, lens
 
 
+def _decode_meta(tables, lens):
+    """The torch backend's per-step metadata for a decode-only step over these rows."""
+    none = torch.zeros(0, dtype=torch.long)
+    return TorchAttentionBackend.prepare(AttentionMetadata(
+        slot_blocks=none, slot_offsets=none, num_decode_tokens=len(lens), decode_block_tables=tables,
+        decode_context_lens=lens.to(torch.int32)))
+
+
 def _dense(q, k_cache, v_cache, tables, lens, bs, window=0):
     """fp32 attention of each row over its first `len` tokens (the last `window` of them if window > 0),
     built token by token from the table."""
@@ -100,8 +108,7 @@ def test_cpu_backend_decode_equals_torch_backend(dtype, window):
     q, k_cache, v_cache, tables, lens = _case(dtype, batch, hq, hkv, d, bs, seed=3)
     order = torch.argsort(lens)   # sorted by context length, as the runner orders decode rows (grouped gathers)
     q, tables, lens = q[order], tables[order], lens[order]
-    meta = AttentionMetadata(slot_blocks=torch.zeros(0, dtype=torch.long), slot_offsets=torch.zeros(0, dtype=torch.long),
-                             num_decode_tokens=batch, decode_block_tables=tables, decode_context_lens=lens.to(torch.int32))
+    meta = _decode_meta(tables, lens)
     assert len(meta.decode_groups(bs)) > 1
     cpu = CpuAttentionBackend(hq, hkv, d)._decode(q, k_cache, v_cache, meta, window)
     ref = TorchAttentionBackend(hq, hkv, d)._decode(q, k_cache, v_cache, meta, window)
@@ -110,6 +117,7 @@ def test_cpu_backend_decode_equals_torch_backend(dtype, window):
 
 
 @needs_compiler
+@pytest.mark.slow
 def test_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("PDCLUSTER_CACHE_DIR", str(tmp_path))
     native.load.cache_clear()
@@ -134,9 +142,7 @@ def test_without_a_compiler_the_cpu_backend_uses_the_torch_path(monkeypatch, tmp
         assert native.decode_kernel(torch.float32) is None
         assert "torch path" in caplog.text
         q, k_cache, v_cache, tables, lens = _case(torch.float32, 3, 4, 2, 16, 4, max_len=30)
-        meta = AttentionMetadata(slot_blocks=torch.zeros(0, dtype=torch.long), slot_offsets=torch.zeros(0, dtype=torch.long),
-                                 num_decode_tokens=3, decode_block_tables=tables, decode_context_lens=lens.to(torch.int32))
-        out = backend._decode(q, k_cache, v_cache, meta)
+        out = backend._decode(q, k_cache, v_cache, _decode_meta(tables, lens))
         assert (out - _dense(q, k_cache, v_cache, tables, lens, 4)).abs().max().item() < 1e-5
     finally:
         native.load.cache_clear()

@@ -11,11 +11,13 @@ import openai
 import pytest
 from router_fakes import FakeDecodeNode, ServerThread, make_tokenizer_dir, wait_until
 
-from pdcluster.control.membership import NodeInfo
+from pdcluster.control.records import NodeInfo
 from pdcluster.router.app import create_app
 from pdcluster.router.cluster import StaticNodeSource
 from pdcluster.router.settings import RouterSettings
 from pdcluster.router.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow  # real processes or sockets: each test takes most of a second
 
 MAX_LEN = 256
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog."
@@ -24,7 +26,7 @@ SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog."
 class Env:
     def __init__(self, model_dir: str) -> None:
         self.tokenizer = Tokenizer(model_dir)
-        self.script = self.tokenizer.hf.encode(SCRIPT_TEXT, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        self.script = self.tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         self.source = StaticNodeSource()
         settings = RouterSettings(model=model_dir, served_model_name="tiny", routing_policy="least_loaded",
                                   stall_timeout=1.0, request_timeout=30.0, retry_after=2.0, max_retries=3,
@@ -189,7 +191,7 @@ def test_stop_strings_split_across_tokens(env: Env) -> None:
 
 def test_multibyte_utf8_streamed_one_byte_token_at_a_time(env: Env) -> None:
     text = "héllo 日本 🦊!"
-    script = env.tokenizer.hf.encode(text, add_special_tokens=False) + [env.tokenizer.eos_token_id]
+    script = env.tokenizer.encode(text, add_special_tokens=False) + [env.tokenizer.eos_token_id]
     env.use_nodes("ok", script=script)
     chunks = list(env.client.completions.create(model="tiny", prompt="Hello", max_tokens=60, stream=True))
     pieces = [c.choices[0].text for c in chunks]
@@ -342,9 +344,9 @@ def test_long_prompts_go_through_a_prefill_node_short_ones_do_not(env: Env) -> N
 def test_api_key_and_router_config(env: Env) -> None:
     from fastapi.testclient import TestClient
 
-    from pdcluster.control.config import RouterConfig
+    from pdcluster.router.settings import RouterConfig
 
-    config = RouterConfig(model=env.tokenizer.hf.name_or_path, api_key="sekret", served_model_name="tiny")
+    config = RouterConfig(model=env.tokenizer.path, api_key="sekret", served_model_name="tiny")
     settings = RouterSettings.from_config(config)
     assert settings.routing_policy == "prefix_aware" and settings.api_key == "sekret"
     with TestClient(create_app(settings, StaticNodeSource())) as client:

@@ -9,8 +9,8 @@ import pytest
 from router_fakes import make_tokenizer_dir
 
 from pdcluster.control.block_hash import block_hashes, cached_prefix_blocks
-from pdcluster.control.membership import NodeInfo
 from pdcluster.control.protocol import Load
+from pdcluster.control.records import NodeInfo
 from pdcluster.control.transport import LoadPublisher
 from pdcluster.router.cluster import NodeState, RouterCluster, StaticNodeSource
 from pdcluster.router.policies import (
@@ -36,7 +36,7 @@ def tokenizer(tmp_path_factory) -> Tokenizer:
 @pytest.mark.parametrize("text", ["héllo 日本語 wörld!", "The quick brown fox", "emoji 🦊 fox", "ünïcödé"])
 def test_incremental_detokenizer_one_token_at_a_time(tokenizer: Tokenizer, text: str) -> None:
     prompt = tokenizer.encode("Hello world")
-    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
     det = IncrementalDetokenizer(tokenizer, prompt)
     deltas = [det.add([i]) for i in ids]
     deltas.append(det.flush())
@@ -44,29 +44,29 @@ def test_incremental_detokenizer_one_token_at_a_time(tokenizer: Tokenizer, text:
     assert "".join(deltas) == " " + text
     # multi-byte characters really were split across byte tokens in this tokenizer
     if any(ord(c) > 127 for c in text):
-        assert any(tokenizer.hf.convert_ids_to_tokens(i).startswith("<0x") for i in ids)
+        assert any(tokenizer.tk.id_to_token(i).startswith("<0x") for i in ids)
         assert "" in deltas[:-1]
 
 
 def test_incremental_detokenizer_uneven_chunks_and_special_tokens(tokenizer: Tokenizer) -> None:
     text = "日本 quick 🦊"
-    ids = tokenizer.hf.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
     det = IncrementalDetokenizer(tokenizer, [1])
     out = "".join(det.add(ids[i:i + 3]) for i in range(0, len(ids), 3)) + det.flush()
     assert out == text  # no prompt text before it: no leading space; EOS skipped
 
 
 def test_detokenizer_flush_releases_a_dangling_byte(tokenizer: Tokenizer) -> None:
-    ids = tokenizer.hf.encode("日", add_special_tokens=False)
+    ids = tokenizer.encode("日", add_special_tokens=False)
     det = IncrementalDetokenizer(tokenizer, [1])
     assert det.add(ids[:2]) == ""
     assert det.flush() == "\ufffd"  # an invalid sequence at the very end still comes out
 
 
 def test_token_text_and_bytes(tokenizer: Tokenizer) -> None:
-    ids = tokenizer.hf.encode("The é", add_special_tokens=False)
+    ids = tokenizer.encode("The é", add_special_tokens=False)
     assert tokenizer.token_text(ids[0]) == " The"
-    byte_ids = [i for i in ids if tokenizer.hf.convert_ids_to_tokens(i).startswith("<0x")]
+    byte_ids = [i for i in ids if tokenizer.tk.id_to_token(i).startswith("<0x")]
     assert [tokenizer.token_bytes(i) for i in byte_ids] == [[0xC3], [0xA9]]
     assert tokenizer.token_bytes(ids[0]) == list(b" The")
 
@@ -194,6 +194,7 @@ def test_make_policy_and_settings() -> None:
 
 # -- cluster view
 
+@pytest.mark.slow
 async def test_cluster_skips_cordoned_nodes_and_reads_load_reports() -> None:
     pub = LoadPublisher()
     load_addr = pub.bind("tcp://127.0.0.1:0")
@@ -230,7 +231,7 @@ async def test_cluster_skips_cordoned_nodes_and_reads_load_reports() -> None:
 
 
 def test_config_accepts_exactly_the_router_policies():
-    from pdcluster.control.config import ROUTING_POLICIES
     from pdcluster.router.policies import POLICIES
+    from pdcluster.router.settings import ROUTING_POLICIES
 
     assert set(ROUTING_POLICIES) == set(POLICIES)

@@ -38,6 +38,7 @@ def test_top_k_1_and_tiny_temperature_are_greedy():
     assert sampler(logits, [req(temperature=1e-6) for _ in range(64)])[0] == expected
 
 
+@pytest.mark.slow
 def test_temperature_to_zero_limit():
     logits = torch.tensor([1.0, 3.0, 2.5, -1.0, 2.9])
     sampler = Sampler(seed=2)
@@ -151,6 +152,7 @@ def chi_square(tokens: list[int], probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.slow
 def test_empirical_distribution_matches_softmax(temperature):
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
     n = 20000
@@ -160,6 +162,7 @@ def test_empirical_distribution_matches_softmax(temperature):
     assert stat < 40, stat          # 7 degrees of freedom: p(stat > 24.3) = 0.001
 
 
+@pytest.mark.slow
 def test_empirical_distribution_with_top_k_renormalises():
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, 1.5, 0.2])
     n = 20000
@@ -185,7 +188,8 @@ def test_penalties_exact_values():
 def test_penalties_change_the_greedy_choice_and_logprobs_stay_raw():
     logits = torch.tensor([[0.0, 1.0, 5.0, 4.5]])
     plain = Sampler()(logits, [req(prompt=[0], output=[2], temperature=0.0)])[0]
-    tokens, logprobs = Sampler()(logits, [req(prompt=[0], output=[2], temperature=0.0, repetition_penalty=1.5, logprobs=1)])
+    penalised = req(prompt=[0], output=[2], temperature=0.0, repetition_penalty=1.5, logprobs=1)
+    tokens, logprobs = Sampler()(logits, [penalised])
     assert plain == [2] and tokens == [3]
     raw = torch.log_softmax(logits[0], -1)
     assert logprobs[0][0] == pytest.approx(raw[3].item(), abs=1e-6)

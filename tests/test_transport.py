@@ -127,6 +127,7 @@ async def test_dealer_to_dead_address_never_blocks() -> None:
         client.close()
 
 
+@pytest.mark.slow
 async def test_load_reports_arrive_over_pub_sub() -> None:
     pub = LoadPublisher()
     addr = pub.bind("tcp://127.0.0.1:0")

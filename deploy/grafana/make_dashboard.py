@@ -20,8 +20,8 @@ def quantiles(metric: str, by: str = "") -> list[tuple[str, str]]:
     """p50 and p99 of a histogram, optionally one series per `by` label."""
     group = f"le{', ' + by if by else ''}"
     suffix = f" {{{{{by}}}}}" if by else ""
-    return [(f'histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{SEL}[{RATE}])))', f"p{int(q * 100)}{suffix}")
-            for q in (0.5, 0.99)]
+    return [(f"histogram_quantile({q}, sum by ({group}) (rate({metric}_bucket{SEL}[{RATE}])))",
+             f"p{int(q * 100)}{suffix}") for q in (0.5, 0.99)]
 
 
 class Layout:
@@ -107,17 +107,20 @@ def build() -> dict:
     d.panel("KV cache usage",
             [(f"sum by (instance) (pdcluster_node_kv_blocks_used{SEL}) / clamp_min(sum by (instance) "
               f"(pdcluster_node_kv_blocks_used{SEL} + pdcluster_node_kv_blocks_free{SEL}), 1)", "{{instance}}")],
-            unit="percentunit", description="Used / (used + free) blocks; prefix-cached blocks nobody references count as free.")
+            unit="percentunit",
+            description="Used / (used + free) blocks; prefix-cached blocks nobody references count as free.")
     d.panel("KV blocks reserved for incoming transfers",
             [(f"sum by (instance) (pdcluster_node_kv_blocks_reserved{SEL})", "{{instance}}")],
             description="Decode-side blocks held for prefills in flight; stuck high = transfers not completing.")
     d.panel("Engine tokens / s by node",
             [(f"sum by (instance) (rate(pdcluster_node_prefill_tokens_total{SEL}[{RATE}]))", "prefill {{instance}}"),
              (f"sum by (instance) (rate(pdcluster_node_decode_tokens_total{SEL}[{RATE}]))", "decode {{instance}}")])
-    d.panel("Prefix cache hit ratio", [(f"avg by (instance) (pdcluster_node_prefix_cache_hit_ratio{SEL})", "{{instance}}")],
-            unit="percentunit")
-    d.panel("Preemptions / s", [(f"sum by (instance) (rate(pdcluster_node_preemptions_total{SEL}[{RATE}]))", "{{instance}}")],
-            unit="ops", description="Sequences evicted to free KV blocks; sustained preemption means the decode pool is too small.")
+    d.panel("Prefix cache hit ratio",
+            [(f"avg by (instance) (pdcluster_node_prefix_cache_hit_ratio{SEL})", "{{instance}}")], unit="percentunit")
+    d.panel("Preemptions / s",
+            [(f"sum by (instance) (rate(pdcluster_node_preemptions_total{SEL}[{RATE}]))", "{{instance}}")],
+            unit="ops",
+            description="Sequences evicted to free KV blocks; sustained preemption means the decode pool is too small.")
     d.panel("etcd connected", [(f"min by (instance) (pdcluster_etcd_connected{SEL})", "{{instance}}")],
             description="1 while the process's etcd session works; 0 = serving on the last known membership.")
     d.panel("Device memory used", [(f"sum by (instance) (pdcluster_device_memory_used_bytes{SEL})", "{{instance}}")],
@@ -132,7 +135,8 @@ def build() -> dict:
     d.panel("Transfer time p50 / p99 by backend", quantiles("pdcluster_kv_transfer_seconds", by="backend"), unit="s")
     d.panel("Transfer failures / s by backend",
             [(f"sum by (backend) (rate(pdcluster_kv_transfer_failures_total{SEL}[{RATE}]))", "{{backend}}")],
-            unit="ops", description="Timeouts, checksum mismatches, dead peers; each failure is re-prefilled, never served.")
+            unit="ops",
+            description="Timeouts, checksum mismatches, dead peers; each failure is re-prefilled, never served.")
 
     return {
         "title": "pdcluster",

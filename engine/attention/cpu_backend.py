@@ -1,7 +1,8 @@
-"""CPU attention: decode through the native paged kernel (paged_decode.c), the rest as the torch path.
+"""CPU attention: decode through the native paged kernel (paged_decode.c), the rest as the torch path
+(whose per-step metadata it reuses for those fallbacks).
 
 The kernel reads each sequence's K/V straight from the pool blocks, once; the torch path gathers them
-into a buffer and reads them again in SDPA (~3-5x slower for bf16 decode batches, docs/engine.md).
+into a buffer and reads them again in SDPA (slower: measured in docs/benchmarks.md).
 Without a C compiler the kernel is missing and this backend behaves exactly as the torch one.
 """
 
@@ -10,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from pdcluster.engine.attention import native
-from pdcluster.engine.attention.metadata import AttentionMetadata
-from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
+from pdcluster.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -20,10 +20,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         self.scale = head_dim ** -0.5
-        native.load()   # build now (once per machine, ~2 s), not in the first decode step
+        native.load()   # build now (once per machine), not in the first decode step
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+                meta: TorchAttentionMetadata, window: int = 0) -> torch.Tensor:
         kernel = native.decode_kernel(q.dtype) if q.device.type == "cpu" else None
         if kernel is None or meta.decode_context_lens is None:
             return super()._decode(q, k_cache, v_cache, meta, window)

@@ -27,7 +27,8 @@ SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 _SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, ctypes.c_int]
+_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
+             ctypes.c_int]
 
 
 def cache_dir() -> Path:
@@ -106,7 +107,8 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if q.stride()[1:] != (d, 1) or k_cache.stride()[1:] != (hkv * d, d, 1) or v_cache.stride() != k_cache.stride():
         raise ValueError("paged_decode: q heads and cache blocks must be contiguous")
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or hq % hkv or k_cache.shape[3] != d:
-        raise ValueError(f"paged_decode: q {tuple(q.shape)} {q.dtype} does not fit the cache {tuple(k_cache.shape)} {k_cache.dtype}")
+        raise ValueError(f"paged_decode: q {tuple(q.shape)} {q.dtype} does not fit the cache "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}")
     tables = block_tables.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty((b, hq, d), dtype=q.dtype)

@@ -6,10 +6,64 @@ New K/V go into their slots with one indexed write per layer; reads go through b
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
 
 from pdcluster.engine.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The step's metadata plus what the torch decode path derives from it: built on first use (the CPU
+    backend's native kernel needs neither), once per step, and shared by the layers."""
+    _bias: dict = field(default_factory=dict, repr=False)
+    _groups: list[tuple[int, int, int]] | None = field(default=None, repr=False)
+
+    def decode_bias(self, block_size: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
+        """[B, 1, 1, max_blocks * block_size] additive mask, 0 or -inf: hides each row's padding and, with
+        window > 0, the positions more than `window` back."""
+        key = (dtype, window)
+        if key not in self._bias:
+            device = self.decode_block_tables.device
+            lens = self.decode_context_lens.to(device, torch.long)[:, None]
+            cols = torch.arange(self.decode_block_tables.shape[1] * block_size, device=device)[None, :]
+            hidden = cols >= lens
+            if window:
+                hidden |= cols < lens - window
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+            self._bias[key] = bias[:, None, None, :]
+        return self._bias[key]
+
+    def decode_groups(self, block_size: int) -> list[tuple[int, int, int]]:
+        """(start row, end row, blocks) groups of decode rows, so a group attends over only `blocks` blocks
+        instead of the batch maximum (`decode_groups` below); one group over every column if the rows are
+        not sorted by context length."""
+        if self._groups is None:
+            blocks = ((self.decode_context_lens.long() + block_size - 1) // block_size).tolist()
+            ordered = all(a <= b for a, b in zip(blocks, blocks[1:]))
+            whole = [(0, len(blocks), self.decode_block_tables.shape[1])]
+            self._groups = decode_groups(blocks) if ordered else whole
+        return self._groups
+
+
+def decode_groups(blocks: list[int], overhead: int = 8) -> list[tuple[int, int, int]]:
+    """Split decode rows (sorted by ascending block count) into (start, end, blocks) groups minimising the
+    padded attention work: a group costs rows * its largest block count, plus `overhead` (in row-blocks)
+    for its extra gather and attention calls. Exact O(n^2) dynamic program; n is at most max_num_seqs."""
+    n = len(blocks)
+    best = [0] + [0] * n
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        widest = blocks[i - 1]
+        best[i], cut[i] = min((best[j] + (i - j) * widest + overhead, j) for j in range(i))
+    groups = []
+    i = n
+    while i > 0:
+        groups.append((cut[i], i, blocks[i - 1]))
+        i = cut[i]
+    return groups[::-1]
 
 
 class TorchAttentionBackend:
@@ -25,13 +79,19 @@ class TorchAttentionBackend:
         self._k_buf: torch.Tensor | None = None
         self._v_buf: torch.Tensor | None = None
 
+    @staticmethod
+    def prepare(meta: AttentionMetadata) -> TorchAttentionMetadata:
+        """This backend's metadata for one step; the runner calls it once per step, the layers get the result."""
+        return TorchAttentionMetadata(meta.slot_blocks, meta.slot_offsets, meta.num_decode_tokens,
+                                      meta.decode_block_tables, meta.decode_context_lens, meta.prefills)
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> None:
         k_cache[meta.slot_blocks, meta.slot_offsets] = k
         v_cache[meta.slot_blocks, meta.slot_offsets] = v
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: TorchAttentionMetadata, window: int = 0) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: per-layer views [num_blocks, block_size, Hkv, D];
         window > 0: sliding-window attention, each token sees its last `window` positions (itself included).
         Returns [T, Hq, D]."""
@@ -43,8 +103,8 @@ class TorchAttentionBackend:
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, window)
         for chunk in meta.prefills:
-            # [1, H, n, D]: with a batch dimension CPU SDPA takes its flash kernel (~2x faster than the math
-            # path 3-D inputs get, and no [H, n, n] score matrix).
+            # [1, H, n, D]: with a batch dimension CPU SDPA takes its flash kernel (faster than the math path
+            # 3-D inputs get, measured in docs/benchmarks.md, and no [H, n, n] score matrix).
             qs = q[chunk.start:chunk.end].transpose(0, 1)[None]
             n = chunk.end - chunk.start
             if chunk.num_cached == 0:
@@ -67,12 +127,12 @@ class TorchAttentionBackend:
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+                meta: TorchAttentionMetadata, window: int = 0) -> torch.Tensor:
         tables, bs = meta.decode_block_tables, k_cache.shape[1]
         bias = meta.decode_bias(bs, q.dtype, window)
         groups = meta.decode_groups(bs)
         # On CPU, gather and attend a few rows at a time: gathered K/V small enough to still be in cache when
-        # SDPA reads it. One 128-row x 512-token call goes back to DRAM and runs ~2x slower.
+        # SDPA reads it; one call over a big batch goes back to DRAM (measured in docs/benchmarks.md).
         chunked = k_cache.device.type == "cpu"
         block_bytes = 2 * k_cache[0].numel() * k_cache.element_size()   # K and V of one block
         calls = []   # (start row, end row, blocks)

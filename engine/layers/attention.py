@@ -17,14 +17,17 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window   # > 0: sliding-window attention over the last `window` positions
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias)
+        self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
+                                     bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden_size)
         self.backend = backend
         # Per-layer strided views into the engine's KV pool, bound by the model runner.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """`meta`: the attention backend's per-step metadata (`backend.prepare`), shared by the layers."""
         qkv = self.qkv_proj(x)
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
         qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)  # q and k in one go

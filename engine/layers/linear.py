@@ -12,9 +12,9 @@ from torch import nn
 
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in oneDNN's blocked layout for CPU matmuls; None on other devices (their own BLAS).
-    F.linear re-packs the weight on every call. 1024x2816 here: bf16 2.6x faster at 1 row, 1.2x at 64
-    (bitwise equal); fp32 1.3x at 1 row, 3-5x at 4-64 rows, 1.35x at 1024 (same values to ~1e-4:
-    another summation order). `torch.backends.mkldnn.enabled = False` turns it off."""
+    F.linear re-packs the weight on every call, so the packed matmul is faster (measured in
+    docs/benchmarks.md); bf16 results are bitwise equal, fp32 ones equal up to summation order.
+    `torch.backends.mkldnn.enabled = False` turns it off."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
             or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
         return None
@@ -27,7 +27,8 @@ def release(weight: nn.Parameter) -> None:
     weight.data = weight.data.new_empty(0)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -42,7 +43,8 @@ class Linear(nn.Module):
         self.packable = True                       # False when the owner multiplies by slices of the weight
 
     def prepack(self) -> None:
-        """Once the weights are loaded: multiply by a oneDNN-packed copy where that is faster, in place of the weight."""
+        """Once the weights are loaded: multiply by a oneDNN-packed copy where that is faster, in place of the
+        weight."""
         self.packed = onednn_packed(self.weight) if self.packable else None
         if self.packed is not None:
             release(self.weight)

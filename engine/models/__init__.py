@@ -23,4 +23,5 @@ def get_model_class(architecture: str):
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        raise ValueError(f"architecture {architecture!r} is not supported; supported: {', '.join(MODEL_REGISTRY)}") from None
+        supported = ", ".join(MODEL_REGISTRY)
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: {supported}") from None

@@ -1,6 +1,6 @@
 """The operator's commands: status, nodes, cordon / uncordon, drain, health.
 
-Membership and admin state come from etcd (DESIGN §4); live numbers come from each node's Load
+Membership and admin state come from etcd (docs/design.md §6); live numbers come from each node's Load
 publisher, subscribed to for a moment (at most `LOAD_WAIT` s) — nothing here writes load into etcd.
 Every function talks to etcd with timeouts and raises `AdminError` with a message meant for the
 operator; `pdcluster.cli.main` turns that into a non-zero exit.
@@ -15,18 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.control.config import parse_endpoint
-from pdcluster.control.membership import (
-    AdminState,
-    EtcdUnavailable,
-    NodeInfo,
-    close_quietly,
-    connect,
-    get_admin_state,
-    list_admin_states,
-    list_nodes,
-    set_admin_state,
-)
+from pdcluster.control.etcd_client import EtcdUnavailable, close_quietly, connect
 from pdcluster.control.protocol import Load
+from pdcluster.control.queries import get_admin_state, list_admin_states, list_nodes, set_admin_state
+from pdcluster.control.records import AdminState, NodeInfo
 from pdcluster.control.transport import LoadSubscriber
 
 ENV_ETCD = "PDCLUSTER_ETCD"
@@ -141,12 +133,11 @@ async def collect_loads(nodes: list[NodeInfo], timeout: float = LOAD_WAIT) -> di
     return loads
 
 
-async def cluster_status(endpoints: list[str], cluster: str, load_wait: float = LOAD_WAIT,
-                         role: str | None = None) -> list[NodeStatus]:
+async def cluster_status(endpoints: list[str], cluster: str, load_wait: float = LOAD_WAIT) -> list[NodeStatus]:
     """Every registered node (routers too, if they register) with its admin state and live Load."""
     client = await _client(endpoints)
     try:
-        nodes = await list_nodes(client, cluster, role)
+        nodes = await list_nodes(client, cluster)
         admin = await list_admin_states(client, cluster)
     finally:
         await close_quietly(client)
@@ -277,6 +268,7 @@ def nodes_table(nodes: list[NodeStatus], cluster: str):
         table.add_column(name, no_wrap=True)
     for n in nodes:
         i = n.info
-        table.add_row(i.role, i.node_id, n.admin.state, i.host, i.control_addr or "-",
-                      f"{i.kv_addr} ({','.join(i.kv_backends)})" if i.kv_addr else "-", i.metrics_addr or "-", i.version)
+        kv = f"{i.kv_addr} ({','.join(i.kv_backends)})" if i.kv_addr else "-"
+        table.add_row(i.role, i.node_id, n.admin.state, i.host, i.control_addr or "-", kv, i.metrics_addr or "-",
+                      i.version)
     return table

@@ -36,7 +36,8 @@ def run_demo(model: str | None = None, num_prompts: int = 8, max_tokens: int = 3
         outputs = llm.generate(prompts, params)
         elapsed = time.perf_counter() - start
         for out in outputs:
-            print(f"{out.prompt!r} -> {out.outputs[0].text!r} ({len(out.outputs[0].token_ids)} tokens, {out.finish_reason})")
+            completion = out.outputs[0]
+            print(f"{out.prompt!r} -> {completion.text!r} ({len(completion.token_ids)} tokens, {out.finish_reason})")
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
         print(f"throughput: {generated} tokens in {elapsed:.2f} s = {generated / elapsed:.1f} tokens/s "
               f"({len(outputs)} prompts, device {llm.engine.device}, dtype {llm.engine.dtype})")

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
+
+from pdcluster.cli.config import KINDS, flag_parameters, load_config, with_flags
+from pdcluster.control.config import CommonConfig
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="pdcluster: disaggregated prefill/decode LLM serving.")
@@ -23,11 +27,11 @@ def demo(
     run_demo(model=model or None, num_prompts=prompts, max_tokens=max_tokens)
 
 
-# ---- cluster services: thin wiring; the logic lives in pdcluster.cli.up, router.server and the node packages
+# ---- cluster services: thin wiring; the logic lives in pdcluster.cli.up, router.server and the node packages.
+# Their flags are derived from the config declarations (pdcluster.cli.config): every config key is a flag.
 
 def _load(kind: str, config: Path | None, overrides: dict[str, Any]):
     """Validated config (file < env < flags) with logging set up; exits 2 with the reason when invalid."""
-    from pdcluster.control.config import load_config
     from pdcluster.control.log import setup_logging
 
     try:
@@ -39,60 +43,21 @@ def _load(kind: str, config: Path | None, overrides: dict[str, Any]):
     return cfg
 
 
-_CONFIG = typer.Option(None, "--config", help="YAML or TOML config file (env PDCLUSTER_<KEY> and flags override it)")
-_ETCD = typer.Option(None, "--etcd", help="etcd endpoints host:port[,host:port...]")
+_CONFIG = typer.Option(None, "--config", help="YAML or TOML config file; every flag below is also a config key "
+                       "and an env variable PDCLUSTER_<KEY> (file < env < flag)")
 
 
-@app.command()
-def router(
-    config: Optional[Path] = _CONFIG,
-    etcd: Optional[str] = _ETCD,
-    cluster: Optional[str] = typer.Option(None, help="cluster name (etcd namespace)"),
-    model: Optional[str] = typer.Option(None, help="model dir (tokenizer, chat template, config.json)"),
-    host: Optional[str] = typer.Option(None, help="HTTP bind address"),
-    port: Optional[int] = typer.Option(None, help="HTTP port (default 8000)"),
-    node_id: Optional[str] = typer.Option(None, help="router id"),
-    routing_policy: Optional[str] = typer.Option(None, help="round_robin | least_loaded | prefix_aware"),
-    disagg_min_tokens: Optional[int] = typer.Option(
-        None, help="prompts shorter than this (and not cached on a prefill node) are prefilled on the decode node"),
-    api_key: Optional[str] = typer.Option(None, help="require 'Authorization: Bearer <key>'"),
-    log_level: Optional[str] = typer.Option(None), log_format: Optional[str] = typer.Option(None),
-) -> None:
+def _router(config: Optional[Path] = _CONFIG, **flags: Any) -> None:
     """Run the OpenAI-compatible router against the nodes registered in etcd."""
-    cfg = _load("router", config, dict(etcd=etcd, cluster=cluster, model=model, host=host, port=port,
-                                       node_id=node_id, routing_policy=routing_policy,
-                                       disagg_min_tokens=disagg_min_tokens, api_key=api_key,
-                                       log_level=log_level, log_format=log_format))
+    cfg = _load("router", config, flags)
     from pdcluster.router.server import run_router
 
     run_router(cfg)
 
 
 def _node_command(kind: str):
-    def command(
-        config: Optional[Path] = _CONFIG,
-        etcd: Optional[str] = _ETCD,
-        cluster: Optional[str] = typer.Option(None, help="cluster name (etcd namespace)"),
-        model: Optional[str] = typer.Option(None, help="HF checkpoint directory"),
-        node_id: Optional[str] = typer.Option(None), host: Optional[str] = typer.Option(None),
-        dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 | float16"),
-        device: Optional[str] = typer.Option(None, help="auto | npu | cuda | cpu"),
-        block_size: Optional[int] = typer.Option(None), max_num_seqs: Optional[int] = typer.Option(None),
-        max_num_batched_tokens: Optional[int] = typer.Option(None),
-        max_model_len: Optional[int] = typer.Option(None),
-        gpu_memory_utilization: Optional[float] = typer.Option(None),
-        kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool bytes, e.g. 2GiB"),
-        enable_chunked_prefill: Optional[bool] = typer.Option(None, "--enable-chunked-prefill/--no-enable-chunked-prefill"),
-        enable_prefix_caching: Optional[bool] = typer.Option(None, "--enable-prefix-caching/--no-enable-prefix-caching"),
-        tensor_parallel_size: Optional[int] = typer.Option(None, help="must be 1 (not implemented yet)"),
-        kv_backend: Optional[str] = typer.Option(None, help="auto | shm | tcp | gloo | nccl | hccl"),
-        control_port: Optional[int] = typer.Option(None), load_port: Optional[int] = typer.Option(None),
-        kv_port: Optional[int] = typer.Option(None), metrics_port: Optional[int] = typer.Option(None),
-        lease_ttl: Optional[int] = typer.Option(None, help="etcd lease TTL in seconds"),
-        log_level: Optional[str] = typer.Option(None), log_format: Optional[str] = typer.Option(None),
-    ) -> None:
-        overrides = {k: v for k, v in locals().items() if k not in ("config", "kind")}
-        cfg = _load(kind, config, overrides)
+    def command(config: Optional[Path] = _CONFIG, **flags: Any) -> None:
+        cfg = _load(kind, config, flags)
         if kind == "prefill":
             from pdcluster.prefill_node.node import main as serve
         else:
@@ -100,51 +65,54 @@ def _node_command(kind: str):
         raise typer.Exit(serve(cfg))
 
     command.__doc__ = f"Run a {kind} node (registers in etcd; SIGTERM drains)."
-    return command
+    return with_flags(command, flag_parameters(KINDS[kind]))
 
 
+app.command("router")(with_flags(_router, flag_parameters(KINDS["router"])))
 app.command("prefill")(_node_command("prefill"))
 app.command("decode")(_node_command("decode"))
 
+# `up` passes these on to every node / to the router; the rest of those configs it fills in itself.
+_UP_OWN = {f.name for f in dataclasses.fields(CommonConfig)} | {"model", "port", "control_port", "load_port",
+                                                                "kv_port"}
+_UP_NODE = flag_parameters(KINDS["decode"], skip=_UP_OWN)
+_UP_ROUTER = flag_parameters(KINDS["router"], skip=_UP_OWN)
 
-@app.command()
-def up(
+
+def _up(
     model: Optional[str] = typer.Option(None, help="HF model dir; default: a tiny random Llama in a temp dir"),
     prefill: int = typer.Option(1, help="number of prefill nodes"),
     decode: int = typer.Option(1, help="number of decode nodes"),
     port: int = typer.Option(8000, help="router HTTP port (0 = any free port)"),
     etcd: Optional[str] = typer.Option(None, help="etcd host:port; started locally when unreachable"),
     cluster: str = typer.Option("default", help="cluster name"),
-    dtype: Optional[str] = typer.Option(None), device: Optional[str] = typer.Option(None),
-    block_size: Optional[int] = typer.Option(None), max_num_seqs: Optional[int] = typer.Option(None),
-    max_num_batched_tokens: Optional[int] = typer.Option(None),
-    kv_cache_memory: Optional[str] = typer.Option(None, help="KV pool bytes per node, e.g. 1GiB"),
-    kv_backend: Optional[str] = typer.Option(None),
-    tensor_parallel_size: Optional[int] = typer.Option(None, help="must be 1 (not implemented yet)"),
-    disagg_min_tokens: Optional[int] = typer.Option(None, help="router: shorter prompts prefill on the decode node"),
-    routing_policy: Optional[str] = typer.Option(None),
     log_level: str = typer.Option("INFO"),
     smoke: bool = typer.Option(False, "--smoke", help="send one request through the cluster, then stop"),
+    **knobs: Any,
 ) -> None:
-    """Start a local cluster: etcd (if none is reachable), one router, N prefill and M decode nodes."""
+    """Start a local cluster: etcd (if none is reachable), one router, N prefill and M decode nodes.
+    Engine and node flags apply to every node, router flags to the router (max-model-len to both)."""
     from pdcluster.cli.up import LocalCluster, run_up
     from pdcluster.control.log import setup_logging
 
     setup_logging(log_level, "text", "up")
-    if tensor_parallel_size not in (None, 1):
-        typer.echo("pdcluster up: tensor_parallel_size > 1: tensor parallelism is not implemented yet", err=True)
+    node_config = {p.name: knobs[p.name] for p in _UP_NODE if knobs[p.name] is not None}
+    router_config = {p.name: knobs[p.name] for p in _UP_ROUTER if knobs[p.name] is not None}
+    if smoke:
+        router_config.setdefault("disagg_min_tokens", 0)  # the smoke request takes the disaggregated path
+    try:  # refuse bad values here, before any process starts
+        load_config("decode", overrides={**node_config, "model": model or "/model"}, env={})
+        load_config("router", overrides=router_config, env={})
+    except ValueError as exc:
+        typer.echo(f"pdcluster up: {exc}", err=True)
         raise typer.Exit(2)
-    knobs = dict(dtype=dtype, device=device, block_size=block_size, max_num_seqs=max_num_seqs,
-                 max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv_cache_memory,
-                 kv_backend=kv_backend)
-    if smoke and disagg_min_tokens is None:
-        disagg_min_tokens = 0  # the smoke request takes the disaggregated path
-    router_knobs = dict(disagg_min_tokens=disagg_min_tokens, routing_policy=routing_policy)
     cluster_ = LocalCluster(model=model, num_prefill=prefill, num_decode=decode, port=port,
                             etcd=etcd or "127.0.0.1:2379", cluster=cluster, log_level=log_level,
-                            node_config={k: v for k, v in knobs.items() if v is not None},
-                            router_config={k: v for k, v in router_knobs.items() if v is not None})
+                            node_config=node_config, router_config=router_config)
     raise typer.Exit(run_up(cluster_, smoke=smoke))
+
+
+app.command("up")(with_flags(_up, _UP_NODE + [p for p in _UP_ROUTER if p.name not in {q.name for q in _UP_NODE}]))
 
 
 # ---- admin commands: the logic lives in pdcluster.cli.admin

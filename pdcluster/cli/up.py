@@ -182,14 +182,6 @@ class LocalCluster:
     def service(self, node_id: str) -> Service:
         return next(s for s in self.services if s.node_id == node_id)
 
-    def stop_service(self, node_id: str, timeout: float = STOP_TIMEOUT) -> int:
-        """SIGTERM one service (a node drains) and wait for it; returns its exit code."""
-        s = self.service(node_id)
-        s.proc.send_signal(signal.SIGTERM)
-        code = _wait_or_kill(s.proc, timeout)
-        self.services.remove(s)
-        return code
-
     # ---- readiness -------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any] | None:

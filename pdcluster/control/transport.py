@@ -113,10 +113,8 @@ class RouterServer:
 class DealerClient:
     """One connection to one peer's RouterServer."""
 
-    def __init__(self, hwm: int = DEFAULT_HWM, identity: bytes | None = None) -> None:
+    def __init__(self, hwm: int = DEFAULT_HWM) -> None:
         self._sock = _socket(zmq.DEALER, hwm)
-        if identity is not None:
-            self._sock.setsockopt(zmq.IDENTITY, identity)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)

@@ -1,162 +1,33 @@
-"""What the prefill and decode services share: the engine thread and the service shell.
+"""What the prefill and decode services share: the service shell around the engine thread.
 
-`EngineThread` drives `LLMEngine.step()` on one thread; the asyncio side hands it work as callables
-(`call` / `post`) and receives each step's outputs through `loop.call_soon_threadsafe`.
-`NodeService` is the shell around it: control socket (zmq ROUTER), Load publisher, /metrics, etcd
-registration + cluster view, and drain on SIGTERM / SIGINT / admin state "draining".
+The engine runs on a `pdcluster.engine.engine_thread.EngineThread` (stopping on a failed step); the asyncio
+side hands it work as callables (`call` / `post`). `NodeService` is the shell around it: control socket
+(zmq ROUTER), Load publisher, /metrics, etcd registration + cluster view, and drain on SIGTERM / SIGINT /
+admin state "draining".
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
-import queue
 import signal
-import threading
 import time
-from typing import Any, Callable
+from typing import Callable
 
-from pdcluster.control.config import NodeConfig
-from pdcluster.control.membership import Capacity, ClusterView, NodeInfo, Registration
+from pdcluster.control.cluster_view import ClusterView
 from pdcluster.control.metrics import DeviceCollector, new_registry, serve_metrics
 from pdcluster.control.protocol import Load, Message, Ping, Pong
+from pdcluster.control.records import Capacity, NodeInfo
+from pdcluster.control.registration import Registration
 from pdcluster.control.transport import LoadPublisher, RouterServer
+from pdcluster.engine.engine_thread import EngineThread
+from pdcluster.engine.stats import EngineStats
+from pdcluster.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
 
 LOAD_INTERVAL = 0.5  # seconds between Load reports (~2 Hz)
-
-
-def engine_args_from_config(config: NodeConfig, **extra: Any):
-    """`engine.config.EngineArgs` for a node config (vLLM knob names map one to one)."""
-    from pdcluster.engine.args import EngineArgs
-
-    return EngineArgs(
-        model=config.model,
-        dtype=_resolve_dtype(config),
-        device=None if config.device == "auto" else config.device,
-        block_size=config.block_size,
-        kv_cache_memory=config.kv_cache_memory or None,
-        gpu_memory_utilization=config.gpu_memory_utilization,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_model_len=config.max_model_len or None,
-        enable_chunked_prefill=config.enable_chunked_prefill,
-        enable_prefix_caching=config.enable_prefix_caching,
-        tensor_parallel_size=config.tensor_parallel_size,
-        **extra,
-    )
-
-
-def _resolve_dtype(config: NodeConfig) -> str:
-    """dtype "auto": float32 on CPU (bf16 GEMV is slow there), else the checkpoint's dtype."""
-    if config.dtype != "auto":
-        return config.dtype
-    if config.device in ("auto", "cpu"):
-        from pdcluster.engine.device import resolve_device
-
-        if config.device == "cpu" or resolve_device(None).type == "cpu":
-            return "float32"
-    try:
-        with open(os.path.join(config.model, "config.json")) as f:
-            cfg = json.load(f)
-        return str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    except (OSError, ValueError):
-        return "bfloat16"
-
-
-class EngineThread:
-    """One thread owns the engine. Between steps it runs the callables queued by `call`/`post`;
-    without work it idles on that queue. Step outputs go to `on_outputs` on the event loop."""
-
-    def __init__(self, engine: Any, loop: asyncio.AbstractEventLoop, on_outputs: Callable[[list], None],
-                 after_step: Callable[[list], None] | None = None,
-                 layer_done_callback: Callable[[int], None] | None = None, idle_wait: float = 0.05) -> None:
-        self.engine = engine
-        self.loop = loop
-        self.on_outputs = on_outputs
-        self.after_step = after_step  # runs on the engine thread, before outputs reach the loop
-        self.layer_done_callback = layer_done_callback
-        self.idle_wait = idle_wait
-        self.stats: dict[str, int] = dict(engine.get_stats())
-        self.error: BaseException | None = None
-        self._queue: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def call(self, fn: Callable[[Any], Any]) -> asyncio.Future:
-        """Run `fn(engine)` on the engine thread; the future (of the loop) gets its result."""
-        fut = self.loop.create_future()
-        self._queue.put((fn, fut))
-        return fut
-
-    def post(self, fn: Callable[[Any], Any]) -> None:
-        """Run `fn(engine)` on the engine thread; errors are logged. Callable from any thread."""
-        self._queue.put((fn, None))
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._queue.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        import torch
-
-        torch.set_grad_enabled(False)
-        engine = self.engine
-        while not self._stop.is_set():
-            self._run_commands(block=not engine.has_unfinished_requests())
-            if self._stop.is_set() or not engine.has_unfinished_requests():
-                self.stats = dict(engine.get_stats())
-                continue
-            try:
-                outputs = engine.step(self.layer_done_callback)
-                if self.after_step is not None:
-                    self.after_step(outputs)
-            except Exception as exc:  # a broken step would repeat forever: stop serving
-                log.exception("engine step failed; the node stops taking requests")
-                self.error = exc
-                self.loop.call_soon_threadsafe(self.on_outputs, exc)
-                return
-            self.stats = dict(engine.get_stats())
-            if outputs:
-                self.loop.call_soon_threadsafe(self.on_outputs, outputs)
-
-    def _run_commands(self, block: bool) -> None:
-        try:
-            item = self._queue.get(timeout=self.idle_wait) if block else self._queue.get_nowait()
-        except queue.Empty:
-            return
-        while item is not None:
-            fn, fut = item
-            try:
-                result = fn(self.engine)
-            except Exception as exc:
-                if fut is None:
-                    log.exception("engine command failed")
-                else:
-                    self.loop.call_soon_threadsafe(_resolve, fut, None, exc)
-            else:
-                if fut is not None:
-                    self.loop.call_soon_threadsafe(_resolve, fut, result, None)
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return
-
-
-def _resolve(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.done():
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
+MAX_REPORTED_HASHES = 4096  # prefix-cache block hashes per Load report (most recently used ones)
 
 
 class NodeService:
@@ -185,11 +56,28 @@ class NodeService:
         self._draining_task: asyncio.Task | None = None
         self._rate_marks: dict[str, tuple[float, float]] = {}
         self.kv_bytes_moved = 0  # KV bytes sent (prefill) or received (decode), for Load.transfer_gbps
+        self._cached_hashes: list[int] = []
         self.registry.register(EngineStatsCollector(self.role, self.engine_stats))
         self.registry.register(DeviceCollector(self.engine_device))
 
-    def engine_stats(self) -> dict[str, int]:
-        return self.engine_thread.stats if self.engine_thread is not None else {}
+    def engine_stats(self) -> EngineStats:
+        return self.engine_thread.stats if self.engine_thread is not None else EngineStats()
+
+    def start_engine_thread(self, on_outputs) -> None:
+        """Drive `self.engine` on its thread; `on_outputs` runs on the event loop (a failed step stops it)."""
+        loop = self.loop
+        self.engine_thread = EngineThread(self.engine, lambda outputs: loop.call_soon_threadsafe(on_outputs, outputs))
+        self.engine_thread.start()
+
+    def cached_block_hashes(self) -> list[int]:
+        """Block hashes in the engine's prefix cache, for `Load.cached_block_hashes`: read on the engine thread,
+        so each report carries the snapshot taken for the previous one (one Load interval old)."""
+        def refresh(engine) -> None:
+            self._cached_hashes = engine.cached_block_hashes(MAX_REPORTED_HASHES)
+
+        if self.engine_thread is not None:
+            self.engine_thread.post(refresh)
+        return self._cached_hashes
 
     def engine_device(self) -> tuple[str, int] | None:
         """(type, index) of the engine's device; None until the subclass built its engine."""
@@ -197,8 +85,9 @@ class NodeService:
         return (device.type, device.index or 0) if device is not None else None
 
     def tokens_per_s(self, key: str) -> float:
-        """Rate of the engine counter `key` since the previous call (one caller: the Load report)."""
-        return self.rate(key, self.engine_stats().get(key, 0))
+        """Rate of the engine counter `key` (an `EngineStats` field) since the previous call (one caller:
+        the Load report)."""
+        return self.rate(key, getattr(self.engine_stats(), key))
 
     def transfer_gbps(self) -> float:
         """KV transfer rate in GB/s since the previous call (one caller: the Load report)."""
@@ -223,8 +112,7 @@ class NodeService:
         raise NotImplementedError
 
     def capacity(self) -> Capacity:
-        s = self.engine_thread.stats if self.engine_thread else {}
-        return Capacity(num_blocks=int(s.get("num_total_blocks", 0)), block_size=self.config.block_size,
+        return Capacity(num_blocks=self.engine_stats().num_total_blocks, block_size=self.config.block_size,
                         max_num_seqs=self.config.max_num_seqs)
 
     def node_info(self) -> NodeInfo:
@@ -355,7 +243,7 @@ def run_service(service_factory: Callable[[], NodeService]) -> int:
 class EngineStatsCollector:
     """Prometheus collector reading the engine thread's latest stats at scrape time (no polling lag)."""
 
-    def __init__(self, role: str, stats: Callable[[], dict[str, int]]) -> None:
+    def __init__(self, role: str, stats: Callable[[], EngineStats]) -> None:
         self.role = role
         self.stats = stats
 
@@ -363,26 +251,26 @@ class EngineStatsCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s = self.stats()
-        total, free = s.get("num_total_blocks", 0), s.get("num_free_blocks", 0)
-        query = s.get("prefix_cache_query_tokens", 0)
+        query = s.prefix_cache_query_tokens
         gauges = {
-            "pdcluster_node_running_requests": ("sequences in the running batch", s.get("num_running", 0)),
-            "pdcluster_node_waiting_requests": ("sequences queued in the engine", s.get("num_waiting", 0)),
-            "pdcluster_node_kv_blocks_total": ("KV pool size in blocks", total),
-            "pdcluster_node_kv_blocks_free": ("free KV blocks (prefix-cached unreferenced ones count as free)", free),
-            "pdcluster_node_kv_blocks_used": ("KV blocks in use", total - free),
-            "pdcluster_node_kv_blocks_reserved": ("KV blocks reserved for incoming transfers",
-                                                  s.get("num_reserved_blocks", 0)),
+            "pdcluster_node_running_requests": ("sequences in the running batch", s.num_running),
+            "pdcluster_node_waiting_requests": ("sequences queued in the engine", s.num_waiting),
+            "pdcluster_node_kv_blocks_total": ("KV pool size in blocks", s.num_total_blocks),
+            "pdcluster_node_kv_blocks_free": ("free KV blocks (prefix-cached unreferenced ones count as free)",
+                                              s.num_free_blocks),
+            "pdcluster_node_kv_blocks_used": ("KV blocks in use", s.num_total_blocks - s.num_free_blocks),
+            "pdcluster_node_kv_blocks_reserved": ("KV blocks held by requests waiting for remote KV",
+                                                  s.num_reserved_blocks),
             "pdcluster_node_prefix_cache_hit_ratio": ("prompt tokens served by the prefix cache / prompt tokens",
-                                                      s.get("prefix_cache_hit_tokens", 0) / query if query else 0.0),
+                                                      s.prefix_cache_hit_tokens / query if query else 0.0),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
-            "pdcluster_node_preemptions": ("sequences preempted for lack of KV blocks", "num_preemptions"),
-            "pdcluster_node_prefill_tokens": ("prompt tokens computed", "num_prefill_tokens"),
-            "pdcluster_node_decode_tokens": ("decode tokens computed", "num_decode_tokens"),
-            "pdcluster_node_engine_steps": ("engine steps run", "num_steps"),
+            "pdcluster_node_preemptions": ("sequences preempted for lack of KV blocks", s.num_preemptions),
+            "pdcluster_node_prefill_tokens": ("prompt tokens computed", s.num_prefill_tokens),
+            "pdcluster_node_decode_tokens": ("decode tokens computed", s.num_decode_tokens),
+            "pdcluster_node_engine_steps": ("engine steps run", s.num_steps),
         }
-        for name, (doc, key) in counters.items():
-            yield CounterMetricFamily(name, doc, value=s.get(key, 0))
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)

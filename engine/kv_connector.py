@@ -1,0 +1,31 @@
+"""The engine's hooks for a node that ships prompt KV elsewhere while it is computed (the prefill node).
+
+The engine calls them on its own thread during `step()`: which prompts finish in this step and where their
+KV lives, each layer as it is done, and each prompt once its KV is complete. Nothing else of the engine's
+state is needed to send KV layer by layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class PromptInStep:
+    """A prompt whose last chunk runs in this step."""
+    request_id: str
+    block_ids: list[int]        # its block table: the prompt's KV is in the first blocks
+    num_prompt_tokens: int
+
+
+class KVConnector:
+    """Base class: every hook does nothing."""
+
+    def on_step_start(self, prompts: list[PromptInStep]) -> None:
+        """Before the forward pass; `prompts` may be empty."""
+
+    def on_layer_done(self, layer: int) -> None:
+        """Layer `layer` wrote its KV for every token of the step."""
+
+    def on_prompt_done(self, request_id: str, block_ids: list[int]) -> None:
+        """The prompt's KV is complete in `block_ids` (after the forward pass, before the step's outputs)."""

@@ -1,0 +1,127 @@
+"""The channel interface: how one connection moves runs of KV blocks, one class per backend.
+
+A channel is built once per connection by the handshake (`connect` on the sender, `accept` on the
+receiver) and then only moves bytes: the sender's `write_runs` sends one write (its header frame and
+its bytes), the receiver's `receive_runs` lands them in its pool and returns the checksum of what
+landed. Reservations, tokens and acks are not a channel's business (receiver.py, reservations.py).
+
+The sender side is two steps so that a wrapper (kv_transfer/testing.py) can reach the bytes between
+them: `stage` reads the source (and, for shm, already copies), `ship` puts the header and bytes on
+their way. Per write, not per block: the hot paths stay one copy or one gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from pdcluster.kv_transfer.checksum import words
+from pdcluster.kv_transfer.destination import Destination
+from pdcluster.kv_transfer.layout import KVLayout, byte_view
+from pdcluster.kv_transfer.tcp import Wire
+
+Runs = list[tuple[int, int, int]]  # (dst_start, src_start, n): blocks consecutive on both sides
+DstRuns = list[tuple[int, int]]  # (dst_start, n), as a write header carries them
+
+
+class PoolViews:
+    """A local KV pool and the views channels read and write it through (built once per endpoint)."""
+
+    def __init__(self, pool: torch.Tensor):
+        self.tensor = pool
+        self.layout = KVLayout.of(pool)
+        self.words = words(byte_view(pool))  # [blocks, layers, words per layer]: numpy on CPU, torch else
+        self.on_cpu = pool.device.type == "cpu"
+        self.np_bytes = byte_view(pool).numpy() if self.on_cpu else None  # [blocks, layers, layer bytes]
+        self.block_words = self.words.reshape(pool.shape[0], -1) if self.on_cpu else None
+
+
+@dataclass
+class Staged:
+    """One write, read from the source and ready to ship."""
+
+    checksum: int  # of the bytes read, as the receiver will sum them
+    nbytes: int  # wire bytes the receiver expects (its check against wire_bytes)
+    landed: int | None = None  # checksum read back where the bytes landed (channels that write directly)
+    views: list[memoryview] = field(default_factory=list)  # bytes following the header on the socket
+    tensors: list[torch.Tensor] = field(default_factory=list)  # bytes following it out of band
+
+
+class Channel:
+    name: ClassVar[str]  # the hello's "backend" and the registry key (backends.py)
+    offer: ClassVar[str]  # the backend a receiver must offer for this channel (int8 rides on "tcp")
+    parallel_streams: ClassVar[bool] = False  # writes may be split over several connections
+    direct: ClassVar[bool] = False  # the sender writes into the receiver's pool itself (shm)
+
+    def __init__(self, wire: Wire, pool: PoolViews):
+        self.wire = wire
+        self.pool = pool
+
+    # ---- who uses it -------------------------------------------------------------------------------
+
+    @classmethod
+    def offered(cls, pool: PoolViews, shm_name: str | None) -> bool:
+        """Receiver side: whether a receiver with this pool offers the channel's backend."""
+        return False
+
+    @classmethod
+    def auto_rank(cls, pool: PoolViews, dst: Destination) -> int | None:
+        """Sender side: preference under backend="auto" (lower first); None = never picked by auto."""
+        return None
+
+    @classmethod
+    def prepare(cls, pool: PoolViews) -> None:
+        """Sender side, at construction: get ready off the hot path (e.g. compile a kernel)."""
+
+    # ---- handshake ---------------------------------------------------------------------------------
+
+    @classmethod
+    def connect(
+        cls, wire: Wire, pool: PoolViews, hello_ok: dict[str, Any], *, session: str, connect_timeout: float,
+        io_timeout: float,
+    ) -> "Channel":  # fmt: skip
+        """Sender side, after the receiver's hello_ok."""
+        return cls(wire, pool)
+
+    @classmethod
+    def accept(
+        cls, wire: Wire, pool: PoolViews, hello_ok: dict[str, Any], *, session: str, timeout: float
+    ) -> "Channel":
+        """Receiver side: answer the hello with `hello_ok` (plus what the channel adds) and build."""
+        wire.send(hello_ok)
+        return cls(wire, pool)
+
+    # ---- sender ------------------------------------------------------------------------------------
+
+    def write_runs(self, token: str, part: Runs, l0: int, l1: int, header: Callable[[int], dict[str, Any]]) -> int:
+        """Send layers [l0, l1) of the runs as one write; `header(checksum)` is the frame's map without
+        the channel's own fields. Returns the write's checksum."""
+        staged = self.stage(token, part, l0, l1)
+        self.ship({**header(staged.checksum), "nbytes": staged.nbytes, "checksum": staged.checksum}, staged)
+        return staged.checksum
+
+    def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:
+        raise NotImplementedError
+
+    def ship(self, body: dict[str, Any], staged: Staged) -> None:
+        if staged.landed is not None:
+            body["landed"] = staged.landed
+        self.wire.send(body, staged.views)
+
+    # ---- receiver ----------------------------------------------------------------------------------
+
+    def wire_bytes(self, nblocks: int, l0: int, l1: int) -> int:
+        """Bytes a write of nblocks blocks, layers [l0, l1), announces."""
+        return nblocks * (l1 - l0) * self.pool.layout.layer_bytes
+
+    def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
+        """Land one accepted write's bytes in the pool; return the checksum of what landed."""
+        raise NotImplementedError
+
+    def discard(self, nbytes: int) -> None:
+        """Skip a rejected write's bytes without touching the pool (or raise to drop the connection)."""
+
+    def close(self) -> None:
+        """Release what the channel holds besides the socket (the connection closes it)."""

@@ -1,0 +1,149 @@
+"""torch.distributed channels (gloo, nccl, hccl): one 2-rank process group per sender connection.
+
+No global init_process_group: the receiver hosts a TCPStore on a free port (its port goes to the
+sender in hello_ok) and both sides build the backend's process group directly on a PrefixStore, so any
+number of prefill/decode pairs can come and go. Write headers go over the socket; the bytes follow as
+send/recv on the group: whole-block runs straight from/into pool views, a layer sub-range as one staged
+tensor. gloo (CPU) is exercised by the tests; nccl (CUDA) and hccl (Ascend, via torch_npu) are built
+the same way but untested here.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdcluster.kv_transfer.channel import Channel, DstRuns, PoolViews, Runs, Staged
+from pdcluster.kv_transfer.checksum import checksum_runs
+from pdcluster.kv_transfer.destination import Destination
+from pdcluster.kv_transfer.tcp import FrameError, Wire
+
+
+class DistChannel(Channel):
+    device: str  # the pool device type this backend serves
+    rank_for_auto: int | None = 1  # picked by "auto" for a pool on `device` ahead of tcp
+
+    def __init__(self, wire: Wire, pool: PoolViews, group: Any, store: Any):
+        super().__init__(wire, pool)
+        self.group, self._store = group, store  # the store must outlive the group
+
+    @classmethod
+    def offered(cls, pool: PoolViews, shm_name: str | None) -> bool:
+        return pool.tensor.device.type == cls.device
+
+    @classmethod
+    def auto_rank(cls, pool: PoolViews, dst: Destination) -> int | None:
+        return cls.rank_for_auto if pool.tensor.device.type == cls.device else None
+
+    @classmethod
+    def make_group(cls, store: dist.Store, rank: int, local_host: str, timeout: datetime.timedelta) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def _group(cls, store: dist.Store, rank: int, wire: Wire, timeout: float, session: str) -> Any:
+        """Build the 2-rank group; blocks until the peer builds its side (or `timeout`)."""
+        prefixed = dist.PrefixStore(f"pdcluster-kv/{session}", store)
+        local_host = wire.sock.getsockname()[0]
+        return cls.make_group(prefixed, rank, local_host, datetime.timedelta(seconds=timeout))
+
+    @classmethod
+    def connect(
+        cls, wire: Wire, pool: PoolViews, hello_ok: dict[str, Any], *, session: str, connect_timeout: float,
+        io_timeout: float,
+    ) -> "DistChannel":  # fmt: skip
+        port = hello_ok.get("store_port")
+        if not isinstance(port, int):
+            raise FrameError("hello_ok.store_port: expected an int")
+        host = wire.sock.getpeername()[0]
+        td = datetime.timedelta(seconds=connect_timeout)
+        store = dist.TCPStore(host, port, 2, is_master=False, timeout=td)
+        return cls(wire, pool, cls._group(store, 1, wire, io_timeout, session), store)
+
+    @classmethod
+    def accept(
+        cls, wire: Wire, pool: PoolViews, hello_ok: dict[str, Any], *, session: str, timeout: float
+    ) -> "DistChannel":
+        td = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore(wire.sock.getsockname()[0], 0, 2, is_master=True, timeout=td, wait_for_workers=False)
+        wire.send({**hello_ok, "store_port": store.port})
+        return cls(wire, pool, cls._group(store, 0, wire, timeout, session), store)
+
+    def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:
+        pool = self.pool.tensor
+        src_runs = [(s, n) for _, s, n in part]
+        if l0 == 0 and l1 == self.pool.layout.num_layers:
+            tensors = [pool[s : s + n] for s, n in src_runs]
+        else:
+            tensors = [torch.cat([pool[s : s + n, l0:l1] for s, n in src_runs])]
+        nbytes = self.wire_bytes(sum(n for _, n in src_runs), l0, l1)
+        return Staged(checksum_runs(self.pool.words, src_runs, l0, l1), nbytes, tensors=tensors)
+
+    def ship(self, body: dict[str, Any], staged: Staged) -> None:
+        super().ship(body, staged)
+        for x in staged.tensors:
+            self.group.send([x], 1 - self.group.rank(), 0).wait()
+
+    def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
+        pool = self.pool.tensor
+        if l0 == 0 and l1 == self.pool.layout.num_layers:
+            for s, n in runs:
+                self._recv(pool[s : s + n])
+        else:
+            nblocks = sum(n for _, n in runs)
+            staging = torch.empty((nblocks, l1 - l0, *pool.shape[2:]), dtype=pool.dtype, device=pool.device)
+            self._recv(staging)
+            i = 0
+            for s, n in runs:
+                pool[s : s + n, l0:l1].copy_(staging[i : i + n])
+                i += n
+        return checksum_runs(self.pool.words, runs, l0, l1)
+
+    def _recv(self, tensor: torch.Tensor) -> None:
+        self.group.recv([tensor], 1 - self.group.rank(), 0).wait()
+
+    def discard(self, nbytes: int) -> None:
+        raise FrameError("rejected write on a collective stream: dropping the pair")
+
+
+class GlooChannel(DistChannel):
+    name = "gloo"
+    offer = "gloo"
+    device = "cpu"
+    rank_for_auto = 3  # on CPU, tcp (rank 2) is the faster choice
+
+    @classmethod
+    def make_group(cls, store: dist.Store, rank: int, local_host: str, timeout: datetime.timedelta) -> Any:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
+        opts._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, 2, opts)
+
+
+class NcclChannel(DistChannel):
+    name = "nccl"
+    offer = "nccl"
+    device = "cuda"
+
+    @classmethod
+    def make_group(cls, store: dist.Store, rank: int, local_host: str, timeout: datetime.timedelta) -> Any:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+
+
+class HcclChannel(DistChannel):
+    name = "hccl"
+    offer = "hccl"
+    device = "npu"
+
+    @classmethod
+    def make_group(cls, store: dist.Store, rank: int, local_host: str, timeout: datetime.timedelta) -> Any:
+        import torch_npu  # noqa: F401  (only on Ascend hosts; docs/design.md §9)
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupHCCL(store, rank, 2, opts)

@@ -1,0 +1,52 @@
+"""tcp+int8: tcp with the KV quantised to int8 on the wire (quant.py), `KVSender(quant="int8")`.
+
+Rides on a receiver's "tcp" offer. The one path with staging: the sender quantises into a payload
+buffer, the receiver reads it into a staging buffer and dequantises into the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pdcluster.kv_transfer import quant
+from pdcluster.kv_transfer.channel import DstRuns, PoolViews, Runs, Staged
+from pdcluster.kv_transfer.checksum import checksum_bytes
+from pdcluster.kv_transfer.tcp import recv_into_views
+from pdcluster.kv_transfer.tcp_channel import TcpChannel
+
+
+class Int8Channel(TcpChannel):
+    name = "tcp+int8"
+    offer = "tcp"
+
+    @classmethod
+    def offered(cls, pool: PoolViews, shm_name: str | None) -> bool:
+        return False  # not a backend of its own: offered with "tcp"
+
+    @classmethod
+    def auto_rank(cls, pool, dst) -> int | None:
+        return None  # lossy: only when asked for
+
+    def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:
+        pool = self.pool.tensor
+        payload = quant.quantize(torch.cat([pool[s : s + n, l0:l1] for _, s, n in part]))
+        return Staged(checksum_bytes(payload), payload.numel(), views=[memoryview(payload.numpy())])
+
+    def wire_bytes(self, nblocks: int, l0: int, l1: int) -> int:
+        lay = self.pool.layout
+        return quant.wire_bytes(nblocks, l1 - l0, lay.block_size, lay.num_kv_heads, lay.head_dim)
+
+    def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
+        pool, lay = self.pool.tensor, self.pool.layout
+        nblocks = sum(n for _, n in runs)
+        staging = torch.empty(self.wire_bytes(nblocks, l0, l1), dtype=torch.uint8)
+        recv_into_views(self.wire.sock, [memoryview(staging.numpy())])
+        shape = (nblocks, l1 - l0, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        kv = quant.dequantize(staging, shape, pool.dtype)
+        i = 0
+        for s, n in runs:
+            pool[s : s + n, l0:l1].copy_(kv[i : i + n])
+            i += n
+        return checksum_bytes(staging)

@@ -1,0 +1,273 @@
+"""The receiver's reservation table: a plain state machine, no sockets, no threads, no locks.
+
+    reserve ─► RESERVED ──open / first write (binds the owner)──► OPEN ──done + every write landed──► COMPLETE
+                  │                                               │
+                  └──── cancel / expire / abort / owner lost / checksum mismatch ──► FAILED ──quiet──► RELEASED
+
+A reservation leaves the table when it reaches COMPLETE or RELEASED; its blocks go back to the owner
+of the pool then. FAILED holds the blocks while a write is still in flight and, for reservations a
+direct writer (shm) may be copying into without a word, for `grace_s` more. The caller (receiver.py)
+serialises calls with its own lock and does the I/O: replies, block tags, handing results over.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from pdcluster.kv_transfer.checksum import combine
+from pdcluster.kv_transfer.errors import ChecksumError, TransferError
+
+
+class State(enum.Enum):
+    RESERVED = "reserved"  # blocks held, no sender yet
+    OPEN = "open"  # a sender (the owner) claimed it; its writes land
+    COMPLETE = "complete"  # all announced writes landed and their checksums match (terminal)
+    FAILED = "failed"  # no more writes; blocks held until no write can still land
+    RELEASED = "released"  # failed and quiet: blocks handed back (terminal)
+
+
+_NEXT = {
+    State.RESERVED: {State.OPEN, State.FAILED},
+    State.OPEN: {State.COMPLETE, State.FAILED},
+    State.FAILED: {State.RELEASED},
+    State.COMPLETE: set(),
+    State.RELEASED: set(),
+}
+
+
+@dataclass
+class TransferResult:
+    request_id: str
+    ok: bool
+    error: str | None = None
+    checksum: int = 0
+    nbytes: int = 0
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    block_ids: list[int]
+    token: str
+    deadline: float  # clock seconds
+    block_set: frozenset[int] = field(init=False)
+    state: State = State.RESERVED
+    owner: str | None = None  # the session of the sender that opened it
+    direct: bool = False  # the owner writes into the pool without the receiver seeing the bytes (shm)
+    writes: int = 0  # writes landed
+    inflight: int = 0  # writes landing now
+    expected_writes: int | None = None  # announced by done
+    done_checksum: int = 0
+    landed_checksum: int = 0
+    nbytes: int = 0
+    error: str | None = None
+    release_at: float = 0.0
+    notify: Any = None  # opaque to the table: whom the receiver answers when done resolves
+
+    def __post_init__(self) -> None:
+        self.block_set = frozenset(self.block_ids)
+
+    def result(self) -> TransferResult:
+        ok = self.state is State.COMPLETE
+        return TransferResult(self.request_id, ok, self.error, self.landed_checksum, self.nbytes)
+
+    def _move(self, state: State) -> None:
+        if state not in _NEXT[self.state]:
+            move = f"{self.state.value} -> {state.value}"
+            raise RuntimeError(f"reservation {self.request_id!r}: {move} is not a transition")
+        self.state = state
+
+
+class ReservationTable:
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        grace_s: float = 0.0,
+        clock: Callable[[], float] = time.time,
+        on_fail: Callable[[Reservation], None] | None = None,
+    ):
+        self.num_blocks = num_blocks
+        self.grace_s = grace_s
+        self.clock = clock
+        self.on_fail = on_fail  # called as a reservation turns FAILED (its error is set)
+        self._active: dict[str, Reservation] = {}
+        self._held: set[int] = set()
+        self._recent_failures: OrderedDict[str, str] = OrderedDict()  # so late frames learn why
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._active
+
+    # ---- transitions -------------------------------------------------------------------------------
+
+    def reserve(self, request_id: str, block_ids: list[int], timeout_s: float) -> Reservation:
+        if not block_ids:
+            raise ValueError("block_ids: expected at least one block")
+        bad = [b for b in block_ids if not isinstance(b, int) or not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block_ids: {bad[:5]} outside 0..{self.num_blocks - 1}")
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError("block_ids: duplicates")
+        if request_id in self._active:
+            raise ValueError(f"request_id: {request_id!r} already has an active reservation")
+        taken = self._held.intersection(block_ids)
+        if taken:
+            raise ValueError(f"block_ids: {sorted(taken)[:5]} already reserved by another request")
+        res = Reservation(request_id, list(block_ids), secrets.token_hex(16), self.clock() + timeout_s)
+        self._active[request_id] = res
+        self._held.update(block_ids)
+        self._recent_failures.pop(request_id, None)
+        return res
+
+    def open(self, request_id: Any, token: Any, owner: str, blocks: Iterable[int], direct: bool = False) -> Reservation:
+        """A sender announces the blocks it will write; binds the reservation to it (its owner)."""
+        res = self.check(request_id, token)
+        outside = [b for b in blocks if not isinstance(b, int) or b not in res.block_set]
+        if outside:
+            raise TransferError(f"open names blocks not reserved by {request_id!r}: {outside[:5]}")
+        self._claim(res, owner, direct)
+        return res
+
+    def begin_write(
+        self, request_id: Any, token: Any, owner: str, runs: list[tuple[int, int]], direct: bool = False
+    ) -> Reservation:
+        """Accept one write into runs (start, n): all checks happen before any byte lands. A write may
+        overtake its open on another stream, so it claims the reservation too."""
+        res = self.check(request_id, token)
+        outside = [b for s, n in runs for b in range(s, s + n) if b not in res.block_set]
+        if outside:
+            raise TransferError(f"blocks {outside[:5]} are not reserved by {res.request_id!r}")
+        self._claim(res, owner, direct)
+        res.inflight += 1
+        return res
+
+    def end_write(self, res: Reservation, nbytes: int, checksum: int, landed: int) -> None:
+        """The write's bytes landed; it may complete the reservation (state COMPLETE, out of the table).
+        Raises ChecksumError (the reservation failed) when what landed is not what was sent."""
+        res.inflight -= 1
+        res.writes += 1
+        res.nbytes += nbytes
+        res.landed_checksum = combine(res.landed_checksum, landed)
+        if landed != checksum:
+            error = f"checksum mismatch on a write of {nbytes} bytes: sent {checksum:#x}, landed {landed:#x}"
+            self.fail(res, error)
+            raise ChecksumError(error)
+        self._try_complete(res)
+
+    def abort_write(self, res: Reservation, error: str) -> None:
+        """A write broke off midway (its bytes may be partly in the pool)."""
+        res.inflight -= 1
+        self.fail(res, error)
+
+    def done(
+        self, request_id: Any, token: Any, owner: str, writes: int, checksum: int, notify: Any = None
+    ) -> Reservation:
+        """The owner announces its total; completes the reservation if every write already landed."""
+        res = self.check(request_id, token)
+        if res.state is not State.OPEN or res.owner != owner:
+            # e.g. a sender whose open was rejected but that sent done before hearing so: it must not
+            # bind the reservation (its connection's close would then fail it).
+            raise TransferError(f"done for {request_id!r} without an accepted open")
+        res.expected_writes, res.done_checksum, res.notify = writes, checksum, notify
+        self._try_complete(res)
+        return res
+
+    def abort(self, request_id: Any, token: Any, reason: str) -> None:
+        """The sender gives up (the token is its authority, whichever connection it uses)."""
+        self.fail(self.check(request_id, token), f"aborted by the sender: {reason}")
+
+    def cancel(self, request_id: str, reason: str = "cancelled by the receiver's owner") -> bool:
+        res = self._active.get(request_id)
+        if res is None:
+            return False
+        self.fail(res, reason)
+        return True
+
+    def expire(self) -> list[Reservation]:
+        now = self.clock()
+        late = [r for r in self._active.values() if r.state is not State.FAILED and now > r.deadline]
+        for r in late:
+            self.fail(r, f"deadline exceeded ({now - r.deadline:.2f} s late)")
+        return late
+
+    def drop_owner(self, owner: str, reason: str) -> list[Reservation]:
+        """The owner's connection is gone: fail what it holds."""
+        lost = [r for r in self._active.values() if r.owner == owner and r.state is not State.FAILED]
+        for r in lost:
+            self.fail(r, reason)
+        return lost
+
+    def fail(self, res: Reservation, error: str) -> None:
+        if res.state is State.FAILED:
+            return
+        # A direct writer checks the block tags right before copying and does not wait for its open to
+        # be seen: one may be copying without having said a word, so hold the blocks back a while.
+        grace = self.grace_s if res.direct or res.state is State.RESERVED else 0.0
+        res._move(State.FAILED)
+        res.error, res.release_at = error, self.clock() + grace
+        if self.on_fail is not None:
+            self.on_fail(res)
+
+    def release(self) -> list[Reservation]:
+        """Failed reservations that no write can touch any more leave the table (RELEASED)."""
+        now = self.clock()
+        ready = [
+            r for r in self._active.values() if r.state is State.FAILED and r.inflight == 0 and now >= r.release_at
+        ]
+        for r in ready:
+            r._move(State.RELEASED)
+            self._remove(r)
+            self._recent_failures[r.request_id] = r.error or ""
+            while len(self._recent_failures) > 1024:
+                self._recent_failures.popitem(last=False)
+        return ready
+
+    # ---- checks ------------------------------------------------------------------------------------
+
+    def check(self, request_id: Any, token: Any) -> Reservation:
+        """The live reservation a sender's frame may act on; TransferError with the reason otherwise."""
+        res = self._active.get(request_id) if isinstance(request_id, str) else None
+        if res is None:
+            if request_id in self._recent_failures:
+                raise TransferError(f"reservation {request_id!r} already failed: {self._recent_failures[request_id]}")
+            raise TransferError(f"no active reservation {request_id!r}")
+        if not isinstance(token, str) or not hmac.compare_digest(token, res.token):
+            raise TransferError(f"bad token for reservation {request_id!r}")
+        if res.state is State.FAILED:
+            raise TransferError(f"reservation {request_id!r} already failed: {res.error}")
+        if self.clock() > res.deadline:
+            raise TransferError(f"reservation {request_id!r} is past its deadline")
+        return res
+
+    def _claim(self, res: Reservation, owner: str, direct: bool) -> None:
+        if res.state is State.RESERVED:
+            res._move(State.OPEN)
+            res.owner, res.direct = owner, direct
+        elif res.owner != owner:
+            raise TransferError(f"reservation {res.request_id!r} is open to another sender")
+
+    def _try_complete(self, res: Reservation) -> None:
+        if res.expected_writes is None or res.writes < res.expected_writes or res.state is not State.OPEN:
+            return
+        if res.writes > res.expected_writes or res.landed_checksum != res.done_checksum:
+            self.fail(
+                res,
+                f"checksum mismatch: sender total {res.done_checksum:#x} over {res.expected_writes} writes, "
+                f"landed {res.landed_checksum:#x} over {res.writes} writes",
+            )
+            return
+        res._move(State.COMPLETE)
+        self._remove(res)
+
+    def _remove(self, res: Reservation) -> None:
+        del self._active[res.request_id]
+        self._held.difference_update(res.block_ids)

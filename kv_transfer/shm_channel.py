@@ -1,0 +1,81 @@
+"""shm: a same-host sender maps the receiver's pool (shm.py) and copies the blocks straight into it.
+
+One copy, no staging: fused_copy's kernel copies and sums both ends in one pass, so the write header
+carries the "sent" and the "landed" checksum and the receiver reads no payload byte. Before and after
+copying, the sender checks the destination blocks' tags (shm.py), so it never waits for a round trip
+to learn that its reservation is still live.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from pdcluster.kv_transfer.channel import Channel, DstRuns, PoolViews, Runs, Staged
+from pdcluster.kv_transfer.checksum import MASK64, weighted, words
+from pdcluster.kv_transfer.destination import Destination, host_id
+from pdcluster.kv_transfer.errors import StaleReservationError
+from pdcluster.kv_transfer.fused_copy import copy_blocks, warm_up
+from pdcluster.kv_transfer.layout import KVLayout, byte_view
+from pdcluster.kv_transfer.shm import SHM_DIR, SharedKVPool, token_tag
+from pdcluster.kv_transfer.tcp import FrameError, Wire
+
+
+class ShmChannel(Channel):
+    name = "shm"
+    offer = "shm"
+    direct = True
+
+    def __init__(self, wire: Wire, pool: PoolViews, remote: SharedKVPool | None = None):
+        super().__init__(wire, pool)
+        self.remote = remote  # sender side: the receiver's pool, mapped here
+        if remote is not None:
+            self.remote_words = words(byte_view(remote.tensor)).reshape(remote.tensor.shape[0], -1)
+
+    @classmethod
+    def offered(cls, pool: PoolViews, shm_name: str | None) -> bool:
+        return shm_name is not None
+
+    @classmethod
+    def auto_rank(cls, pool: PoolViews, dst: Destination) -> int | None:
+        same_host = dst.host_id == host_id() and dst.shm_name and os.path.exists(os.path.join(SHM_DIR, dst.shm_name))
+        return 0 if same_host and pool.on_cpu else None
+
+    @classmethod
+    def prepare(cls, pool: PoolViews) -> None:
+        if pool.on_cpu:  # compile the copy kernel now, not on the first transfer
+            threading.Thread(target=warm_up, name="kv-send-warm-up", daemon=True).start()
+
+    @classmethod
+    def connect(cls, wire: Wire, pool: PoolViews, hello_ok: dict[str, Any], **_: Any) -> "ShmChannel":
+        name = hello_ok.get("shm_name")
+        if not isinstance(name, str):
+            raise FrameError("hello_ok.shm_name: the receiver has no shared-memory pool")
+        remote = KVLayout.from_dict(hello_ok["layout"])
+        return cls(wire, pool, SharedKVPool.attach(name, remote.shape, pool.tensor.dtype))
+
+    def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:
+        dst_ids = np.array([d + i for d, _, n in part for i in range(n)], dtype=np.int64)
+        src_ids = np.array([s + i for _, s, n in part for i in range(n)], dtype=np.int64)
+        tag = token_tag(token)
+        self._check_tags(dst_ids, tag, "is not open to this transfer")
+        wpl = self.pool.words.shape[2]  # words per layer
+        sent, landed = copy_blocks(self.remote_words, self.pool.block_words, dst_ids, src_ids, l0 * wpl, l1 * wpl)
+        self._check_tags(dst_ids, tag, "was withdrawn during the copy")
+        nbytes = len(dst_ids) * (l1 - l0) * self.pool.layout.layer_bytes
+        return Staged(weighted(sent), nbytes, landed=weighted(landed))
+
+    def _check_tags(self, dst_ids: np.ndarray, tag: int, what: str) -> None:
+        if not (self.remote.tags[dst_ids] == tag).all():
+            raise StaleReservationError(f"reservation {what} (failed, expired or cancelled)")
+
+    def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
+        # The sender read each block back from these very pages while still in its cache (fused_copy):
+        # its "landed" sum stands for a second pass over DRAM here.
+        landed = frame.get("landed")
+        if not isinstance(landed, int):
+            raise FrameError("write.landed: an shm write must carry the checksum read back from the pool")
+        return landed & MASK64

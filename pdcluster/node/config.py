@@ -1,0 +1,66 @@
+"""The prefill / decode node config: every knob of `EngineArgs` (declared there, once) plus the node's own.
+
+`NodeConfig`'s engine fields are made from `dataclasses.fields(EngineArgs)` (the ones marked as settings),
+with the node-side defaults in `NODE_DEFAULTS`; `engine_args_from_config` turns a config back into
+`EngineArgs`, which also validates the engine knobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from pdcluster.control.config import CommonConfig, check_port, knob, settings
+from pdcluster.engine.args import EngineArgs
+
+KV_BACKENDS = ("auto", "shm", "tcp", "gloo", "nccl", "hccl")
+ROLES = ("prefill", "decode")
+NODE_DEFAULTS: dict[str, Any] = {
+    "model": "",        # required, checked by validate (EngineArgs has no default)
+    "dtype": "auto",    # vLLM's default: float32 on CPU, else the checkpoint's dtype
+    "device": "auto",
+}
+ENGINE_KNOBS = tuple(f.name for f in settings(EngineArgs))
+
+
+@dataclass
+class NodeFields(CommonConfig):
+    """What a node adds to the common knobs besides the engine's (those are appended by `NodeConfig`)."""
+
+    role: str = ""  # set from the process kind by `finish`; not a setting
+    kv_backend: str = knob("auto", "KV transfer backend; auto: hccl on NPU, shm on one host, else tcp",
+                           choices=KV_BACKENDS)
+    control_port: int = knob(0, "zmq ROUTER port for Generate/Prefill/Abort; 0 = pick a free port")
+    load_port: int = knob(0, "zmq PUB port for Load reports; 0 = pick a free port")
+    kv_port: int = knob(0, "KV transfer listener port; 0 = pick a free port")
+
+    def finish(self, kind: str) -> None:
+        super().finish(kind)
+        self.role = kind
+
+    def validate(self) -> None:
+        super().validate()
+        if self.role not in ROLES:
+            raise ValueError(f"role: {self.role!r} is not one of {', '.join(ROLES)}")
+        if not getattr(self, "model"):
+            raise ValueError("model: a checkpoint directory is required")
+        for name in ("control_port", "load_port", "kv_port"):
+            check_port(name, getattr(self, name))
+        engine_args_from_config(self)  # EngineArgs checks the engine knobs
+
+
+def _engine_field(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
+    default = NODE_DEFAULTS.get(f.name, f.default)
+    return f.name, f.type, dataclasses.field(default=default, metadata=f.metadata)
+
+
+NodeConfig = dataclasses.make_dataclass("NodeConfig", [_engine_field(f) for f in settings(EngineArgs)],
+                                        bases=(NodeFields,), namespace={"__module__": __name__})
+NodeConfig.__doc__ = "A prefill or decode node: the common knobs, the node's own, and every EngineArgs knob."
+
+
+def engine_args_from_config(config: Any, **extra: Any) -> EngineArgs:
+    """`EngineArgs` for a node config (the engine knobs map one to one); `extra` adds code-only fields
+    such as `kv_pool_factory`."""
+    return EngineArgs(**{name: getattr(config, name) for name in ENGINE_KNOBS}, **extra)

@@ -1,0 +1,200 @@
+"""Engine core units: the scheduler applying a step's results, the one allocation path of the block manager,
+the stable block hash shared with the router, the KV-connector hooks, and torch-free imports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from engine_helpers import hf_greedy, make_prompts, run_all
+
+from pdcluster.control.block_hash import block_hashes, cached_prefix_blocks
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.block_manager import BlockManager
+from pdcluster.engine.kv_connector import KVConnector
+from pdcluster.engine.scheduler import Scheduler
+from pdcluster.engine.sequence import Sequence, SequenceStatus
+
+EOS = 2
+
+
+def _seq(rid: str, tokens: list[int], max_tokens: int = 4, hold_blocks: bool = False) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), [EOS], 512, 0, hold_blocks)
+
+
+def _scheduler(num_blocks: int = 8, block_size: int = 4, budget: int = 64, prefix: bool = True) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size, prefix), max_num_seqs=8, max_num_batched_tokens=budget,
+                     enable_chunked_prefill=True)
+
+
+# ---- scheduler ----------------------------------------------------------------------------------
+
+def test_update_from_output_advances_publishes_appends_and_finishes():
+    sched = _scheduler()
+    a, b = _seq("a", list(range(10, 19)), max_tokens=2), _seq("b", list(range(30, 35)), max_tokens=1, hold_blocks=True)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [9, 5] and sched.running == [a, b]
+    assert len(a.block_table) == 3 and len(b.block_table) == 2
+    got = sched.update_from_output(batch, [a, b], [7, 8], [None, None])
+    assert got == [a, b] and a.num_computed_tokens == 9 and b.num_computed_tokens == 5
+    assert a.output_token_ids == [7] and a.status is SequenceStatus.RUNNING
+    # b stopped (max_tokens=1) and holds its blocks; its one full block is in the prefix cache.
+    assert b.status is SequenceStatus.FINISHED and b.block_table and sched.running == [a] and "b" in sched.requests
+    assert sched.bm.hash_to_block == {**{h: a.block_table[i] for i, h in enumerate(block_hashes(a.token_ids[:8], 4))},
+                                      block_hashes(b.prompt_token_ids, 4)[0]: b.block_table[0]}
+    batch = sched.schedule()
+    assert batch.seqs == [a] and batch.num_new_tokens == [1]
+    sched.update_from_output(batch, [a], [9], [None])
+    assert a.status is SequenceStatus.FINISHED and "a" not in sched.requests and not a.block_table
+    sched.abort("b")
+    assert not sched.requests and sched.bm.num_free_blocks == 8 and not any(sched.bm.ref_counts)
+
+
+def test_a_chunk_that_samples_nothing_still_advances():
+    sched = _scheduler(budget=4)
+    a = _seq("a", list(range(10)))
+    sched.add(a)
+    batch = sched.schedule()
+    assert batch.num_new_tokens == [4]
+    assert sched.update_from_output(batch, [], [], []) == [] and a.num_computed_tokens == 4 and not a.output_token_ids
+    assert a.num_cached_blocks == 1
+    sched.abort("a")
+
+
+def test_preemption_frees_the_newest_and_recomputes_it_later():
+    sched = _scheduler(num_blocks=4, budget=64)
+    a, b = _seq("a", list(range(8)), max_tokens=8), _seq("b", list(range(40, 48)), max_tokens=8)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    sched.update_from_output(batch, batch.seqs, [1, 1], [None, None])   # 2 full blocks each, all 4 in use
+    batch = sched.schedule()            # both need a third block: b (newest) is preempted
+    assert batch.seqs == [a] and sched.num_preemptions == 1 and list(sched.waiting) == [b]
+    assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and not b.block_table
+    sched.abort("a")
+    sched.abort("b")
+    assert sched.bm.num_free_blocks == 4
+
+
+# ---- block manager ------------------------------------------------------------------------------
+
+def test_one_allocation_path_prefix_hits_refcounts_and_lru_eviction():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a = _seq("a", [1, 2, 3, 4, 5])
+    assert bm.allocate(a, 5) and len(a.block_table) == 3
+    a.num_computed_tokens = 5
+    bm.cache_full_blocks(a)
+    h = block_hashes([1, 2, 3, 4], 2)
+    assert a.num_cached_blocks == 2 and bm.cached_hashes(10) == h[::-1]
+    b = _seq("b", [1, 2, 3, 4, 9])
+    hits = bm.match_prefix(b)
+    assert hits == a.block_table[:2]
+    assert not bm.allocate(b, 7, hits) and not b.block_table          # 2 fresh needed, 1 free: nothing changes
+    assert bm.allocate(b, 5, hits) and b.block_table[:2] == hits and bm.ref_counts[hits[0]] == 2
+    assert b.num_cached_blocks == 2 and bm.num_free_blocks == 0
+    bm.free(b)
+    bm.free(a)
+    assert bm.num_free_blocks == 4 and bm.match_prefix(_seq("c", [1, 2, 3, 4, 7])) == hits   # cached while free
+    c = _seq("c", [8] * 6)
+    assert bm.allocate(c, 6)     # two never-hashed blocks, then evicts the LRU cached one: the tail block
+    assert hits[1] in c.block_table and hits[0] not in c.block_table
+    assert bm.match_prefix(_seq("d", [1, 2, 3, 4, 7])) == hits[:1] and bm.cached_hashes(10) == h[:1]
+    assert not bm.allocate(_seq("e", [1] * 3), 3)
+    bm.free(c)
+    c.block_table = [hits[0], hits[0]]
+    with pytest.raises(RuntimeError):
+        bm.free(c)
+
+
+# ---- stable block hash --------------------------------------------------------------------------
+
+def test_sequence_hashes_are_the_routers_block_hashes_and_grow_with_outputs():
+    tokens = make_prompts([45], seed=1)[0]
+    seq = _seq("a", tokens)
+    assert seq.block_hashes(16) == block_hashes(tokens, 16) and len(block_hashes(tokens, 16)) == 2
+    for t in range(3):
+        seq.append_token(100 + t)
+    assert seq.block_hashes(16) == block_hashes(seq.token_ids, 16) and len(seq.block_hashes(16)) == 3
+    # Stable across processes (Python's hash is salted per process).
+    code = ("from pdcluster.control.block_hash import block_hashes; "
+            f"print(block_hashes({tokens}, 16))")
+    env = dict(os.environ, PYTHONHASHSEED="123")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.strip() == str(block_hashes(tokens, 16)), out.stderr
+
+
+def test_cached_hashes_reported_by_the_engine_predict_the_next_requests_hits(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama)
+    prompt = make_prompts([70], seed=90)[0]
+    run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    reported = engine.cached_block_hashes()
+    assert set(block_hashes(prompt, 16)) <= set(reported)   # 4 full prompt blocks (+ one with outputs, maybe)
+    later = prompt[:50] + [7] * 30
+    predicted = cached_prefix_blocks(block_hashes(later, 16), frozenset(reported))
+    assert predicted == 3
+    before = engine.get_stats().prefix_cache_hit_tokens
+    run_all(engine, [later], SamplingParams(temperature=0, max_tokens=1), "later")
+    assert engine.get_stats().prefix_cache_hit_tokens - before == predicted * 16
+    assert engine.cached_block_hashes(2) == engine.cached_block_hashes()[:2]
+
+
+# ---- KV connector -------------------------------------------------------------------------------
+
+class Recorder(KVConnector):
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def on_step_start(self, prompts):
+        self.events.append(("start", [(p.request_id, list(p.block_ids), p.num_prompt_tokens) for p in prompts]))
+
+    def on_layer_done(self, layer):
+        self.events.append(("layer", layer))
+
+    def on_prompt_done(self, request_id, block_ids):
+        self.events.append(("done", request_id, list(block_ids)))
+
+
+def test_kv_connector_hooks_carry_the_block_tables_of_prompts_finishing_in_the_step(tiny_llama):
+    from pdcluster.engine.args import EngineArgs
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    rec = Recorder()
+    engine = LLMEngine(EngineArgs(model=tiny_llama, num_gpu_blocks_override=64, max_num_batched_tokens=32),
+                       kv_connector=rec)
+    layers = engine.model_config.num_layers
+    prompts = make_prompts([40, 10], seed=5)
+    engine.add_request("long", prompts[0], SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
+    engine.add_request("short", prompts[1], SamplingParams(temperature=0, max_tokens=2), hold_blocks=True)
+    outs = {}
+    steps = []
+    while engine.has_unfinished_requests():
+        rec.events = []
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        steps.append(rec.events)
+    # Step 1: 32 tokens of "long" only (a chunk): no prompt finishes, every layer still reports.
+    assert steps[0] == [("start", [])] + [("layer", i) for i in range(layers)]
+    # Step 2: the last chunk of "long" and all of "short": both listed with their block tables, done after.
+    table_long, table_short = outs["long"][-1].block_ids, outs["short"][0].block_ids
+    assert steps[1] == [("start", [("long", table_long, 40), ("short", table_short, 10)])] \
+        + [("layer", i) for i in range(layers)] + [("done", "long", table_long), ("done", "short", table_short)]
+    # Step 3: "short" decodes: no prompt in it.
+    assert steps[2] == [("start", [])] + [("layer", i) for i in range(layers)]
+    assert len(table_long) == 3 and len(table_short) == 1
+    want = hf_greedy(tiny_llama, prompts, max_new_tokens=2)
+    assert outs["long"][-1].outputs[0].token_ids == want[0][:1] and outs["short"][-1].outputs[0].token_ids == want[1]
+    engine.release("long")
+    engine.release("short")
+    assert engine.get_stats().num_free_blocks == 64
+
+
+def test_engine_thread_and_async_engine_import_without_torch():
+    code = ("import sys, pdcluster.engine.async_engine, pdcluster.engine.engine_thread; "
+            "assert 'torch' not in sys.modules")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
