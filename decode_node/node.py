@@ -122,7 +122,7 @@ class DecodeNode(NodeService):
         remote = sum(1 for r in self.requests.values() if r.phase == "remote")
         return Load(node_id=self.node_id, role=self.role, running=s.num_running, waiting=s.num_waiting + remote,
                     free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, block_size=self.block_size,
-                    tokens_per_s=self.tokens_per_s("num_decode_tokens"), transfer_gbps=self.transfer_gbps(),
+                    tokens_per_s=self.rate("tokens", s.num_decode_tokens), transfer_gbps=self.transfer_gbps(),
                     cached_block_hashes=self.cached_block_hashes())
 
     # ---- messages --------------------------------------------------------------------------------

@@ -86,7 +86,7 @@ class PrefillNode(NodeService):
         queued = sum(len(j.prompt_ids) for j in self.jobs.values() if j.state == "queued")
         return Load(node_id=self.node_id, role=self.role, running=s.num_running, waiting=s.num_waiting,
                     free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, block_size=self.block_size,
-                    queued_prefill_tokens=queued, tokens_per_s=self.tokens_per_s("num_prefill_tokens"),
+                    queued_prefill_tokens=queued, tokens_per_s=self.rate("tokens", s.num_prefill_tokens),
                     transfer_gbps=self.transfer_gbps(), cached_block_hashes=self.cached_block_hashes())
 
     # ---- messages (loop) ----------------------------------------------------------------------------

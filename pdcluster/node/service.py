@@ -84,11 +84,6 @@ class NodeService:
         device = getattr(getattr(self, "engine", None), "device", None)
         return (device.type, device.index or 0) if device is not None else None
 
-    def tokens_per_s(self, key: str) -> float:
-        """Rate of the engine counter `key` (an `EngineStats` field) since the previous call (one caller:
-        the Load report)."""
-        return self.rate(key, getattr(self.engine_stats(), key))
-
     def transfer_gbps(self) -> float:
         """KV transfer rate in GB/s since the previous call (one caller: the Load report)."""
         return self.rate("kv_bytes", self.kv_bytes_moved) / 1e9
