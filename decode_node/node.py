@@ -24,7 +24,7 @@ from pdcluster.control.transport import PeerDealers
 from pdcluster.decode_node.metrics import DecodeMetrics
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
-from pdcluster.kv_transfer import KVReceiver, SharedKVPool
+from pdcluster.kv_transfer import KVReceiver, SharedKVPool, sweep_dead_pools
 from pdcluster.kv_transfer.errors import ChecksumError
 from pdcluster.node.config import NodeConfig, engine_args_from_config
 from pdcluster.node.service import NodeService
@@ -88,6 +88,8 @@ class DecodeNode(NodeService):
 
         if resolve_device(None if self.config.device == "auto" else self.config.device).type != "cpu":
             return None
+        for name in sweep_dead_pools():   # pools of nodes that died here before (SIGKILL, OOM kill)
+            log.warning("removed the shared-memory KV pool /dev/shm/%s of a node process that is gone", name)
         self.shm = SharedKVPool.create(shape, dtype)
         return self.shm.tensor
 

@@ -72,6 +72,21 @@ def free_memory_bytes(device: torch.device) -> int:
     if device.type == "npu":
         free, _total = torch.npu.mem_get_info(device)
         return int(free)
+    return available_memory_bytes()
+
+
+CPU_KV_CACHE_CAP = 4 << 30   # per engine: on CPU the pool shares RAM with everything else
+
+
+def default_cpu_kv_cache_bytes(memory_fraction: float, num_engines: int = 1) -> int:
+    """The KV pool of a CPU engine whose kv_cache_memory is not set: half of `memory_fraction` of the memory
+    available now (weights and activations need the rest), split among `num_engines` engines starting on
+    this host at the same time (each alone would count the same free memory), at most CPU_KV_CACHE_CAP."""
+    return min(CPU_KV_CACHE_CAP, int(available_memory_bytes() * memory_fraction) // 2 // num_engines)
+
+
+def available_memory_bytes() -> int:
+    """System memory available to new allocations without swapping (MemAvailable); 4 GiB if unknown."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -10,7 +10,7 @@ from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import EngineArgs
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import ModelConfig, resolve_dtype
-from pdcluster.engine.device import free_memory_bytes, resolve_device
+from pdcluster.engine.device import default_cpu_kv_cache_bytes, free_memory_bytes, resolve_device
 from pdcluster.engine.kv_cache import KVCachePool
 from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.engine.loader import load_eos_token_ids, load_tokenizer
@@ -21,8 +21,6 @@ from pdcluster.engine.sequence import Sequence
 from pdcluster.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
-
-CPU_KV_CACHE_CAP = 4 << 30   # on CPU the pool shares RAM with everything else
 
 
 class LLMEngine:
@@ -80,10 +78,16 @@ class LLMEngine:
         else:
             if a.kv_cache_memory is not None:
                 budget = a.kv_cache_memory
+                if self.device.type == "cpu" and budget > free_memory_bytes(self.device):
+                    raise ValueError(
+                        f"kv_cache_memory: {budget / 2**30:.2f} GiB asked for the KV pool, but this host has "
+                        f"{free_memory_bytes(self.device) / 2**30:.2f} GiB of memory available; lower "
+                        "kv_cache_memory (--kv-cache-memory) or leave it unset to size the pool from "
+                        "gpu_memory_utilization")
+            elif self.device.type == "cpu":
+                budget = default_cpu_kv_cache_bytes(a.gpu_memory_utilization)
             else:
                 budget = int(free_memory_bytes(self.device) * a.gpu_memory_utilization)
-                if self.device.type == "cpu":
-                    budget = min(budget // 2, CPU_KV_CACHE_CAP)
             num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: room for no KV block (one block needs {per_block} bytes)")

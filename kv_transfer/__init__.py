@@ -14,7 +14,7 @@ from pdcluster.kv_transfer.layout import KVLayout
 from pdcluster.kv_transfer.receiver import KVReceiver
 from pdcluster.kv_transfer.reservations import TransferResult
 from pdcluster.kv_transfer.sender import KVSender, Transfer
-from pdcluster.kv_transfer.shm import SharedKVPool
+from pdcluster.kv_transfer.shm import SharedKVPool, sweep_dead_pools
 
 __all__ = [
     "ChecksumError",
@@ -27,4 +27,5 @@ __all__ = [
     "Transfer",
     "TransferError",
     "TransferResult",
+    "sweep_dead_pools",
 ]

@@ -4,6 +4,7 @@ checks every test leaves the KV allocator with all its blocks free."""
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 
 import pytest
@@ -71,3 +72,27 @@ def etcd():
 def cluster() -> str:
     """A fresh cluster name: its own etcd key prefix, so tests sharing an etcd never see each other."""
     return f"t-{uuid.uuid4().hex[:8]}"
+
+
+# ---- the whole run leaves /dev/shm as it found it ---------------------------------------------------
+
+SHM_DIR = "/dev/shm"
+
+
+def _pdcluster_segments() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith("pdcluster-")}
+    except FileNotFoundError:
+        return set()
+
+
+def pytest_sessionstart(session) -> None:
+    session.config._shm_before = _pdcluster_segments()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    left = _pdcluster_segments() - getattr(session.config, "_shm_before", set())
+    if left:
+        session.config.get_terminal_writer().line(
+            f"FAILED: the test run left shared-memory segments in {SHM_DIR}: {sorted(left)}", red=True)
+        session.exitstatus = 1

@@ -279,6 +279,7 @@ def test_node_unit_runs_pdcluster_with_its_rendered_config(deployed, host, devic
     assert unit["Service.KillSignal"] == ["SIGTERM"]
     assert unit["Service.TimeoutStopSec"] == [str(DRAIN_TIMEOUT)]
     assert unit["Service.LimitMEMLOCK"] == ["infinity"]
+    assert shlex.split(unit["Service.ExecStopPost"][0]) == [str(PDCLUSTER), "cleanup"]  # dead nodes' shm pools
     assert unit["Service.User"] == ["pdsvc"] and unit["Service.Group"] == ["pdsvc"]
     assert "network-online.target" in unit["Unit.After"][0] and "pdcluster-etcd.service" in unit["Unit.After"][0]
     ascend_env = str(config_dir / "ascend.env")

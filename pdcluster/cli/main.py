@@ -109,7 +109,12 @@ def _up(
     cluster_ = LocalCluster(model=model, num_prefill=prefill, num_decode=decode, port=port,
                             etcd=etcd or "127.0.0.1:2379", cluster=cluster, log_level=log_level,
                             node_config=node_config, router_config=router_config)
-    raise typer.Exit(run_up(cluster_, smoke=smoke))
+    try:
+        code = run_up(cluster_, smoke=smoke)
+    except ValueError as exc:   # e.g. KV pools that do not fit this host, found before any process started
+        typer.echo(f"pdcluster up: {exc}", err=True)
+        code = 2
+    raise typer.Exit(code)
 
 
 app.command("up")(with_flags(_up, _UP_NODE + [p for p in _UP_ROUTER if p.name not in {q.name for q in _UP_NODE}]))
@@ -272,6 +277,18 @@ def health(
         for line in report.notes:
             typer.echo(f"  note: {line}")
     raise typer.Exit(0 if report.healthy else 1)
+
+
+@app.command()
+def cleanup() -> None:
+    """Remove the shared-memory KV pools (/dev/shm/pdcluster-kv-*) of node processes that are gone.
+    Pools of running nodes stay. Run by the systemd node units after a node stops (ExecStopPost)."""
+    from pdcluster.kv_transfer.shm import sweep_dead_pools
+
+    removed = sweep_dead_pools()
+    for name in removed:
+        typer.echo(f"removed /dev/shm/{name} (+ .tags)")
+    typer.echo(f"{len(removed)} dead KV pool(s) removed")
 
 
 def main() -> None:

@@ -3,7 +3,9 @@
 `LocalCluster` starts (or reuses) etcd, one router and N prefill + M decode nodes as subprocesses
 running `pdcluster router|prefill|decode --config <generated yaml>`, waits until the router sees
 them all, and stops everything on exit (SIGTERM, then SIGKILL after a timeout; etcd stopped; temp
-files removed). The end-to-end tests and `benchmarks/serving.py` drive the same class.
+files removed; shared-memory KV pools of nodes that died removed). Children end with it even when it is
+killed outright (`control.process.with_parent`), and the next `pdcluster up` removes the work dir such a
+run left behind. The end-to-end tests and `benchmarks/serving.py` drive the same class.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from typing import Any
 
 import yaml
 
-from pdcluster.control.config import parse_endpoint
+from pdcluster.control.config import parse_bytes, parse_endpoint
 from pdcluster.control.etcd_server import EtcdServer, free_port, is_reachable
+from pdcluster.control.process import pid_alive, with_parent
 
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 20.0  # SIGTERM -> SIGKILL
+WORK_DIR_PREFIX = "pdcluster-up-"   # + "<pid>-<random>" in the temp dir
 
 
 @dataclass
@@ -92,13 +96,16 @@ class LocalCluster:
 
     def _start(self, timeout: float) -> None:
         if self.work_dir is None:
-            self.work_dir = Path(tempfile.mkdtemp(prefix="pdcluster-up-"))
+            sweep_stale_work_dirs()
+            self.work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{os.getpid()}-"))
             self._own_dir = True
         if self.model is None:
             from pdcluster.engine.testing import make_tiny_model
 
             self.model = make_tiny_model(str(self.work_dir / "tiny-llama"), "llama")
             self.node_config.setdefault("kv_cache_memory", "64MiB")  # not the CPU default of GiBs per node
+        if self.node_config.get("device", "auto") in ("auto", "cpu"):
+            self._size_kv_pools()
         self._start_etcd()
         if self.port == 0:
             self.port = free_port()
@@ -110,6 +117,24 @@ class LocalCluster:
             self.start_node("decode", f"decode-{i}")
         self.wait_ready(self.num_prefill, self.num_decode, max(1.0, deadline - time.monotonic()))
 
+    def _size_kv_pools(self) -> None:
+        """CPU nodes on this host share its memory: without kv_cache_memory each gets a share of what is
+        available (they start at once, each would count the same free memory); with it, all of them together
+        must fit, or the start fails now with the numbers instead of an OOM kill later."""
+        from pdcluster.engine.device import available_memory_bytes, default_cpu_kv_cache_bytes
+
+        nodes = self.num_prefill + self.num_decode
+        asked = self.node_config.get("kv_cache_memory")
+        if asked is None:
+            fraction = float(self.node_config.get("gpu_memory_utilization") or 0.9)
+            self.node_config["kv_cache_memory"] = default_cpu_kv_cache_bytes(fraction, nodes)
+            return
+        total, available = parse_bytes(asked) * nodes, available_memory_bytes()
+        if total > available:
+            raise ValueError(f"kv_cache_memory: {nodes} nodes x {parse_bytes(asked) / 2**30:.2f} GiB = "
+                             f"{total / 2**30:.2f} GiB of KV pools, but this host has {available / 2**30:.2f} GiB "
+                             "available; lower --kv-cache-memory or start fewer nodes")
+
     def _start_etcd(self) -> None:
         if self.etcd and is_reachable(self.etcd, timeout=1.0):
             log.info("using etcd at %s", self.etcd)
@@ -119,7 +144,8 @@ class LocalCluster:
             host, port = parse_endpoint(self.etcd)
             if host in ("127.0.0.1", "localhost") and _port_free(port):
                 client_port = port
-        self.etcd_server = EtcdServer(data_dir=self.work_dir / "etcd" / "data", client_port=client_port)
+        self.etcd_server = EtcdServer(data_dir=self.work_dir / "etcd" / "data", client_port=client_port,
+                                      end_with_parent=True)
         self.etcd_server.start()
         self.etcd = self.etcd_server.endpoint
         log.info("started etcd at %s", self.etcd)
@@ -135,6 +161,7 @@ class LocalCluster:
             for s in group:
                 _wait_or_kill(s.proc, STOP_TIMEOUT)
         self.services = []
+        self.sweep_dead_pools()
         if self.etcd_server is not None:
             self.etcd_server.stop()
         if self._own_dir and self.work_dir is not None:
@@ -172,7 +199,7 @@ class LocalCluster:
         env = dict(os.environ)
         if kind != "router" and self.threads_per_node:
             env["OMP_NUM_THREADS"] = str(self.threads_per_node)
-        cmd = [sys.executable, "-m", "pdcluster", kind, "--config", str(config_path)]
+        cmd = with_parent([sys.executable, "-m", "pdcluster", kind, "--config", str(config_path)])
         with open(log_path, "ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
         service = Service(kind, node_id, proc, log_path, **extra)
@@ -181,6 +208,20 @@ class LocalCluster:
 
     def service(self, node_id: str) -> Service:
         return next(s for s in self.services if s.node_id == node_id)
+
+    def dead_services(self) -> list[Service]:
+        """Children that exited; the shared-memory KV pools they could not remove are removed now."""
+        dead = [s for s in self.services if not s.alive]
+        if dead:
+            self.sweep_dead_pools()
+        return dead
+
+    @staticmethod
+    def sweep_dead_pools() -> None:
+        from pdcluster.kv_transfer.shm import sweep_dead_pools
+
+        for name in sweep_dead_pools():
+            log.warning("removed /dev/shm/%s, the KV pool of a node process that died", name)
 
     # ---- readiness -------------------------------------------------------------------------------
 
@@ -197,7 +238,7 @@ class LocalCluster:
         deadline = time.monotonic() + timeout
         health = None
         while time.monotonic() < deadline:
-            dead = [s for s in self.services if not s.alive]
+            dead = self.dead_services()
             if dead:
                 s = dead[0]
                 raise RuntimeError(f"{s.kind} {s.node_id} exited with code {s.proc.returncode}; "
@@ -213,6 +254,18 @@ class LocalCluster:
             time.sleep(0.1)
         tails = "\n".join(f"--- {s.node_id}\n{s.log_tail(10)}" for s in self.services)
         raise TimeoutError(f"cluster not ready within {timeout:.0f} s (router health: {health})\n{tails}")
+
+
+def sweep_stale_work_dirs(tmp: str | None = None) -> list[Path]:
+    """Remove the work dirs of `pdcluster up` runs whose process is gone (killed before it could clean up;
+    its children ended with it). Returns the dirs removed."""
+    removed = []
+    for path in Path(tmp or tempfile.gettempdir()).glob(f"{WORK_DIR_PREFIX}*-*"):
+        pid = path.name[len(WORK_DIR_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)) and path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
 
 
 def _port_free(port: int) -> bool:
@@ -282,7 +335,7 @@ def run_up(cluster: LocalCluster, smoke: bool = False) -> int:
             return 0
         print("Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
-            dead = [s for s in cluster.services if not s.alive]
+            dead = cluster.dead_services()
             if dead:
                 print(f"{dead[0].kind} {dead[0].node_id} exited ({dead[0].proc.returncode}); stopping. "
                       f"Log:\n{dead[0].log_tail()}", file=sys.stderr, flush=True)

@@ -19,6 +19,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pdcluster.control.process import with_parent
+
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -63,7 +65,9 @@ class EtcdServer:
     host = LOOPBACK
     name = "pdcluster-etcd"
 
-    def __init__(self, data_dir: str | os.PathLike | None = None, client_port: int = 0, peer_port: int = 0):
+    def __init__(self, data_dir: str | os.PathLike | None = None, client_port: int = 0, peer_port: int = 0,
+                 end_with_parent: bool = False):
+        self.end_with_parent = end_with_parent   # SIGTERM to etcd when this process dies (control.process)
         self._own_dir = data_dir is None
         if data_dir is None:
             self._base_dir = Path(tempfile.mkdtemp(prefix="pdcluster-etcd-"))
@@ -108,11 +112,11 @@ class EtcdServer:
         ]
         log_file = open(self.log_path, "ab")
         try:
-            self._proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL)
+            self._proc = subprocess.Popen(with_parent(cmd) if self.end_with_parent else cmd, stdout=log_file,
+                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         finally:
             log_file.close()
-        # No preexec_fn tricks (unsafe once gRPC threads run): an interpreter exit stops etcd instead.
+        # An interpreter exit stops etcd; a parent killed outright does when end_with_parent is set.
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

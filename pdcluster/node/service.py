@@ -12,7 +12,7 @@ import asyncio
 import logging
 import signal
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from pdcluster.control.cluster_view import ClusterView
 from pdcluster.control.metrics import DeviceCollector, new_registry, serve_metrics
@@ -226,6 +226,9 @@ class NodeService:
 
 def run_service(service_factory: Callable[[], NodeService]) -> int:
     """Build the node (loads the model) and serve it on a fresh event loop; the process exit code."""
+    # Until the loop's drain handlers are installed, SIGTERM exits through Python, so exit hooks (the
+    # shared-memory KV pool's unlink) still run; the default action would end the process on the spot.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         service = service_factory()
     except ValueError as exc:
@@ -233,6 +236,10 @@ def run_service(service_factory: Callable[[], NodeService]) -> int:
         return 2
     asyncio.run(service.serve())
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 class EngineStatsCollector:
