@@ -77,6 +77,7 @@ class DecodeNode(NodeService):
             self.receiver = KVReceiver(pool, host=config.host, port=config.kv_port)
         self.block_size = self.engine.block_size
         self.max_model_len = self.engine.model_config.max_model_len
+        self.vocab_size = self.engine.model_config.vocab_size
         self.requests: dict[str, DecodeRequest] = {}
         self.peers: PeerDealers | None = None
 
@@ -98,7 +99,7 @@ class DecodeNode(NodeService):
     async def on_start(self) -> None:
         self.start_engine_thread(self._on_outputs)
         self.peers = PeerDealers(self._on_peer_message)
-        self._tasks_extra = [asyncio.create_task(self._deadline_loop(), name="deadlines")]
+        self._tasks_extra = [self.supervised(self._deadline_loop(), "deadlines")]
 
     async def on_stop(self) -> None:
         for task in self._tasks_extra:
@@ -109,6 +110,11 @@ class DecodeNode(NodeService):
         self.receiver.close()
         if self.shm is not None:
             self.shm.close()
+
+    def dropped_frames(self) -> dict[str, object]:
+        peers = getattr(self, "peers", None)   # None until on_start (the registry asks at construction too)
+        peers = {"peers": peers.dropped} if peers is not None else {}
+        return {**super().dropped_frames(), **peers}
 
     def node_info(self) -> NodeInfo:
         info = super().node_info()
@@ -223,6 +229,12 @@ class DecodeNode(NodeService):
             backend = done.kv_backend or backend
             if done.error:
                 raise RemotePrefillFailed("prefill_error", done.error)
+            if not 0 <= done.first_token < self.vocab_size:
+                raise RemotePrefillFailed("prefill_error", f"first_token {done.first_token} is not in the vocabulary")
+            try:
+                first_lp = _logprob_entry(done.logprobs[0]) if done.logprobs else None
+            except (TypeError, ValueError, IndexError) as exc:
+                raise RemotePrefillFailed("prefill_error", f"malformed logprobs: {exc}") from None
             try:
                 result = await self.receiver.wait(rid, timeout=5.0)
             except ChecksumError as exc:
@@ -253,7 +265,6 @@ class DecodeNode(NodeService):
         self.metrics.prefills.labels("remote").inc()
         log.info("request %s: prefill done on %s (%d KV bytes via %s)", rid, peer.node_id, result.nbytes, backend,
                  extra={"request_id": rid})
-        first_lp = _logprob_entry(done.logprobs[0]) if done.logprobs else None
         req.blocks = []
         req.phase, req.prefill_path = "engine", f"remote:{peer.node_id}"
         req.num_cached_tokens = max(cached_tokens, done.num_cached_tokens)

@@ -183,6 +183,8 @@ class LLMEngine:
         seq = self.scheduler.waiting_for_kv.get(request_id)
         if seq is None:
             raise ValueError(f"request_id {request_id!r} is not waiting for remote KV (see reserve_remote)")
+        if not 0 <= int(first_token) < self.model_config.vocab_size:
+            raise ValueError(f"first_token: {first_token} is not in [0, {self.model_config.vocab_size})")
         self.scheduler.add_prefilled(seq, int(first_token), first_logprobs)
         return _request_output(seq)
 

@@ -69,7 +69,7 @@ class PrefillNode(NodeService):
     async def on_start(self) -> None:
         self.engine_thread = EngineThread(self.engine, self._after_step)
         self.engine_thread.start()
-        self._tasks_extra = [asyncio.create_task(self._deadline_loop(), name="deadlines")]
+        self._tasks_extra = [self.supervised(self._deadline_loop(), "deadlines")]
 
     async def on_stop(self) -> None:
         for task in self._tasks_extra:

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
-from pdcluster.control.metrics import CONTENT_TYPE_LATEST, render
+from pdcluster.control.metrics import CONTENT_TYPE_LATEST, DroppedFramesCollector, render
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.router.cluster import NodeSource, RouterCluster
 from pdcluster.router.decode_client import DecodeClient, NoCapacity, RequestStream, StreamFailed
@@ -56,6 +56,14 @@ class Router:
         self.cluster = RouterCluster(source, load_stale_s=settings.load_stale_s)
         self.decode: DecodeClient | None = None
         self.in_flight = 0
+        self.metrics.registry.register(DroppedFramesCollector("pdcluster_router_dropped_frames", self.dropped_frames))
+
+    def dropped_frames(self) -> dict[str, object]:
+        """The `DroppedFrames` of the sockets the router receives on: decode nodes' replies, Load reports."""
+        sockets = {"load": self.cluster.load_dropped_frames()}
+        if self.decode is not None:
+            sockets["decode_nodes"] = self.decode.dealers.dropped
+        return {k: v for k, v in sockets.items() if v is not None}
 
     async def start(self) -> None:
         # A source with its own lifecycle (etcd ClusterView) runs inside the server's event loop.

@@ -113,6 +113,10 @@ class RouterCluster:
         if self._subscriber is not None:
             self._subscriber.close()
 
+    def load_dropped_frames(self):
+        """The Load subscriber's `DroppedFrames` (None before start)."""
+        return self._subscriber.dropped if self._subscriber is not None else None
+
     def sync(self) -> None:
         """Re-read the source: add new nodes, drop gone ones, refresh admin states."""
         seen: set[str] = set()

@@ -90,8 +90,17 @@ def pytest_sessionstart(session) -> None:
     session.config._shm_before = _pdcluster_segments()
 
 
+def _ours_or_dead(name: str) -> bool:
+    """A segment this run is answerable for: made by this process, or by one that is gone (a test's node
+    or child). A live other process's segment belongs to something else running on the machine."""
+    from pdcluster.control.process import pid_alive
+
+    pid = name.removeprefix("pdcluster-kv-").split("-", 1)[0]
+    return not pid.isdigit() or int(pid) == os.getpid() or not pid_alive(int(pid))
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
-    left = _pdcluster_segments() - getattr(session.config, "_shm_before", set())
+    left = {n for n in _pdcluster_segments() - getattr(session.config, "_shm_before", set()) if _ours_or_dead(n)}
     if left:
         session.config.get_terminal_writer().line(
             f"FAILED: the test run left shared-memory segments in {SHM_DIR}: {sorted(left)}", red=True)

@@ -300,3 +300,53 @@ async def test_prefill_node_answers_abort_and_deadline_while_its_transfer_hangs(
         finally:
             await listener.release()
         await nothing_more(decode)  # each job was answered once, even after its transfer failed
+
+
+async def test_garbage_on_the_control_socket_is_dropped_counted_and_the_node_keeps_serving(etcd, cluster, tiny_llama):
+    import msgpack
+    import zmq
+    import zmq.asyncio
+
+    garbage = [msgpack.packb({"v": 1, "t": [1]}), b"", b"\xc1", b"\x00" * 1000, msgpack.packb([1, 2, 3]),
+               msgpack.packb({"v": 1, "t": "generate", "rid": 5})]
+    async with decode_setup(etcd, cluster, tiny_llama) as (node, peer, router):
+        raw = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        raw.connect(node.control.address)
+        try:
+            for frame in garbage:
+                await raw.send(frame)
+            await raw.send_multipart([b"two", b"frames"])
+            want = len(garbage) + 1
+            deadline = time.monotonic() + WAIT
+            while node.control.dropped.count < want and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert node.control.dropped.count == want
+            assert node.registry.get_sample_value("pdcluster_node_dropped_frames_total",
+                                                  {"socket": "control"}) == want
+            assert len(await local_tokens(router, "after-garbage")) == MAX_TOKENS
+            assert all(not t.done() for t in node._tasks)   # the supervised loops still run
+        finally:
+            raw.close(linger=0)
+
+
+async def test_a_supervised_task_that_dies_takes_the_node_out_of_the_cluster_with_an_error_code(
+        etcd, cluster, tiny_llama):
+    from pdcluster.control.etcd_client import close_quietly, connect
+    from pdcluster.control.queries import list_nodes
+    from pdcluster.decode_node.node import DecodeNode
+
+    node = DecodeNode(node_config("decode", tiny_llama, etcd, cluster))
+    task = asyncio.create_task(node.serve())
+    await wait_until(lambda: node.registration is not None and node.registration.registered, "registration")
+
+    async def broken_loop() -> None:
+        raise RuntimeError("a receive loop hit a bug")
+
+    node.supervised(broken_loop(), "broken")
+    await asyncio.wait_for(task, 30)   # serve() returns: the node stopped by itself
+    assert node.exit_code == 1
+    client = await connect([etcd.endpoint])
+    try:
+        assert [n.node_id for n in await list_nodes(client, cluster)] == []
+    finally:
+        await close_quietly(client)

@@ -353,3 +353,29 @@ def test_api_key_and_router_config(env: Env) -> None:
         r = client.get("/v1/models")
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert client.get("/v1/models", headers={"Authorization": "Bearer sekret"}).json()["data"][0]["id"] == "tiny"
+
+
+def test_garbage_on_a_load_port_is_dropped_counted_and_the_router_keeps_serving(env: Env) -> None:
+    import zmq
+
+    (node,) = env.use_nodes("ok")
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    bogus = NodeInfo(node_id=f"p-garbage-{uuid.uuid4().hex[:6]}", role="prefill",
+                     control_addr="tcp://127.0.0.1:1", load_addr=f"tcp://127.0.0.1:{port}")
+    env.source.set_nodes([node.info, bogus])
+    try:
+        def dropped() -> float:
+            return env.metric('pdcluster_router_dropped_frames_total{socket="load"}')
+
+        def flood() -> bool:   # PUB drops frames until the router's SUB has joined
+            for frame in (b"\xc1", b"", b"\x81\xa1v\x01", b'\x82\xa1v\x01\xa1t\x91\x01'):
+                pub.send(frame)
+            return dropped() >= 4
+
+        assert wait_until(flood, timeout=10)
+        out = env.client.completions.create(model="tiny", prompt="Hello world", max_tokens=5, temperature=0)
+        assert out.choices[0].text == " The quick brown fox jumps"
+    finally:
+        env.source.set_nodes([node.info])
+        pub.close(linger=0)

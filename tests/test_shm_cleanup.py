@@ -28,15 +28,15 @@ PDCLUSTER = Path(sys.executable).parent / "pdcluster"
 CHILD = """
 import os, signal, sys, time, torch
 from pdcluster.kv_transfer.shm import SharedKVPool
+how = sys.argv[1]
+if how == "sigterm-handled":   # as a node does (run_service) before it builds anything
+    signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))
 pool = SharedKVPool.create((4, 2, 2, 16, 2, 8), torch.float32)
 print(pool.name, flush=True)
-how = sys.argv[1]
 if how == "raise":
     raise RuntimeError("boom")
 if how == "exit":
     sys.exit(3)
-if how == "sigterm-handled":
-    signal.signal(signal.SIGTERM, lambda s, f: sys.exit(143))
 time.sleep(60)
 """
 

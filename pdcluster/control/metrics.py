@@ -132,3 +132,20 @@ class DeviceCollector:
                                       labels=["device_type", "device"])
             gauge.add_metric(labels, util / 100.0)
             yield gauge
+
+
+class DroppedFramesCollector:
+    """`<name>{socket}` read at scrape time from the `count` of each socket's `transport.DroppedFrames`."""
+
+    def __init__(self, name: str, sockets: Callable[[], dict[str, object]]) -> None:
+        self.name = name
+        self.sockets = sockets
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(self.name, "frames dropped as malformed or unexpected, by socket",
+                                     labels=["socket"])
+        for label, dropped in self.sockets().items():
+            family.add_metric([label], getattr(dropped, "count", 0))
+        yield family

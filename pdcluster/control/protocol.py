@@ -8,6 +8,7 @@ receive loop logs before dropping the frame.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -24,6 +25,9 @@ class ProtocolError(ValueError):
 @dataclass
 class Message:
     TYPE: ClassVar[str] = ""
+
+    def check(self) -> None:
+        """Range checks beyond the field types, for values a receiver computes with; ProtocolError if off."""
 
 
 @dataclass
@@ -124,6 +128,19 @@ class Load(Message):
     cached_block_hashes: list[int] = field(default_factory=list)
     timestamp: float = 0.0
 
+    def check(self) -> None:
+        if self.block_size < 1:
+            raise ProtocolError(f"load.block_size: must be >= 1, got {self.block_size}")
+        counts = {"running": self.running, "waiting": self.waiting, "free_blocks": self.free_blocks,
+                  "total_blocks": self.total_blocks, "queued_prefill_tokens": self.queued_prefill_tokens}
+        for name, value in counts.items():
+            if value < 0:
+                raise ProtocolError(f"load.{name}: must be >= 0, got {value}")
+        for name, value in (("tokens_per_s", self.tokens_per_s), ("transfer_gbps", self.transfer_gbps),
+                            ("timestamp", self.timestamp)):
+            if not math.isfinite(value):
+                raise ProtocolError(f"load.{name}: must be finite, got {value}")
+
 
 @dataclass
 class Ping(Message):
@@ -150,6 +167,17 @@ def encode(msg: Message) -> bytes:
 
 
 def decode(frame: bytes) -> Message:
+    """The message in `frame`; any other bytes raise ProtocolError (never another exception: a receive
+    loop drops the frame and goes on)."""
+    try:
+        return _decode(frame)
+    except ProtocolError:
+        raise
+    except Exception as exc:   # a shape nobody foresaw must not escape as a crash of the caller
+        raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+
+
+def _decode(frame: bytes) -> Message:
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
@@ -161,7 +189,8 @@ def decode(frame: bytes) -> Message:
     version = body.pop("v", None)
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
-    cls = MESSAGE_TYPES.get(body.pop("t", None))
+    kind = body.pop("t", None)
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("unknown message type in frame")
     names = {f.name for f in dataclasses.fields(cls)}
@@ -173,6 +202,7 @@ def decode(frame: bytes) -> Message:
     except TypeError as exc:
         raise ProtocolError(f"{cls.TYPE}: {exc}") from None
     _check_types(msg)
+    msg.check()
     return msg
 
 

@@ -60,12 +60,34 @@ def _bind(sock: zmq.asyncio.Socket, addr: str) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def _try_decode(frame: bytes, where: str) -> Message | None:
-    try:
-        return decode(frame)
-    except ProtocolError as exc:
-        log.warning("%s: dropped bad frame (%d bytes): %s", where, len(frame), exc)
-        return None
+class DroppedFrames:
+    """What a socket drops (undecodable frames, wrong frame counts, unexpected types): counted for the
+    metrics, and logged at most once per LOG_EVERY_S with the number dropped since, so a flood of garbage
+    neither fills the log nor slows the loop."""
+
+    LOG_EVERY_S = 10.0
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.count = 0
+        self._unlogged = 0
+        self._logged_at = -self.LOG_EVERY_S
+
+    def drop(self, why: str) -> None:
+        self.count += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at >= self.LOG_EVERY_S:
+            log.warning("%s: dropped %d bad frame(s) (%d in all); the last: %s", self.where, self._unlogged,
+                        self.count, why)
+            self._unlogged, self._logged_at = 0, now
+
+    def decode(self, frame: bytes) -> Message | None:
+        try:
+            return decode(frame)
+        except ProtocolError as exc:
+            self.drop(f"{len(frame)} bytes: {exc}")
+            return None
 
 
 class RouterServer:
@@ -78,9 +100,11 @@ class RouterServer:
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.address = ""
+        self.dropped = DroppedFrames("control socket")
 
     def bind(self, addr: str) -> str:
         self.address = _bind(self._sock, addr)
+        self.dropped.where = f"control socket {self.address}"
         return self.address
 
     async def recv(self) -> tuple[bytes, Message]:
@@ -88,9 +112,9 @@ class RouterServer:
         while True:
             frames = await self._sock.recv_multipart(copy=True)
             if len(frames) != 2:
-                log.warning("router socket %s: dropped message of %d frames", self.address, len(frames))
+                self.dropped.drop(f"a message of {len(frames)} frames")
                 continue
-            msg = _try_decode(frames[1], f"router socket {self.address}")
+            msg = self.dropped.decode(frames[1])
             if msg is not None:
                 return frames[0], msg
 
@@ -113,8 +137,9 @@ class RouterServer:
 class DealerClient:
     """One connection to one peer's RouterServer."""
 
-    def __init__(self, hwm: int = DEFAULT_HWM) -> None:
+    def __init__(self, hwm: int = DEFAULT_HWM, dropped: DroppedFrames | None = None) -> None:
         self._sock = _socket(zmq.DEALER, hwm)
+        self.dropped = dropped or DroppedFrames("dealer")
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -148,9 +173,9 @@ class DealerClient:
                     return None
                 frames = await self._sock.recv_multipart()
             if len(frames) != 1:
-                log.warning("dealer to %s: dropped message of %d frames", self.address, len(frames))
+                self.dropped.drop(f"from {self.address}: a message of {len(frames)} frames")
                 continue
-            msg = _try_decode(frames[0], f"dealer to {self.address}")
+            msg = self.dropped.decode(frames[0])
             if msg is not None:
                 return msg
 
@@ -165,12 +190,13 @@ class PeerDealers:
     def __init__(self, on_message: Callable[[str, Message], None]) -> None:
         self._on_message = on_message
         self._peers: dict[str, tuple[str, DealerClient, asyncio.Task]] = {}
+        self.dropped = DroppedFrames("peer connections")   # shared by every peer's dealer
 
     def send(self, node_id: str, address: str, msg: Message) -> bool:
         peer = self._peers.get(node_id)
         if peer is None or peer[0] != address:
             self.drop(node_id)
-            dealer = DealerClient()
+            dealer = DealerClient(dropped=self.dropped)
             dealer.connect(address)
             reader = asyncio.create_task(self._read_loop(node_id, dealer), name=f"peer:{node_id}")
             peer = self._peers[node_id] = (address, dealer, reader)
@@ -241,6 +267,7 @@ class LoadSubscriber:
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2_000)
         self.addresses: set[str] = set()
+        self.dropped = DroppedFrames("load subscriber")
 
     def connect(self, addr: str) -> None:
         if addr not in self.addresses:
@@ -264,11 +291,11 @@ class LoadSubscriber:
                 if left <= 0 or not await self._sock.poll(left * 1000, zmq.POLLIN):
                     return None
             frame = await self._sock.recv()
-            msg = _try_decode(frame, "load subscriber")
+            msg = self.dropped.decode(frame)
             if isinstance(msg, Load):
                 return msg
             if msg is not None:
-                log.warning("load subscriber: dropped unexpected %s message", msg.TYPE)
+                self.dropped.drop(f"an unexpected {msg.TYPE} message")
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable
 
 from pdcluster.control.cluster_view import ClusterView
-from pdcluster.control.metrics import DeviceCollector, new_registry, serve_metrics
+from pdcluster.control.metrics import DeviceCollector, DroppedFramesCollector, new_registry, serve_metrics
 from pdcluster.control.protocol import Load, Message, Ping, Pong
 from pdcluster.control.records import Capacity, NodeInfo
 from pdcluster.control.registration import Registration
@@ -54,11 +54,13 @@ class NodeService:
         self._stopped: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._draining_task: asyncio.Task | None = None
+        self.exit_code = 0   # of the process; non-zero after a supervised task died
         self._rate_marks: dict[str, tuple[float, float]] = {}
         self.kv_bytes_moved = 0  # KV bytes sent (prefill) or received (decode), for Load.transfer_gbps
         self._cached_hashes: list[int] = []
         self.registry.register(EngineStatsCollector(self.role, self.engine_stats))
         self.registry.register(DeviceCollector(self.engine_device))
+        self.registry.register(DroppedFramesCollector("pdcluster_node_dropped_frames", self.dropped_frames))
 
     def engine_stats(self) -> EngineStats:
         return self.engine_thread.stats if self.engine_thread is not None else EngineStats()
@@ -78,6 +80,10 @@ class NodeService:
         if self.engine_thread is not None:
             self.engine_thread.post(refresh)
         return self._cached_hashes
+
+    def dropped_frames(self) -> dict[str, object]:
+        """The `DroppedFrames` of each socket this node receives on, by label."""
+        return {"control": self.control.dropped}
 
     def engine_device(self) -> tuple[str, int] | None:
         """(type, index) of the engine's device; None until the subclass built its engine."""
@@ -144,8 +150,8 @@ class NodeService:
                                          ttl=self.config.lease_ttl, registry=self.registry)
         if not await self.registration.start(wait=10.0):
             log.warning("%s: not registered in etcd yet (%s); serving and retrying", self.node_id, self.config.etcd)
-        self._tasks = [asyncio.create_task(self._recv_loop(), name="control"),
-                       asyncio.create_task(self.load_pub.run(self._load_snapshot, LOAD_INTERVAL), name="load")]
+        self._tasks = [self.supervised(self._recv_loop(), "control"),
+                       self.supervised(self.load_pub.run(self._load_snapshot, LOAD_INTERVAL), "load")]
         log.info("%s node %s serving: control %s, load %s, metrics :%d", self.role, self.node_id,
                  self.control.address, self.load_pub.address, self.metrics_server.port)
         try:
@@ -165,6 +171,22 @@ class NodeService:
     def stop(self) -> None:
         if self._stopped is not None:
             self._stopped.set()
+
+    def supervised(self, coro, name: str) -> asyncio.Task:
+        """A task that must run as long as the node: if it ends on its own (it raised), the node leaves etcd
+        and exits non-zero (systemd restarts it) instead of living on as a zombie that looks healthy."""
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(self._on_task_done)
+        return task
+
+    def _on_task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or self._stopped is None or self._stopped.is_set():
+            return
+        exc = task.exception()
+        log.critical("%s: task %s ended (%r); leaving the cluster and exiting", self.node_id, task.get_name(),
+                     exc, exc_info=exc)
+        self.exit_code = 1
+        self.stop()
 
     async def _drain(self) -> None:
         deadline = time.monotonic() + self.drain_timeout
@@ -235,7 +257,7 @@ def run_service(service_factory: Callable[[], NodeService]) -> int:
         log.error("%s", exc)
         return 2
     asyncio.run(service.serve())
-    return 0
+    return service.exit_code
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
