@@ -92,7 +92,7 @@ def _up(
 ) -> None:
     """Start a local cluster: etcd (if none is reachable), one router, N prefill and M decode nodes.
     Engine and node flags apply to every node, router flags to the router (max-model-len to both)."""
-    from pdcluster.cli.up import LocalCluster, run_up
+    from pdcluster.cli.up import DEFAULT_ETCD, LocalCluster, run_up
     from pdcluster.control.log import setup_logging
 
     setup_logging(log_level, "text", "up")
@@ -107,7 +107,7 @@ def _up(
         typer.echo(f"pdcluster up: {exc}", err=True)
         raise typer.Exit(2)
     cluster_ = LocalCluster(model=model, num_prefill=prefill, num_decode=decode, port=port,
-                            etcd=etcd or "127.0.0.1:2379", cluster=cluster, log_level=log_level,
+                            etcd=etcd or DEFAULT_ETCD, cluster=cluster, log_level=log_level,
                             node_config=node_config, router_config=router_config)
     try:
         code = run_up(cluster_, smoke=smoke)

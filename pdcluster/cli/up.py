@@ -36,6 +36,10 @@ from pdcluster.control.process import pid_alive, with_parent
 log = logging.getLogger(__name__)
 
 STOP_TIMEOUT = 20.0  # SIGTERM -> SIGKILL
+RESTART_BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)   # seconds before the 1st, 2nd, ... restart of a child
+MAX_RESTARTS = 5   # within RESTART_WINDOW: then the child is given up on (as systemd's StartLimitBurst)
+RESTART_WINDOW = 600.0
+DEFAULT_ETCD = "127.0.0.1:2379"   # what `pdcluster status` looks at without --etcd
 WORK_DIR_PREFIX = "pdcluster-up-"   # + "<pid>-<random>" in the temp dir
 
 
@@ -49,6 +53,8 @@ class Service:
     log_path: Path
     metrics_port: int = 0
     port: int = 0  # router HTTP
+    restarts: list[float] = field(default_factory=list)   # monotonic times of its restarts
+    restart_at: float | None = None   # when it died: the time its restart is due
 
     @property
     def alive(self) -> bool:
@@ -196,15 +202,42 @@ class LocalCluster:
         config_path = self.work_dir / f"{node_id}.yaml"
         config_path.write_text(yaml.safe_dump({k: v for k, v in config.items() if v is not None}))
         log_path = self.work_dir / f"{node_id}.log"
+        service = Service(kind, node_id, self._launch(kind, config_path, log_path), log_path, **extra)
+        self.services.append(service)
+        return service
+
+    def _launch(self, kind: str, config_path: Path, log_path: Path) -> subprocess.Popen:
         env = dict(os.environ)
         if kind != "router" and self.threads_per_node:
             env["OMP_NUM_THREADS"] = str(self.threads_per_node)
         cmd = with_parent([sys.executable, "-m", "pdcluster", kind, "--config", str(config_path)])
         with open(log_path, "ab") as out:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        service = Service(kind, node_id, proc, log_path, **extra)
-        self.services.append(service)
-        return service
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def supervise(self) -> list[str]:
+        """Restart children that died, with backoff (RESTART_BACKOFF), while the others keep serving; what
+        happened, one line per event. Raises RuntimeError for a child that died MAX_RESTARTS times within
+        RESTART_WINDOW (it would only keep failing)."""
+        events = []
+        now = time.monotonic()
+        for s in self.dead_services():
+            if s.restart_at is None:
+                s.restarts = [t for t in s.restarts if now - t < RESTART_WINDOW]
+                if len(s.restarts) >= MAX_RESTARTS:
+                    raise RuntimeError(f"{s.kind} {s.node_id} died {len(s.restarts) + 1} times in "
+                                       f"{RESTART_WINDOW:.0f} s (exit code {s.proc.returncode}); log {s.log_path}:\n"
+                                       f"{s.log_tail()}")
+                delay = RESTART_BACKOFF[min(len(s.restarts), len(RESTART_BACKOFF) - 1)]
+                s.restart_at = now + delay
+                events.append(f"{s.kind} {s.node_id} exited with code {s.proc.returncode}; restarting in {delay:.0f} s")
+            elif now >= s.restart_at:
+                s.proc = self._launch(s.kind, self.work_dir / f"{s.node_id}.yaml", s.log_path)
+                s.restarts.append(now)
+                s.restart_at = None
+                events.append(f"{s.kind} {s.node_id} restarted (pid {s.proc.pid}, restart {len(s.restarts)})")
+        for line in events:
+            log.warning("%s", line)
+        return events
 
     def service(self, node_id: str) -> Service:
         return next(s for s in self.services if s.node_id == node_id)
@@ -333,12 +366,15 @@ def run_up(cluster: LocalCluster, smoke: bool = False) -> int:
             print(f"prefills: {paths['remote']:.0f} on a prefill node (KV transferred), "
                   f"{paths['local']:.0f} on the decode node", flush=True)
             return 0
+        if cluster.etcd != DEFAULT_ETCD or cluster.cluster != "default":
+            print(f"admin: pdcluster status --etcd {cluster.etcd} --cluster {cluster.cluster}", flush=True)
         print("Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
-            dead = cluster.dead_services()
-            if dead:
-                print(f"{dead[0].kind} {dead[0].node_id} exited ({dead[0].proc.returncode}); stopping. "
-                      f"Log:\n{dead[0].log_tail()}", file=sys.stderr, flush=True)
+            try:
+                for line in cluster.supervise():   # a node that dies is restarted; the rest keep serving
+                    print(f"pdcluster up: {line}", file=sys.stderr, flush=True)
+            except RuntimeError as exc:
+                print(f"pdcluster up: {exc}; stopping", file=sys.stderr, flush=True)
                 return 1
         return 0
     finally:

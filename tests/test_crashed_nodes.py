@@ -1,5 +1,6 @@
-"""A node's shared-memory KV pool leaves /dev/shm with the node, however the node ends: exit hooks for what a
-process can catch, sweeps (next node start, `pdcluster up`, `pdcluster cleanup`) for SIGKILL and OOM kills."""
+"""A crashed node leaves nothing behind and `pdcluster up` restarts it. Its shared-memory KV pool leaves
+/dev/shm with it, however it ends: exit hooks for what a process can catch, sweeps (next node start,
+`pdcluster up`, `pdcluster cleanup`) for SIGKILL and OOM kills."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdcluster.cli.up import LocalCluster, sweep_stale_work_dirs
+from pdcluster.cli.up import LocalCluster, smoke_request, sweep_stale_work_dirs
 from pdcluster.control.process import pid_alive
 from pdcluster.kv_transfer import shm
 from pdcluster.kv_transfer.shm import POOL_PREFIX, SHM_DIR, SharedKVPool, sweep_dead_pools
@@ -246,3 +247,30 @@ def test_a_sigkilled_pdcluster_up_takes_its_children_and_the_next_run_removes_it
         for pid in children:   # orphans, had the test failed
             if pid_alive(pid):
                 os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_local_cluster_restarts_a_node_that_dies_while_the_others_keep_serving(tmp_path, monkeypatch):
+    from pdcluster.cli import up
+
+    monkeypatch.setattr(up, "RESTART_BACKOFF", (0.5,))
+    cluster = LocalCluster(num_prefill=1, num_decode=2, port=0, work_dir=tmp_path, threads_per_node=1,
+                           node_config={"kv_cache_memory": "8MiB", "max_num_seqs": 8, "device": "cpu"})
+    with cluster:
+        victim, other = cluster.service("decode-0"), cluster.service("decode-1")
+        old_pid, other_pid = victim.proc.pid, other.proc.pid
+        victim.proc.kill()
+        victim.proc.wait(10)
+        events: list[str] = []
+        deadline = time.monotonic() + 30
+        while victim.proc.pid == old_pid and time.monotonic() < deadline:
+            events += cluster.supervise()
+            time.sleep(0.1)
+        assert victim.proc.pid != old_pid and victim.alive, events
+        assert any("decode-0 exited" in e for e in events) and any("decode-0 restarted" in e for e in events)
+        assert not pool_files(old_pid), "the dead node's pool was swept before the restart"
+        health = cluster.wait_ready(1, 2, timeout=120, nodes={"decode-0", "decode-1", "prefill-0"})
+        assert {"decode-0", "decode-1"} <= set(health["decode_nodes"])
+        assert other.proc.pid == other_pid and other.alive   # untouched
+        assert smoke_request(cluster.url, "tiny-llama")["choices"][0]["finish_reason"] == "length"
