@@ -192,3 +192,28 @@ async def test_peer_dealers_route_replies_and_reconnect_when_the_address_changes
         peers.close()
         old.close()
         new.close()
+
+
+async def test_a_frame_over_the_size_limit_is_refused_by_zmq_before_it_is_buffered(monkeypatch) -> None:
+    from pdcluster.control import transport
+
+    monkeypatch.setattr(transport, "MAX_FRAME_BYTES", 1024)   # read when a socket is made
+    server = RouterServer()
+    addr = server.bind("tcp://127.0.0.1:*")
+    big, small = (zmq.asyncio.Context.instance().socket(zmq.DEALER) for _ in range(2))
+    for sock in (big, small):
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(addr)
+    try:
+        await big.send(protocol.encode(Prefill(rid="huge", prompt_ids=[7] * 2000, sampling={}, dst={},
+                                               decode_node="d0", deadline=1.0)))
+        await small.send(protocol.encode(Ping(nonce=7)))
+        identity, msg = await asyncio.wait_for(server.recv(), 5)
+        assert msg == Ping(nonce=7)   # the oversized Prefill never reached the application
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(server.recv(), 0.5)
+        assert server.dropped.count == 0   # not read and then dropped: refused by zmq
+    finally:
+        big.close()
+        small.close()
+        server.close()

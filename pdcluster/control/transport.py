@@ -18,7 +18,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
-from pdcluster.control.protocol import Load, Message, ProtocolError, decode, encode
+from pdcluster.control.protocol import MAX_FRAME_BYTES, Load, Message, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,9 @@ def _socket(kind: int, hwm: int) -> zmq.asyncio.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
+    # A frame over the protocol's limit is refused by zmq before it is buffered (the peer is disconnected),
+    # not read whole into memory and then dropped by `decode`.
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     return sock
 
 
