@@ -58,7 +58,7 @@ class NodeService:
         self._rate_marks: dict[str, tuple[float, float]] = {}
         self.kv_bytes_moved = 0  # KV bytes sent (prefill) or received (decode), for Load.transfer_gbps
         self._cached_hashes: list[int] = []
-        self.registry.register(EngineStatsCollector(self.role, self.engine_stats))
+        self.registry.register(EngineStatsCollector(self.engine_stats))
         self.registry.register(DeviceCollector(self.engine_device))
         self.registry.register(DroppedFramesCollector("pdcluster_node_dropped_frames", self.dropped_frames))
 
@@ -267,8 +267,7 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 class EngineStatsCollector:
     """Prometheus collector reading the engine thread's latest stats at scrape time (no polling lag)."""
 
-    def __init__(self, role: str, stats: Callable[[], EngineStats]) -> None:
-        self.role = role
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.stats = stats
 
     def collect(self):
