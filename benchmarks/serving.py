@@ -147,12 +147,14 @@ async def run(args, url: str, model: str, vocab: int) -> dict:
 class FakeDecodeNode:
     """A decode node that answers every Generate with all its tokens at once (router overhead runs)."""
 
-    def __init__(self, etcd: str, cluster: str, tokens_per_message: int) -> None:
+    def __init__(self, etcd: str, cluster: str, tokens_per_message: int, secret: str = "") -> None:
+        from pdcluster.control.keys import load_secret
         from pdcluster.control.records import NodeInfo
         from pdcluster.control.registration import Registration
         from pdcluster.control.transport import LoadPublisher, RouterServer
 
-        self.server, self.pub = RouterServer(), LoadPublisher()
+        keys = load_secret(secret) if secret else None   # the cluster's: the router speaks CURVE with it
+        self.server, self.pub = RouterServer(keys=keys), LoadPublisher(keys=keys)
         self.tokens_per_message = tokens_per_message
         control = self.server.bind("tcp://127.0.0.1:0")
         load = self.pub.bind("tcp://127.0.0.1:0")
@@ -195,7 +197,8 @@ async def main_async(args) -> dict:
                                    log_level="WARNING")
             await asyncio.to_thread(cluster.start)
             if args.start == "fake":
-                fake = FakeDecodeNode(cluster.etcd, cluster.cluster, args.fake_tokens_per_message)
+                fake = FakeDecodeNode(cluster.etcd, cluster.cluster, args.fake_tokens_per_message,
+                                      cluster.cluster_secret)
                 fake_task = asyncio.create_task(fake.serve())
                 await asyncio.to_thread(cluster.wait_ready, 0, 0, 30.0, {"fake-decode"})
             url, model_dir = cluster.url, cluster.model

@@ -7,6 +7,11 @@ writes the prompt's KV straight into the reserved blocks of this node's shared-m
 `PrefillDone` + the receiver's checksum ack the sequence joins the running batch → one `Tokens`
 message per engine step per request back to the router. Any failure of the remote part
 (timeout, checksum, prefill node gone or erroring) frees the reservation and prefills locally (§5).
+
+While a request sends no token (queued, waiting on its prefill or its KV) the router hears `Progress` for
+it on admission and every `heartbeat_interval`, so its stall timer measures silence, not time to first
+token. Tokens that cannot reach the router (it is reconnecting) are held, merged, and sent when it is
+back; a router gone for `router_reconnect_timeout` gets its requests aborted.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.control.protocol import Abort, Generate, Load, Message, Prefill, PrefillDone, Reject, Tokens
+from pdcluster.control.protocol import Abort, Generate, Load, Message, Prefill, PrefillDone, Progress, Reject, Tokens
 from pdcluster.control.records import NodeInfo
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
@@ -55,15 +60,23 @@ class DecodeRequest:
     num_cached_tokens: int = 0
     first_sent: bool = False
     aborted: bool = False
+    progress: str = "queued"  # Progress state while silent: queued | prefilling | waiting_kv
+    sent: int = 0  # token ids sent so far (the next Tokens.pos)
+    last_sent: float = 0.0  # monotonic time of the last message that reached the router
+    backlog: Tokens | None = None  # tokens the router could not take yet (merged), sent when it is back
+    outcome: str = ""  # set once the engine finished it while its backlog still waits for the router
 
 
 class DecodeNode(NodeService):
     role = "decode"
 
-    def __init__(self, config: NodeConfig, prefill_timeout: float = 30.0, max_queue: int | None = None,
-                 drain_timeout: float = 60.0) -> None:
-        super().__init__(config, drain_timeout=drain_timeout)
-        self.prefill_timeout = prefill_timeout
+    def __init__(self, config: NodeConfig, prefill_timeout: float | None = None, max_queue: int | None = None,
+                 drain_timeout: float | None = None) -> None:
+        super().__init__(config, drain_timeout=config.drain_timeout if drain_timeout is None else drain_timeout)
+        self.prefill_timeout = config.prefill_timeout if prefill_timeout is None else prefill_timeout
+        self.heartbeat_interval = config.heartbeat_interval
+        self.router_reconnect_timeout = config.router_reconnect_timeout
+        self._unreachable: dict[bytes, float] = {}  # router identity -> monotonic time its sends began failing
         self.max_in_flight = config.max_num_seqs + (config.max_num_seqs if max_queue is None else max_queue)
         self.metrics = DecodeMetrics(self.registry)
         self.shm: SharedKVPool | None = None
@@ -72,9 +85,9 @@ class DecodeNode(NodeService):
         pool = self.engine.kv_pool.tensor
         if pool.device.type == "cpu":
             self.receiver = KVReceiver(pool, host=config.host, port=config.kv_port,
-                                       shm_name=self.shm.name if self.shm else None)
+                                       shm_name=self.shm.name if self.shm else None, auth_key=self.kv_key)
         else:  # device pool: the collective backend (hccl/nccl) writes into it, no shm
-            self.receiver = KVReceiver(pool, host=config.host, port=config.kv_port)
+            self.receiver = KVReceiver(pool, host=config.host, port=config.kv_port, auth_key=self.kv_key)
         self.block_size = self.engine.block_size
         self.max_model_len = self.engine.model_config.max_model_len
         self.vocab_size = self.engine.model_config.vocab_size
@@ -98,8 +111,9 @@ class DecodeNode(NodeService):
 
     async def on_start(self) -> None:
         self.start_engine_thread(self._on_outputs)
-        self.peers = PeerDealers(self._on_peer_message)
-        self._tasks_extra = [self.supervised(self._deadline_loop(), "deadlines")]
+        self.peers = PeerDealers(self._on_peer_message, keys=self.keys)
+        self._tasks_extra = [self.supervised(self._deadline_loop(), "deadlines"),
+                             self.supervised(self._heartbeat_loop(), "heartbeats")]
 
     async def on_stop(self) -> None:
         for task in self._tasks_extra:
@@ -114,7 +128,9 @@ class DecodeNode(NodeService):
     def dropped_frames(self) -> dict[str, object]:
         peers = getattr(self, "peers", None)   # None until on_start (the registry asks at construction too)
         peers = {"peers": peers.dropped} if peers is not None else {}
-        return {**super().dropped_frames(), **peers}
+        receiver = getattr(self, "receiver", None)   # refused KV connections and malformed KV frames
+        kv = {"kv": receiver.dropped} if receiver is not None else {}
+        return {**super().dropped_frames(), **peers, **kv}
 
     def node_info(self) -> NodeInfo:
         info = super().node_info()
@@ -139,6 +155,10 @@ class DecodeNode(NodeService):
         if isinstance(msg, Generate):
             self._on_generate(identity, msg)
         elif isinstance(msg, Abort):
+            req = self.requests.get(msg.rid)
+            if req is not None and req.router != identity:   # only the router that sent the Generate may abort
+                self.control.dropped.drop(f"Abort of request {msg.rid} from a peer that did not send it")
+                return
             self._abort(msg.rid, "aborted by the router")
         else:
             log.warning("decode node: dropped unexpected %s message", msg.TYPE)
@@ -181,6 +201,7 @@ class DecodeNode(NodeService):
         req = DecodeRequest(rid=msg.rid, router=identity, prompt_ids=prompt, params=params,
                             deadline=msg.deadline, prefill_node=msg.prefill_node)
         self.requests[req.rid] = req
+        self._to_router(req, Progress(rids=[req.rid], states=[req.progress]))   # the acknowledgement
         log.info("request %s admitted from router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
                  msg.router, len(prompt), resumed, msg.prefill_node or "this node", extra={"request_id": req.rid})
         peer = self.view.nodes.get(msg.prefill_node) if msg.prefill_node else None
@@ -219,6 +240,7 @@ class DecodeNode(NodeService):
                 decode_node=self.node_id, deadline=dst.deadline, skip_blocks=skip))
             if not sent:
                 raise RemotePrefillFailed("send_failed", f"could not queue Prefill to {peer.node_id}")
+            req.progress = "prefilling"
             log.info("request %s: prefill sent to %s (%d blocks reserved, %d cached here)", rid, peer.node_id,
                      len(req.blocks) - skip, skip, extra={"request_id": rid})
             try:
@@ -227,6 +249,7 @@ class DecodeNode(NodeService):
                 raise RemotePrefillFailed(
                     "timeout", f"no PrefillDone from {peer.node_id} in {self.prefill_timeout} s") from None
             backend = done.kv_backend or backend
+            req.progress = "waiting_kv"
             if done.error:
                 raise RemotePrefillFailed("prefill_error", done.error)
             if not 0 <= done.first_token < self.vocab_size:
@@ -259,6 +282,7 @@ class DecodeNode(NodeService):
             if req.aborted:
                 self._forget(req, "abort")
             else:
+                req.progress = "queued"
                 self._prefill_locally(req)
             return
         self.metrics.remote_prefill_seconds.observe(time.monotonic() - started)
@@ -371,17 +395,73 @@ class DecodeNode(NodeService):
                 continue
             msg = Tokens(rid=req.rid, ids=list(out.new_token_ids),
                          logprobs=[_wire_logprob(lp) for lp in out.logprobs] if out.logprobs is not None else None,
-                         finish=out.finish_reason if out.finished else None)
+                         finish=out.finish_reason if out.finished else None, pos=req.sent)
+            req.sent += len(msg.ids)
             if not req.first_sent:
                 req.first_sent = True
                 msg.num_prompt_tokens = len(req.prompt_ids)
                 msg.num_cached_tokens = req.num_cached_tokens or out.num_cached_tokens
                 msg.prefill_path = req.prefill_path
-            if not self.control.send(req.router, msg) and not out.finished:
-                self._abort(req.rid, "router unreachable")
-                continue
+            if req.backlog is not None:   # still held for a reconnecting router: send in order, as one message
+                msg = _merge(req.backlog, msg)
+            req.backlog = None if self._to_router(req, msg) else msg
             if out.finished:
-                self._forget(req, out.finish_reason or "stop")
+                req.outcome = out.finish_reason or "stop"
+                if req.backlog is None:
+                    self._forget(req, req.outcome)
+
+    # ---- the router link: acknowledgements, heartbeats, held tokens ---------------------------------
+
+    def _to_router(self, req: DecodeRequest, msg: Message) -> bool:
+        """Send to the request's router; False when it cannot take it now (disconnected or far behind)."""
+        if not self.control.send(req.router, msg):
+            self._unreachable.setdefault(req.router, time.monotonic())
+            return False
+        self._unreachable.pop(req.router, None)
+        req.last_sent = time.monotonic()
+        return True
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        """Flush held tokens; one Progress per router listing its silent requests; abort the requests of a
+        router that stayed unreachable past `router_reconnect_timeout`."""
+        now = time.monotonic()
+        silent: dict[bytes, list[DecodeRequest]] = {}
+        for req in list(self.requests.values()):
+            if req.backlog is not None:
+                if self._to_router(req, req.backlog):
+                    req.backlog = None
+                    if req.outcome:
+                        self._forget(req, req.outcome)
+            elif not req.outcome and now - req.last_sent >= self.heartbeat_interval / 2:
+                silent.setdefault(req.router, []).append(req)
+        for router, reqs in silent.items():
+            if self.control.send(router, Progress(rids=[r.rid for r in reqs], states=[r.progress for r in reqs])):
+                self._unreachable.pop(router, None)
+                for r in reqs:
+                    r.last_sent = now
+            else:
+                self._unreachable.setdefault(router, now)
+        gone = {r for r, since in self._unreachable.items() if now - since > self.router_reconnect_timeout}
+        for req in [r for r in self.requests.values() if r.router in gone]:
+            log.warning("request %s: router %r unreachable for %s s; aborting", req.rid, req.router,
+                        self.router_reconnect_timeout, extra={"request_id": req.rid})
+            self._abort(req.rid, "router unreachable")
+        for router in gone:
+            del self._unreachable[router]
+
+
+def _merge(held: Tokens, new: Tokens) -> Tokens:
+    """`new` appended to the held message (which keeps its pos and first-message fields)."""
+    held.ids += new.ids
+    if held.logprobs is not None and new.logprobs is not None:
+        held.logprobs += new.logprobs
+    held.finish, held.error = new.finish, new.error
+    return held
 
 
 def _wire_logprob(lp: Any) -> Any:

@@ -9,6 +9,7 @@ from pdcluster.engine.args import AsyncEngineArgs, EngineArgs
 from pdcluster.engine.async_engine import AsyncLLMEngine
 from pdcluster.engine.llm import LLM
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
+from pdcluster.engine.weight_pool import SharedWeightPool
 
 __all__ = ["LLM", "SamplingParams", "AsyncEngineArgs", "AsyncLLMEngine", "EngineArgs", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "SharedWeightPool"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from pdcluster.control.config import knob, parse_bytes
+from pdcluster.engine.weight_pool import SharedWeightPool, parse_spec
 
 if TYPE_CHECKING:
     import torch
@@ -54,6 +55,10 @@ class EngineArgs:
     tensor_parallel_size: int = knob(1, help="must be 1 (tensor parallelism is not implemented yet)")
     attention_backend: str | None = knob(None, help="attention backend name; unset: chosen by device")
     seed: int = knob(0, help="base seed of the sampler")
+    # In code also a SharedWeightPool object; a config names one as NAME:SIZE (engine/weight_pool.py).
+    weight_pool: str | SharedWeightPool | None = knob(
+        None, help="share read-only weights with the engines on this host naming the same pool: NAME[:SIZE] "
+                   "(e.g. models:8GiB; no SIZE: what /dev/shm holds; CPU only); unset: private weights")
     # Only code passes these two: an externally allocated pool tensor (e.g. shm-backed, block-major), or a
     # factory (shape, torch dtype) -> tensor that allocates it.
     kv_pool_tensor: Any = knob(None, setting=False)
@@ -75,6 +80,10 @@ class EngineArgs:
                              f"({self.max_model_len}) needs enable_chunked_prefill")
         if self.dtype != "auto":
             dtype_name(self.dtype)
+        if isinstance(self.weight_pool, str):
+            parse_spec(self.weight_pool)
+        elif self.weight_pool is not None and not isinstance(self.weight_pool, SharedWeightPool):
+            raise ValueError(f"weight_pool: expected NAME[:SIZE] or a SharedWeightPool, got {self.weight_pool!r}")
 
 
 @dataclass

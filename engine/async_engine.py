@@ -16,6 +16,7 @@ from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import AsyncEngineArgs, EngineArgs
 from pdcluster.engine.engine_thread import EngineThread
 from pdcluster.engine.outputs import RequestOutput
+from pdcluster.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from pdcluster.engine.llm_engine import LLMEngine
@@ -28,7 +29,16 @@ class _Stream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    """`AsyncLLMEngine(engine)` around a built `LLMEngine`, or `AsyncLLMEngine(model=..., **AsyncEngineArgs
+    fields)` (same as `from_engine_args`)."""
+
+    def __init__(self, engine: LLMEngine | None = None, **engine_args) -> None:
+        if engine is None:
+            from pdcluster.engine.llm_engine import LLMEngine  # torch; importing this module stays torch-free
+
+            engine = LLMEngine(AsyncEngineArgs(**engine_args))
+        elif engine_args:
+            raise ValueError(f"AsyncLLMEngine: pass an engine or engine arguments, not both ({sorted(engine_args)})")
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._streams: dict[str, _Stream] = {}
@@ -103,6 +113,10 @@ class AsyncLLMEngine:
             last = out
         assert last is not None
         return last
+
+    def get_stats(self) -> EngineStats:
+        """The engine thread's latest snapshot (refreshed after every step and while idle)."""
+        return self._thread.stats
 
     async def abort(self, request_id: str) -> None:
         self._thread.post(lambda engine: engine.abort(request_id))

@@ -8,6 +8,7 @@ from typing import Sequence as Seq
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import EngineArgs
 from pdcluster.engine.outputs import RequestOutput
+from pdcluster.engine.stats import EngineStats
 
 
 class LLM:
@@ -20,6 +21,9 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
 
     def generate(self, prompts: str | list[int] | Seq[str | list[int]],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

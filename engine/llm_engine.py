@@ -4,6 +4,8 @@ single-threaded; the offline `LLM`, the async engine and the node services each 
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from dataclasses import fields
 
 from pdcluster.control.sampling_params import SamplingParams
@@ -19,8 +21,11 @@ from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.engine.scheduler import ScheduledBatch, Scheduler
 from pdcluster.engine.sequence import Sequence
 from pdcluster.engine.stats import EngineStats
+from pdcluster.engine.weight_pool import SharedWeightPool
 
 log = logging.getLogger(__name__)
+
+RATE_INTERVAL_S = 2.0   # EngineStats.tokens_per_s: generated tokens over about the last this many seconds
 
 
 class LLMEngine:
@@ -37,7 +42,10 @@ class LLMEngine:
             if args.max_model_len > cfg.max_model_len:
                 raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context {cfg.max_model_len}")
             cfg.max_model_len = args.max_model_len
-        self.runner = ModelRunner(args.model, cfg, self.dtype, self.device, args.attention_backend, args.seed)
+        pool = args.weight_pool
+        self.weight_pool = SharedWeightPool.from_spec(pool) if isinstance(pool, str) else pool
+        self.runner = ModelRunner(args.model, cfg, self.dtype, self.device, args.attention_backend, args.seed,
+                                  self.weight_pool)
         self.kv_pool = self._make_pool()
         self.runner.bind_kv_pool(self.kv_pool)
         self.block_size = self.kv_pool.block_size
@@ -52,7 +60,10 @@ class LLMEngine:
         self._arrivals = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
+        self.num_generated_tokens = 0
         self.num_steps = 0
+        # (monotonic time, generated tokens) after recent steps; the first is the base of tokens_per_s
+        self._rate_marks: deque[tuple[float, int]] = deque([(time.monotonic(), 0)])
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, kv_connector: KVConnector | None = None) -> "LLMEngine":
@@ -162,6 +173,9 @@ class LLMEngine:
             sampled, tokens, logprobs = self.runner.run(batch, connector.on_layer_done)
             for p in prompts:
                 connector.on_prompt_done(p.request_id, p.block_ids)
+        self.num_generated_tokens += len(sampled)
+        self._rate_marks.append((time.monotonic(), self.num_generated_tokens))
+        self._drop_old_rate_marks()
         return [_request_output(seq) for seq in self.scheduler.update_from_output(batch, sampled, tokens, logprobs)]
 
     # ---- remote prefill (decode node) -----------------------------------------------------------
@@ -195,6 +209,18 @@ class LLMEngine:
         first: what prefix-aware routing may count on this engine holding."""
         return self.block_manager.cached_hashes(limit)
 
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over about the last RATE_INTERVAL_S (0 once the engine idles that long)."""
+        now = self._drop_old_rate_marks()
+        then, before = self._rate_marks[0]
+        return (self.num_generated_tokens - before) / (now - then) if now > then else 0.0
+
+    def _drop_old_rate_marks(self) -> float:
+        now, marks = time.monotonic(), self._rate_marks
+        while len(marks) > 1 and marks[1][0] <= now - RATE_INTERVAL_S:
+            marks.popleft()
+        return now
+
     def get_stats(self) -> EngineStats:
         sched, bm = self.scheduler, self.block_manager
         return EngineStats(
@@ -203,7 +229,8 @@ class LLMEngine:
             num_waiting=len(sched.waiting), num_waiting_for_kv=len(sched.waiting_for_kv),
             num_preemptions=sched.num_preemptions, prefix_cache_hit_tokens=bm.prefix_hit_tokens,
             prefix_cache_query_tokens=bm.prefix_query_tokens, num_prefill_tokens=self.num_prefill_tokens,
-            num_decode_tokens=self.num_decode_tokens, num_steps=self.num_steps)
+            num_decode_tokens=self.num_decode_tokens, num_generated_tokens=self.num_generated_tokens,
+            num_steps=self.num_steps, max_num_seqs=sched.max_num_seqs, tokens_per_s=self.tokens_per_s())
 
 
 def _prompts_finishing(batch: ScheduledBatch) -> list[PromptInStep]:

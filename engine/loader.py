@@ -17,6 +17,10 @@ _SINGLE = "model.safetensors"
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
+    converted = _converted_tp(model_dir)
+    if converted > 1:   # a pre-sharded conversion (engine/convert.py): each rank reads only its own file
+        raise ValueError(f"model: {model_dir} is converted for tensor_parallel_size={converted} (one file per "
+                         "rank); this engine runs tensor_parallel_size=1: convert with --tensor-parallel-size 1")
     index = os.path.join(model_dir, _INDEX)
     if os.path.isfile(index):
         with open(index) as f:
@@ -35,6 +39,18 @@ def checkpoint_files(model_dir: str) -> list[str]:
     raise FileNotFoundError(f"model: no weights in {model_dir} (expected {_SINGLE} or {_INDEX} with its shards)")
 
 
+def _converted_tp(model_dir: str) -> int:
+    """tensor_parallel_size a `pdcluster convert` output was sharded for (1 for any other directory)."""
+    path = os.path.join(model_dir, "pdcluster_manifest.json")
+    if not os.path.isfile(path):
+        return 1
+    try:
+        with open(path) as f:
+            return int(json.load(f).get("tensor_parallel_size", 1))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{path}: not a valid manifest ({exc})") from exc
+
+
 def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors straight from memory-mapped safetensors files."""
     for path in checkpoint_files(model_dir):
@@ -43,7 +59,12 @@ def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, backend):
+def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,
+               weight_pool=None):
+    """`weight_pool` (a `SharedWeightPool`, CPU only): the parameters become read-only views of the pool's copy
+    (engine/weight_pool.py), loaded from the checkpoint only if the pool has none yet, and never prepacked."""
+    if weight_pool is not None and device.type != "cpu":
+        raise ValueError(f"weight_pool: shared weights are CPU-only for now (device is {device.type})")
     files = checkpoint_files(model_dir)  # fail on missing weights before allocating anything
     del files
     cls = get_model_class(config.architecture)
@@ -55,6 +76,9 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
+        if weight_pool is not None:
+            weight_pool.load(model, model_dir, dtype, lambda: model.load_weights(iter_weights(model_dir)))
+            return model.eval().requires_grad_(False)
         model.load_weights(iter_weights(model_dir))
         for module in model.modules():   # weights are final now: device-specific packed copies
             if hasattr(module, "prepack"):

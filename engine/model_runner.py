@@ -19,13 +19,13 @@ from pdcluster.engine.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 attention_backend: str | None = None, seed: int = 0) -> None:
+                 attention_backend: str | None = None, seed: int = 0, weight_pool=None) -> None:
         self.config = config
         self.dtype = dtype
         self.device = device
         backend_cls = get_backend_class(attention_backend, device.type)
         self.attn_backend = backend_cls(config.num_heads, config.num_kv_heads, config.head_dim)
-        self.model = load_model(model_dir, config, dtype, device, self.attn_backend)
+        self.model = load_model(model_dir, config, dtype, device, self.attn_backend, weight_pool)
         self.sampler = Sampler(seed=seed)
         self.kv_pool: KVCachePool | None = None
         self.block_size = 0

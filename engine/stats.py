@@ -18,4 +18,16 @@ class EngineStats:
     prefix_cache_query_tokens: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_generated_tokens: int = 0        # tokens sampled (the first token of each prompt included)
     num_steps: int = 0
+    max_num_seqs: int = 0
+    tokens_per_s: float = 0.0            # generated tokens per second over the last RATE_INTERVAL_S (llm_engine)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def batch_occupancy(self) -> float:
+        """Running sequences / max_num_seqs: how full the batch is (0 when unknown)."""
+        return self.num_running / self.max_num_seqs if self.max_num_seqs else 0.0

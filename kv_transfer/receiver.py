@@ -1,13 +1,14 @@
 """Receiver side: owns a KV pool, issues reservations, accepts writes into reserved blocks only.
 
-Threads: one accept loop, one thread per sender connection (its channel reads straight into the pool),
-and a reaper that expires reservations past their deadline. Results reach the owner through `on_done`
-(called on an I/O thread), or `poll` / `wait_blocking` / `await wait`. Who may write what is the
-reservation table's call (reservations.py); how bytes land is the connection's channel's (channel.py).
+Threads: the gate (handshake.py: accepts and authenticates connections, all on one selector thread), one
+thread per authenticated sender connection (its channel reads straight into the pool; at most
+`max_connections`), and a reaper that expires reservations past their deadline. Results reach the owner
+through `on_done` (called on an I/O thread), or `poll` / `wait_blocking` / `await wait`. Who may write what
+is the reservation table's call (reservations.py); how bytes land is the connection's channel's (channel.py).
 
-Wire ops on a connection (see tcp.py for framing, docs/kv_transfer.md for the fields): hello →
-hello_ok | error; open → (error); write (+ the channel's bytes); done → ack | error; abort. Any frame
-that is not well-formed drops the connection.
+Wire ops on a connection (see tcp.py for framing, docs/kv_transfer.md for the fields): challenge (from the
+receiver) → hello → hello_ok | error; open → (error); write (+ the channel's bytes); done → ack | error;
+abort. Any frame that is not well-formed drops the connection.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ from typing import Any, Callable
 
 import torch
 
+from pdcluster.control.transport import DroppedFrames
 from pdcluster.kv_transfer.backends import CHANNELS, offered
 from pdcluster.kv_transfer.channel import Channel, PoolViews
 from pdcluster.kv_transfer.checksum import MASK64
 from pdcluster.kv_transfer.destination import Destination, host_id
 from pdcluster.kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
+from pdcluster.kv_transfer.handshake import Gate, hello_ok_mac
 from pdcluster.kv_transfer.layout import KVLayout
 from pdcluster.kv_transfer.reservations import Reservation, ReservationTable, State, TransferResult
 from pdcluster.kv_transfer.shm import block_tags, token_tag
-from pdcluster.kv_transfer.tcp import WIRE_VERSION, FrameError, IdleTimeout, Wire, configure
+from pdcluster.kv_transfer.tcp import FrameError, IdleTimeout, Wire, configure
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,13 @@ class KVReceiver:
         on_done: Callable[[str, TransferResult], None] | None = None,
         io_timeout: float = 5.0,
         shm_grace_s: float = 0.5,
+        auth_key: bytes | None = None,
+        max_connections: int = 64,
+        max_pending: int = 64,
+        auth_timeout: float = 2.0,
     ):
+        """`auth_key` (the cluster secret's KV key): a connection must prove it holds it before anything is
+        done for it; None accepts any sender (no cluster secret configured)."""
         self.pool = pool
         self.views = PoolViews(pool)
         self.layout = self.views.layout
@@ -81,11 +90,15 @@ class KVReceiver:
         self._closed = threading.Event()
 
         self._listener = socket.create_server((host, port), backlog=64)
-        self._listener.settimeout(0.2)
         self.port = self._listener.getsockname()[1]
         self.address = f"{advertise_host or host}:{self.port}"
+        self.auth_key = auth_key
+        self.dropped = DroppedFrames(f"kv receiver {self.address}")  # refused connections, malformed frames
+        self._gate = Gate(self._listener, auth_key, self._on_hello, lambda: len(self._conns),
+                          max_pending=max_pending, max_connections=max_connections, timeout=auth_timeout,
+                          dropped=self.dropped)
         self._threads = [
-            threading.Thread(target=self._accept_loop, name="kv-recv-accept", daemon=True),
+            threading.Thread(target=self._gate.run, args=(self._closed,), name="kv-recv-gate", daemon=True),
             threading.Thread(target=self._reaper_loop, name="kv-recv-reaper", daemon=True),
         ]
         for t in self._threads:
@@ -154,13 +167,13 @@ class KVReceiver:
 
     def close(self) -> None:
         self._closed.set()
+        for t in self._threads:
+            t.join(timeout=2)
         self._listener.close()
         with self._lock:
             conns = list(self._conns)
         for c in conns:
             c.wire.close()
-        for t in self._threads:
-            t.join(timeout=2)
 
     # ---- resolution --------------------------------------------------------------------------------
 
@@ -230,23 +243,22 @@ class KVReceiver:
 
     # ---- connections -------------------------------------------------------------------------------
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, peer = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(sock, peer), name="kv-recv-conn", daemon=True).start()
-
-    def _serve(self, sock: socket.socket, peer: Any) -> None:
+    def _on_hello(self, sock: socket.socket, hello: dict[str, Any], challenge: bytes) -> None:
+        """An authenticated connection (the gate's thread): from here on it has a thread of its own."""
         conn = _Conn(sock)
         with self._lock:
             self._conns.add(conn)
         try:
-            configure(sock, self.io_timeout)
-            self._handshake(conn, conn.wire.recv())
+            peer = sock.getpeername()
+        except OSError:
+            peer = "?"
+        threading.Thread(target=self._serve, args=(conn, peer, hello, challenge), name="kv-recv-conn",
+                         daemon=True).start()
+
+    def _serve(self, conn: _Conn, peer: Any, hello: dict[str, Any], challenge: bytes) -> None:
+        try:
+            configure(conn.wire.sock, self.io_timeout)
+            self._handshake(conn, hello, challenge)
             while not self._closed.is_set():
                 try:
                     frame = conn.wire.recv(idle_ok=True)
@@ -254,7 +266,7 @@ class KVReceiver:
                     continue
                 self._handle(conn, frame)
         except (FrameError, LayoutMismatchError) as exc:
-            log.warning("kv receiver: dropping connection from %s: %s", peer, exc)
+            self.dropped.drop(f"connection from {peer}: {exc}")
         except (OSError, ConnectionError, RuntimeError) as exc:
             if not self._closed.is_set():
                 log.info("kv receiver: connection from %s ended: %s", peer, exc)
@@ -268,9 +280,8 @@ class KVReceiver:
                     self._table.drop_owner(conn.session, f"sender connection lost ({conn.channel.name})")
             self._release_ready()
 
-    def _handshake(self, conn: _Conn, hello: dict[str, Any]) -> None:
-        if hello.get("op") != "hello" or hello.get("version") != WIRE_VERSION:
-            raise FrameError(f"expected hello version {WIRE_VERSION}, got op={hello.get('op')!r}")
+    def _handshake(self, conn: _Conn, hello: dict[str, Any], challenge: bytes) -> None:
+        """The rest of an authenticated hello (the gate checked op, version and proof): backend and layout."""
         backend, session = hello.get("backend"), hello.get("session")
         cls = CHANNELS.get(backend) if isinstance(backend, str) else None
         try:
@@ -283,6 +294,8 @@ class KVReceiver:
             conn.reply({"op": "error", "rid": None, "error": str(exc)})
             raise LayoutMismatchError(str(exc)) from None
         hello_ok = {"op": "hello_ok", "layout": self.layout.to_dict(), "shm_name": self.shm_name}
+        if self.auth_key is not None:
+            hello_ok["mac"] = hello_ok_mac(self.auth_key, challenge, hello["nonce"])
         conn.channel = cls.accept(conn.wire, self.views, hello_ok, session=session, timeout=self.io_timeout)
         conn.session = session
 

@@ -1,6 +1,7 @@
 """Sender side: writes source blocks of a local KV pool into a receiver's reserved blocks.
 
-Called from the thread that runs engine steps: `start` and `send_layers` only enqueue work; per
+`connect` opens the connections to a receiver (blocking; off the engine thread). Called from the thread
+that runs engine steps: `start(..., connect=False)` and `send_layers` only enqueue work; per
 receiver connection ("stream") a worker thread has the stream's channel send the writes and a reader
 thread routes replies. `finish` blocks until the receiver acknowledged every byte (checksums matched)
 or fails. The engine must not overwrite source blocks until `finish` returns. The channel class is
@@ -24,7 +25,8 @@ from pdcluster.kv_transfer.backends import CHANNELS, choose
 from pdcluster.kv_transfer.channel import Channel, PoolViews
 from pdcluster.kv_transfer.checksum import combine
 from pdcluster.kv_transfer.destination import Destination
-from pdcluster.kv_transfer.errors import ChecksumError, LayoutMismatchError, StaleReservationError, TransferError
+from pdcluster.kv_transfer.errors import ChecksumError, StaleReservationError, TransferError
+from pdcluster.kv_transfer.handshake import client_handshake
 from pdcluster.kv_transfer.layout import KVLayout, runs
 from pdcluster.kv_transfer.tcp import WIRE_VERSION, IdleTimeout, Wire, configure
 
@@ -140,23 +142,28 @@ class _Stream:
     def __init__(self, peer: "_Peer", index: int):
         self.peer = peer
         sender = peer.sender
-        sock = socket.create_connection(peer.dst.host_port, timeout=sender.connect_timeout)
-        configure(sock, sender.io_timeout)
+        try:
+            sock = socket.create_connection(peer.dst.host_port, timeout=sender.connect_timeout)
+        except OSError as exc:
+            raise TransferError(f"kv receiver {peer.dst.address}: no connection within "
+                                f"{sender.connect_timeout} s: {exc}") from None
+        configure(sock, sender.connect_timeout)  # a receiver that accepts but never answers fails as fast
         self.wire = Wire(sock)
-        self.wire.send({
-            "op": "hello", "version": WIRE_VERSION, "backend": peer.channel_cls.name, "session": peer.session,
-            "layout": sender.layout.to_dict(), "stream": index,
-        })  # fmt: skip
-        reply = self.wire.recv()
-        if reply["op"] != "hello_ok":
+        try:
+            reply = client_handshake(self.wire, sender.auth_key, {
+                "op": "hello", "version": WIRE_VERSION, "backend": peer.channel_cls.name, "session": peer.session,
+                "layout": sender.layout.to_dict(), "stream": index,
+            }, peer.dst.address)  # fmt: skip
+        except BaseException:
             self.wire.close()
-            raise LayoutMismatchError(f"receiver {peer.dst.address} refused the handshake: {reply.get('error')}")
+            raise
         self.remote_layout = KVLayout.from_dict(reply["layout"])
         self.remote_layout.check_compatible(sender.layout, mine="sender", theirs="receiver")
         self.channel: Channel = peer.channel_cls.connect(
             self.wire, sender.views, reply, session=peer.session, connect_timeout=sender.connect_timeout,
             io_timeout=sender.io_timeout,
         )  # fmt: skip
+        sock.settimeout(sender.io_timeout)
         self.queue: queue.Queue = queue.Queue()
         self.dead: BaseException | None = None
         for target in (self._work_loop, self._read_loop):
@@ -320,7 +327,9 @@ class KVSender:
         quant: str | None = None,
         connect_timeout: float = 5.0,
         io_timeout: float = 10.0,
+        auth_key: bytes | None = None,
     ):
+        """`auth_key`: the cluster secret's KV key, proven to every receiver (and asked of it) in the handshake."""
         if backend != "auto" and backend not in CHANNELS:
             raise ValueError(f"backend: expected auto or one of {list(CHANNELS)}, got {backend!r}")
         if quant not in (None, "int8"):
@@ -337,11 +346,29 @@ class KVSender:
         self.quant = quant
         self.connect_timeout = connect_timeout
         self.io_timeout = io_timeout
+        self.auth_key = auth_key
         self._peers: dict[tuple[str, str], _Peer] = {}
+        self._gates: dict[tuple[str, str], threading.Lock] = {}   # per receiver: serializes its connects
         self._lock = threading.Lock()
 
-    def start(self, dst: Destination | dict, src_block_ids: list[int], skip_blocks: int = 0) -> Transfer:
-        """Open a transfer of src_block_ids into dst.block_ids[skip_blocks:] (same count)."""
+    def connect(self, dst: Destination | dict) -> None:
+        """Open (or find open) the connections to dst's receiver: blocks for up to `connect_timeout` per
+        connection (TCP connect, then the handshake), so call it off the engine thread, before the prompt is
+        admitted; `start(..., connect=False)` then only queues work. TransferError naming the receiver if it
+        does not answer in time."""
+        if isinstance(dst, dict):
+            dst = Destination.from_dict(dst)
+        try:
+            self._peer(dst, choose(self.backend, self.quant, self.views, dst))
+        except OSError as exc:   # socket.timeout in the handshake, resets
+            raise TransferError(f"kv receiver {dst.address}: handshake not done within {self.connect_timeout} s: "
+                                f"{exc or type(exc).__name__}") from None
+
+    def start(self, dst: Destination | dict, src_block_ids: list[int], skip_blocks: int = 0,
+              connect: bool = True) -> Transfer:
+        """Open a transfer of src_block_ids into dst.block_ids[skip_blocks:] (same count). With
+        `connect=False` (the engine thread) nothing blocks: no connection is opened (TransferError when none is
+        open; see `connect`) and the open frame is queued behind the stream's other work."""
         if isinstance(dst, dict):
             dst = Destination.from_dict(dst)
         dst_ids = dst.block_ids[skip_blocks:]
@@ -351,10 +378,13 @@ class KVSender:
         if bad:
             raise ValueError(f"src_block_ids: {bad[:5]} outside 0..{self.layout.num_blocks - 1}")
         self.layout.check_compatible(KVLayout.from_dict(dst.layout), mine="sender", theirs="receiver")
-        peer = self._peer(dst, choose(self.backend, self.quant, self.views, dst))
+        peer = self._peer(dst, choose(self.backend, self.quant, self.views, dst), connect=connect)
         t = Transfer(self, peer, dst, list(src_block_ids), dst_ids)
         peer.transfers[t.xid] = t
-        peer.streams[0].run_now(t, lambda s: s.open(t))
+        if connect or len(peer.streams) > 1:   # other streams' writes must not overtake the open
+            peer.streams[0].run_now(t, lambda s: s.open(t))
+        else:
+            peer.streams[0].submit(t, lambda s: s.open(t))
         return t
 
     def send(self, dst: Destination | dict, src_block_ids: list[int], timeout: float = 10.0) -> int:
@@ -369,12 +399,23 @@ class KVSender:
         for p in peers:
             p.close()
 
-    def _peer(self, dst: Destination, channel_cls: type[Channel]) -> _Peer:
+    def _peer(self, dst: Destination, channel_cls: type[Channel], connect: bool = True) -> _Peer:
+        """The live peer for dst's receiver; opened here if `connect`. A connect holds only its receiver's
+        gate, never the sender's lock: a receiver that does not answer delays nobody else."""
         key = (dst.address, channel_cls.name)
         with self._lock:
             peer = self._peers.get(key)
             if peer is not None and peer.dead is None:
                 return peer
+            if not connect:
+                raise TransferError(f"kv transfer {dst.request_id!r}: no open connection to {dst.address}")
+            gate = self._gates.setdefault(key, threading.Lock())
+        with gate:   # one connect per receiver at a time; who waited reuses its result
+            with self._lock:
+                peer = self._peers.get(key)
+                if peer is not None and peer.dead is None:
+                    return peer
             peer = _Peer(self, dst, channel_cls)
-            self._peers[key] = peer
+            with self._lock:
+                self._peers[key] = peer
             return peer

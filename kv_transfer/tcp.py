@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import msgpack
 
 MAX_HEADER_BYTES = 4 * 1024 * 1024
-WIRE_VERSION = 2  # of the frames in docs/kv_transfer.md; checked in the hello
+WIRE_VERSION = 3  # of the frames in docs/kv_transfer.md; checked in the challenge and the hello
 MAX_IOV = 512  # buffers per sendmsg/recvmsg call (IOV_MAX is 1024 on Linux)
 _LEN = struct.Struct("!I")
 
@@ -109,6 +109,11 @@ def drain(sock: socket.socket, nbytes: int) -> None:
         nbytes -= got
 
 
+def pack_frame(body: dict[str, Any]) -> bytes:
+    data = msgpack.packb(body, use_bin_type=True)
+    return _LEN.pack(len(data)) + data
+
+
 class Wire:
     """One connection shared by threads: each frame (header + payload) goes out whole, in one gather."""
 
@@ -117,9 +122,8 @@ class Wire:
         self._send_lock = threading.Lock()
 
     def send(self, body: dict[str, Any], payload: Sequence[memoryview] = ()) -> None:
-        data = msgpack.packb(body, use_bin_type=True)
         with self._send_lock:
-            send_views(self.sock, [memoryview(_LEN.pack(len(data)) + data), *payload])
+            send_views(self.sock, [memoryview(pack_frame(body)), *payload])
 
     def recv(self, *, idle_ok: bool = False) -> dict[str, Any]:
         return recv_frame(self.sock, idle_ok=idle_ok)

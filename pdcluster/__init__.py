@@ -11,7 +11,9 @@ from pdcluster.engine import (
                               EngineArgs,
                               RequestOutput,
                               SamplingParams,
+                              SharedWeightPool,
 )
+from pdcluster.engine.convert import convert_model
 
 __all__ = ["LLM", "SamplingParams", "EngineArgs", "AsyncEngineArgs", "AsyncLLMEngine", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "SharedWeightPool", "convert_model"]

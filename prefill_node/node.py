@@ -1,10 +1,12 @@
 """The prefill node: runs prompts (max_tokens=1, blocks held) and writes their KV into a decode
 node's reserved blocks, layer by layer while the next layer computes.
 
-Threads: the asyncio loop (control socket, Load, deadlines), the engine thread (steps; starts each
-transfer and queues layer writes from the engine's KV-connector hooks), and a small pool that waits for
-the receivers' checksum acks, then releases the held blocks (they stay in the prefix cache) and
-answers the decode node with `PrefillDone`.
+Threads: the asyncio loop (control socket, Load, deadlines), a small pool that opens the connection to
+each job's KV receiver before the job reaches the engine (one connect per receiver at a time; a receiver
+that does not answer within `kv_connect_timeout` fails only its own jobs), the engine thread (steps; starts
+each transfer and queues layer writes from the engine's KV-connector hooks, on connections already open:
+it never connects), and a small pool that waits for the receivers' checksum acks, then releases the held
+blocks (they stay in the prefix cache) and answers the decode node with `PrefillDone`.
 """
 
 from __future__ import annotations
@@ -30,8 +32,6 @@ from pdcluster.prefill_node.metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
-ACK_TIMEOUT = 10.0
-
 
 @dataclass
 class PrefillJob:
@@ -41,7 +41,7 @@ class PrefillJob:
     dst: Destination
     skip_blocks: int
     deadline: float
-    state: str = "queued"  # queued (engine) | sending (ack awaited) | done
+    state: str = "connecting"  # connecting (to the KV receiver) | queued (engine) | sending (ack awaited) | done
     transfer: Transfer | None = None
     transfer_error: str | None = None
     nbytes: int = 0
@@ -53,18 +53,24 @@ class PrefillNode(NodeService):
     role = "prefill"
 
     def __init__(self, config: NodeConfig, max_jobs: int | None = None, layerwise: bool = True,
-                 drain_timeout: float = 60.0) -> None:
-        super().__init__(config, drain_timeout=drain_timeout)
+                 drain_timeout: float | None = None) -> None:
+        super().__init__(config, drain_timeout=config.drain_timeout if drain_timeout is None else drain_timeout)
         self.metrics = PrefillMetrics(self.registry)
         self.engine = LLMEngine(engine_args_from_config(config), kv_connector=TransferConnector(self))
         self.block_size = self.engine.block_size
         self.num_layers = self.engine.model_config.num_layers
-        self.sender = KVSender(self.engine.kv_pool.tensor, backend=config.kv_backend)
+        self.sender = KVSender(self.engine.kv_pool.tensor, backend=config.kv_backend,
+                               connect_timeout=config.kv_connect_timeout, auth_key=self.kv_key)
         self.layerwise = layerwise
         self.max_jobs = max_jobs or 2 * config.max_num_seqs
         self.jobs: dict[str, PrefillJob] = {}  # loop side: not yet answered
         self._engine_jobs: dict[str, PrefillJob] = {}  # engine-thread side: in the engine or sending
         self._acks = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-ack")
+        self.kv_connect_timeout = config.kv_connect_timeout
+        self.kv_ack_timeout = config.kv_ack_timeout
+        self._connects = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-connect")
+        self._connecting: dict[str, asyncio.Future] = {}  # receiver address -> its connect in flight
+        self._admitting: set[asyncio.Task] = set()
 
     async def on_start(self) -> None:
         self.engine_thread = EngineThread(self.engine, self._after_step)
@@ -76,6 +82,7 @@ class PrefillNode(NodeService):
             task.cancel()
         await asyncio.gather(*self._tasks_extra, return_exceptions=True)
         self._acks.shutdown(wait=True, cancel_futures=False)
+        self._connects.shutdown(wait=False, cancel_futures=True)   # a connect in flight ends by its timeout
         self.sender.close()
 
     def num_in_flight(self) -> int:
@@ -83,7 +90,7 @@ class PrefillNode(NodeService):
 
     def load(self) -> Load:
         s = self.engine_stats()
-        queued = sum(len(j.prompt_ids) for j in self.jobs.values() if j.state == "queued")
+        queued = sum(len(j.prompt_ids) for j in self.jobs.values() if j.state in ("connecting", "queued"))
         return Load(node_id=self.node_id, role=self.role, running=s.num_running, waiting=s.num_waiting,
                     free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, block_size=self.block_size,
                     queued_prefill_tokens=queued, tokens_per_s=self.rate("tokens", s.num_prefill_tokens),
@@ -95,6 +102,10 @@ class PrefillNode(NodeService):
         if isinstance(msg, Prefill):
             self._on_prefill(identity, msg)
         elif isinstance(msg, Abort):
+            job = self.jobs.get(msg.rid)
+            if job is not None and job.decode != identity:   # only the decode node that sent the Prefill may abort
+                self.control.dropped.drop(f"Abort of request {msg.rid} from a peer that did not send it")
+                return
             self._abort(msg.rid, "aborted by the decode node")
         else:
             log.warning("prefill node: dropped unexpected %s message", msg.TYPE)
@@ -131,13 +142,44 @@ class PrefillNode(NodeService):
         self.jobs[job.rid] = job
         log.info("prefill %s queued: %d prompt tokens (%d blocks cached on the decode node) for %s",
                  job.rid, len(job.prompt_ids), job.skip_blocks, msg.decode_node, extra={"request_id": job.rid})
+        task = asyncio.create_task(self._admit(job, params), name=f"admit:{job.rid}")
+        self._admitting.add(task)
+        task.add_done_callback(self._admitting.discard)
+
+    async def _admit(self, job: PrefillJob, params: SamplingParams) -> None:
+        """Connect to the job's KV receiver (off the engine thread), then hand the prompt to the engine."""
+        try:
+            await asyncio.wait_for(asyncio.shield(self._connect(job.dst)), self.kv_connect_timeout)
+        except Exception as exc:
+            detail = f"no connection within {self.kv_connect_timeout} s" if isinstance(
+                exc, asyncio.TimeoutError) else str(exc)
+            self._answer(job, error=f"kv destination {job.dst.address} unreachable: {detail}")
+            return
+        if self.jobs.get(job.rid) is not job:   # aborted, or its deadline passed, meanwhile
+            return
+        job.state = "queued"
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(job.rid, job.prompt_ids, params, hold_blocks=True)
             self._engine_jobs[job.rid] = job
 
-        fut = self.engine_thread.call(add)
-        fut.add_done_callback(lambda f: f.exception() and self._answer(job, error=f"engine refused: {f.exception()}"))
+        try:
+            await self.engine_thread.call(add)
+        except Exception as exc:
+            self._answer(job, error=f"engine refused: {exc}")
+
+    def _connect(self, dst: Destination) -> asyncio.Future:
+        """The connect to dst's receiver in flight (one per receiver; jobs to it share it), or a new one."""
+        fut = self._connecting.get(dst.address)
+        if fut is None:
+            fut = self._connecting[dst.address] = self.loop.run_in_executor(self._connects, self.sender.connect, dst)
+            fut.add_done_callback(lambda f: self._connected(dst.address, f))
+        return fut
+
+    def _connected(self, address: str, fut: asyncio.Future) -> None:
+        self._connecting.pop(address, None)
+        if not fut.cancelled() and fut.exception() is not None:   # retrieved here: its jobs may all have given up
+            log.warning("kv receiver %s: %s", address, fut.exception())
 
     def _abort(self, rid: str, reason: str) -> None:
         job = self.jobs.get(rid)
@@ -190,7 +232,7 @@ class PrefillNode(NodeService):
             # Tensors the sender creates here (e.g. its shm mapping of the destination pool) are written by
             # its own threads, so they must be normal even if the engine thread runs under inference mode.
             with torch.inference_mode(False):
-                job.transfer = self.sender.start(job.dst, src)
+                job.transfer = self.sender.start(job.dst, src, connect=False)   # connected by _admit
         except Exception as exc:
             job.transfer_error = f"kv transfer to {job.dst.address} failed to start: {exc}"
             log.warning("request %s: %s", job.rid, job.transfer_error)
@@ -214,7 +256,7 @@ class PrefillNode(NodeService):
         backend = job.transfer.backend if job.transfer else "unknown"
         if job.transfer is not None:
             try:
-                checksum = job.transfer.finish(ACK_TIMEOUT)
+                checksum = job.transfer.finish(self.kv_ack_timeout)
                 self.metrics.transfers.labels(backend).inc()
                 self.metrics.transfer_bytes.labels(backend).inc(job.nbytes)
                 self.kv_bytes_moved += job.nbytes

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -15,25 +17,34 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 
+from pdcluster.control.keys import keys_from_config
 from pdcluster.control.metrics import CONTENT_TYPE_LATEST, DroppedFramesCollector, render
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.router.cluster import NodeSource, RouterCluster
 from pdcluster.router.decode_client import DecodeClient, NoCapacity, RequestStream, StreamFailed
-from pdcluster.router.errors import APIError, bad_request, error_body, install_error_handlers
+from pdcluster.router.errors import APIError, bad_request, error_body, install_error_handlers, model_not_found
 from pdcluster.router.generation import ChoiceDelta, ChoiceRun, TokenLogprob, merge
 from pdcluster.router.metrics import RouterMetrics
-from pdcluster.router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pdcluster.router.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    openapi_components,
+    parse_body,
+    request_body,
+)
 from pdcluster.router.policies import make_policy
 from pdcluster.router.settings import RouterSettings
-from pdcluster.router.tokenizer import ModelInfo, Tokenizer, read_model_info
+from pdcluster.router.tokenizer import ServedModel, Tokenizer
 
 log = logging.getLogger(__name__)
+_INT64 = 1 << 64
 
 
 @dataclass
 class Prepared:
     """A validated request, ready to send: what both endpoints share."""
 
+    model: ServedModel
     prompt_ids: list[int]
     sampling: list[dict[str, Any]]  # one engine request per choice
     stop: list[str]
@@ -45,15 +56,18 @@ class Prepared:
 class Router:
     def __init__(self, settings: RouterSettings, source: NodeSource,
                  registry: CollectorRegistry | None = None) -> None:
-        if not settings.model:
-            raise ValueError("model: the router needs the model directory (tokenizer + config.json)")
+        self.models = {name: ServedModel.load(name, path, settings.max_model_len or None)
+                       for name, path in settings.served_models()}
+        if not self.models:
+            raise ValueError("model: the router needs a model directory (tokenizer + config.json)")
         self.settings = settings
-        self.tokenizer = Tokenizer(settings.model)
-        self.model: ModelInfo = read_model_info(settings.model, settings.served_model_name or None,
-                                                settings.max_model_len or None)
+        # Tokenizing and templating run here, off the event loop (tokenizers releases the GIL).
+        self.pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
         self.metrics = RouterMetrics(registry)
         self.policy = make_policy(settings.routing_policy)
-        self.cluster = RouterCluster(source, load_stale_s=settings.load_stale_s)
+        # `pdcluster router` passes its RouterConfig, whose common knobs include cluster_secret.
+        keys = keys_from_config(getattr(settings, "cluster_secret", ""), f"router {settings.node_id}")
+        self.cluster = RouterCluster(source, load_stale_s=settings.load_stale_s, keys=keys)
         self.decode: DecodeClient | None = None
         self.in_flight = 0
         self.metrics.registry.register(DroppedFramesCollector("pdcluster_router_dropped_frames", self.dropped_frames))
@@ -78,15 +92,26 @@ class Router:
         await self.cluster.stop()
         if callable(getattr(self.cluster.source, "stop", None)):
             await self.cluster.source.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     # -- request preparation
 
-    def check_model(self, name: str) -> None:
-        if name != self.model.name:
-            raise bad_request(f"The model '{name}' does not exist; this router serves '{self.model.name}'",
-                              param="model", code="model_not_found")
+    def model(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise model_not_found(name, list(self.models))
+        return model
 
-    def completion_prompt(self, req: CompletionRequest) -> list[int]:
+    def context_limit(self, model: ServedModel) -> int:
+        """The model's limit, lowered to the largest max_model_len of its serving decode nodes when all say."""
+        held = [n.info.capacity.max_model_len for n in self.cluster.candidates("decode", model=model.name)]
+        return min(model.info.max_model_len, max(held)) if held and all(held) else model.info.max_model_len
+
+    def completion_prompt(self, model: ServedModel, req: CompletionRequest) -> list[int]:
+        """Token ids of the prompt (runs on the tokenizer pool)."""
         prompt = req.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -94,19 +119,40 @@ class Router:
                                   param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        return self.check_ids(prompt, "prompt")
+            return model.tokenizer.encode(prompt)
+        return self.check_ids(model, prompt, "prompt")
 
-    def check_ids(self, ids: list[int], param: str) -> list[int]:
-        vocab = self.tokenizer.vocab_size
+    def chat_prompt(self, model: ServedModel, req: ChatCompletionRequest) -> list[int]:
+        """Token ids of the rendered chat template (runs on the tokenizer pool)."""
+        try:
+            return model.tokenizer.apply_chat_template([m.template_dict() for m in req.messages])
+        except Exception as exc:  # template errors (bad roles, missing fields) are the client's
+            raise bad_request(f"messages: the chat template failed: {exc}", param="messages") from None
+
+    def check_ids(self, model: ServedModel, ids: list[int], param: str) -> list[int]:
+        vocab = model.tokenizer.vocab_size
         bad = [i for i in ids if not 0 <= i < vocab]
         if bad:
             raise bad_request(f"{param}: token ids must be in [0, {vocab}), got {bad[:5]}", param=param)
         return list(ids)
 
-    def prepare(self, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
+    def check_limits(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        """The router's caps on a request's lists (the engines refuse anything above theirs too)."""
+        s = self.settings
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        if len(stops) > s.max_stop_strings:
+            raise bad_request(f"stop: at most {s.max_stop_strings} stop strings, got {len(stops)}", param="stop")
+        if any(len(stop) > s.max_stop_chars for stop in stops):
+            raise bad_request(f"stop: stop strings may be at most {s.max_stop_chars} characters", param="stop")
+        if len(req.stop_token_ids or []) > s.max_stop_token_ids:
+            raise bad_request(f"stop_token_ids: at most {s.max_stop_token_ids} ids, got {len(req.stop_token_ids)}",
+                              param="stop_token_ids")
+        if req.logit_bias:
+            raise bad_request("logit_bias is not supported", param="logit_bias")
+
+    def prepare(self, model: ServedModel, req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int],
                 max_tokens: int | None, logprobs: int | None, prompt_param: str) -> Prepared:
-        limit = self.model.max_model_len
+        limit = self.context_limit(model)
         if not prompt_ids:
             raise bad_request("the prompt is empty", param=prompt_param)
         if len(prompt_ids) >= limit:
@@ -124,7 +170,7 @@ class Router:
         kwargs = req.sampling_kwargs()
         kwargs.update(max_tokens=max_tokens, logprobs=logprobs)
         if req.stop_token_ids:
-            self.check_ids(req.stop_token_ids, "stop_token_ids")
+            self.check_ids(model, req.stop_token_ids, "stop_token_ids")
         try:
             base = SamplingParams(**kwargs)
         except ValueError as exc:
@@ -134,10 +180,10 @@ class Router:
         for i in range(req.n):
             d = base.to_dict()
             d["n"] = 1
-            if base.seed is not None:
-                d["seed"] = base.seed + i
+            if base.seed is not None:  # seed + i, wrapped into the signed 64-bit range
+                d["seed"] = (base.seed + i + _INT64 // 2) % _INT64 - _INT64 // 2
             per_choice.append(d)
-        return Prepared(prompt_ids=prompt_ids, sampling=per_choice, stop=list(base.stop),
+        return Prepared(model=model, prompt_ids=prompt_ids, sampling=per_choice, stop=list(base.stop),
                         skip_special_tokens=base.skip_special_tokens, stream=req.stream,
                         include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
@@ -146,7 +192,8 @@ class Router:
     async def start_streams(self, prep: Prepared) -> list[RequestStream]:
         assert self.decode is not None, "router not started"
         deadline = time.time() + self.settings.request_timeout
-        streams = [self.decode.stream(prep.prompt_ids, sampling, deadline) for sampling in prep.sampling]
+        streams = [self.decode.stream(prep.prompt_ids, sampling, deadline, prep.model.name)
+                   for sampling in prep.sampling]
         for s in streams:
             log.info("request %s admitted: %d prompt tokens, max_tokens %s", s.request_id, len(prep.prompt_ids),
                      s.sampling.get("max_tokens"), extra={"request_id": s.request_id})
@@ -168,7 +215,7 @@ class Router:
         raise failure
 
     def runs(self, prep: Prepared, streams: list[RequestStream], arrival: float) -> list[ChoiceRun]:
-        return [ChoiceRun(i, s, self.tokenizer, prep.stop, prep.skip_special_tokens, self.metrics, arrival)
+        return [ChoiceRun(i, s, prep.model.tokenizer, prep.stop, prep.skip_special_tokens, self.metrics, arrival)
                 for i, s in enumerate(streams)]
 
     def count_tokens(self, prep: Prepared, runs: list[ChoiceRun], arrival: float) -> dict[str, int]:
@@ -181,18 +228,18 @@ class Router:
 
     # -- OpenAI formatting
 
-    def completion_logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
-        tokens = [self.tokenizer.token_text(lp.token_id) for lp in lps]
+    def completion_logprobs(self, tokenizer: Tokenizer, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+        tokens = [tokenizer.token_text(lp.token_id) for lp in lps]
         offsets = []
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.tokenizer.token_text(t): v for t, v in lp.top} for lp in lps],
+                "top_logprobs": [{tokenizer.token_text(t): v for t, v in lp.top} for lp in lps],
                 "text_offset": offsets}
 
-    def chat_logprobs(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
-        tt, tb = self.tokenizer.token_text, self.tokenizer.token_bytes
+    def chat_logprobs(self, tokenizer: Tokenizer, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+        tt, tb = tokenizer.token_text, tokenizer.token_bytes
         return [{"token": tt(lp.token_id), "logprob": lp.logprob, "bytes": tb(lp.token_id),
                  "top_logprobs": [{"token": tt(t), "logprob": v, "bytes": tb(t)} for t, v in lp.top]}
                 for lp in lps]
@@ -207,14 +254,22 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _parse(request: Request, model: type) -> Any:
-    body = await request.body()
-    return model.model_validate_json(body or b"{}")  # ValidationError -> 400 via the handlers
+def _has_key(router: Router, request: Request) -> bool:
+    """True when no API key is configured or the request's bearer token is one of them. Compared in constant
+    time with every key (no early exit), so neither a key's bytes nor which key matched shows in the timing."""
+    keys = router.settings.accepted_keys
+    if not keys:
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    presented = token.strip().encode()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(presented, key.encode())
+    return matched and scheme.lower() == "bearer"
 
 
 def _check_auth(router: Router, request: Request) -> None:
-    key = router.settings.api_key
-    if key and request.headers.get("authorization", "") != f"Bearer {key}":
+    if not _has_key(router, request):
         raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
 
 
@@ -233,51 +288,68 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
     app.state.router = router
     install_error_handlers(app)
 
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema plus the request bodies the endpoints parse themselves (`_parse`)."""
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            components.update(openapi_components(list(router.models)))
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health(request: Request) -> dict[str, Any]:
         decode = router.cluster.candidates("decode")
+        if not _has_key(router, request):  # probes without a key learn the status only, not the topology
+            return {"status": "ok" if decode else "no_decode_nodes"}
         return {"status": "ok" if decode else "no_decode_nodes", "router": settings.node_id,
                 "decode_nodes": sorted(n.id for n in decode),
                 "prefill_nodes": sorted(n.id for n in router.cluster.candidates("prefill")),
+                "models": {name: sorted(n.id for n in router.cluster.candidates("decode", model=name))
+                           for name in router.models},
                 "in_flight": router.in_flight}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if settings.metrics_require_key:
+            _check_auth(router, request)
         return Response(render(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         _check_auth(router, request)
-        return {"object": "list", "data": [{"id": router.model.name, "object": "model", "created": 0,
-                                            "owned_by": "pdcluster", "root": router.model.path,
-                                            "max_model_len": router.model.max_model_len}]}
+        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "pdcluster",
+                                            "root": m.info.path, "max_model_len": router.context_limit(m)}
+                                           for m in router.models.values()]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body("CompletionRequest"))
     async def completions(request: Request) -> Response:
         _check_auth(router, request)
-        req: CompletionRequest = await _parse(request, CompletionRequest)
-        router.check_model(req.model)
+        req: CompletionRequest = await parse_body(request, CompletionRequest, settings.max_body_bytes)
+        model = router.model(req.model)
         if req.echo:
             raise bad_request("echo is not supported", param="echo")
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
-        prep = router.prepare(req, router.completion_prompt(req), req.max_tokens, req.logprobs, "prompt")
+        router.check_limits(req)
+        prompt_ids = await router.off_loop(router.completion_prompt, model, req)
+        prep = router.prepare(model, req, prompt_ids, req.max_tokens, req.logprobs, "prompt")
         return await serve(request, prep, chat=False, want_logprobs=req.logprobs is not None)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body("ChatCompletionRequest"))
     async def chat_completions(request: Request) -> Response:
         _check_auth(router, request)
-        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
-        router.check_model(req.model)
+        req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, settings.max_body_bytes)
+        model = router.model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
-        try:
-            prompt_ids = router.tokenizer.apply_chat_template([m.template_dict() for m in req.messages])
-        except Exception as exc:  # template errors (bad roles, missing fields) are the client's
-            raise bad_request(f"messages: the chat template failed: {exc}", param="messages") from None
+        router.check_limits(req)
+        prompt_ids = await router.off_loop(router.chat_prompt, model, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        prep = router.prepare(req, prompt_ids, max_tokens, logprobs, "messages")
+        prep = router.prepare(model, req, prompt_ids, max_tokens, logprobs, "messages")
         return await serve(request, prep, chat=True, want_logprobs=req.logprobs)
 
     async def serve(request: Request, prep: Prepared, chat: bool, want_logprobs: bool) -> Response:
@@ -339,27 +411,29 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
         usage = router.count_tokens(prep, runs, arrival)
         router.metrics.requests.labels("ok").inc()
         created = int(time.time())
+        tok = prep.model.tokenizer
         if chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                        "logprobs": {"content": router.chat_logprobs(logprobs[i]), "refusal": None}
+                        "logprobs": {"content": router.chat_logprobs(tok, logprobs[i]), "refusal": None}
                         if want_logprobs else None,
                         "finish_reason": finish[i]} for i in range(len(runs))]
             return JSONResponse({"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-                                 "created": created, "model": router.model.name, "choices": choices,
+                                 "created": created, "model": prep.model.name, "choices": choices,
                                  "usage": usage})
         choices = [{"index": i, "text": texts[i],
-                    "logprobs": router.completion_logprobs(logprobs[i], 0) if want_logprobs else None,
+                    "logprobs": router.completion_logprobs(tok, logprobs[i], 0) if want_logprobs else None,
                     "finish_reason": finish[i]} for i in range(len(runs))]
         return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created,
-                             "model": router.model.name, "choices": choices, "usage": usage})
+                             "model": prep.model.name, "choices": choices, "usage": usage})
 
     async def stream_body(prep: Prepared, runs: list[ChoiceRun], chat: bool, want_logprobs: bool,
                           arrival: float) -> AsyncIterator[str]:
         rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": router.model.name}
+                "created": created, "model": prep.model.name}
         offsets = [0] * len(runs)
+        tok = prep.model.tokenizer
         outcome = "client_disconnected"
 
         def chunk(choices: list[dict[str, Any]], usage: dict | None = None) -> str:
@@ -370,12 +444,12 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
 
         def choice(delta: ChoiceDelta) -> dict[str, Any]:
             if chat:
-                lp = ({"content": router.chat_logprobs(delta.logprobs), "refusal": None}
+                lp = ({"content": router.chat_logprobs(tok, delta.logprobs), "refusal": None}
                       if want_logprobs and delta.logprobs else None)
                 content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
                 return {"index": delta.index, "delta": content, "logprobs": lp,
                         "finish_reason": delta.finish_reason}
-            lp = router.completion_logprobs(delta.logprobs, offsets[delta.index]) if want_logprobs else None
+            lp = router.completion_logprobs(tok, delta.logprobs, offsets[delta.index]) if want_logprobs else None
             offsets[delta.index] += len(delta.text)
             return {"index": delta.index, "text": delta.text, "logprobs": lp,
                     "finish_reason": delta.finish_reason}

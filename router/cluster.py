@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import posixpath
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from pdcluster.control.keys import ClusterKeys
 from pdcluster.control.protocol import Load
 from pdcluster.control.records import NodeInfo
 from pdcluster.control.transport import LoadSubscriber
@@ -78,6 +80,17 @@ class NodeState:
     def block_size(self) -> int:
         return self.load.block_size if self.load else 16
 
+    def serves(self, model: str) -> bool:
+        """Whether the node serves the model named `model`. Nodes before served names registered their model
+        dir's path; its last part is their served name (so a rolling upgrade keeps routing to them)."""
+        name = self.info.model
+        return name == model or ("/" in name and posixpath.basename(name.rstrip("/")) == model)
+
+    def holds(self, num_tokens: int) -> bool:
+        """Whether a sequence of `num_tokens` fits the node's max_model_len (0: the node did not say)."""
+        limit = self.info.capacity.max_model_len
+        return not limit or num_tokens <= limit
+
     def accepting(self) -> bool:
         if self.admin not in ("", ACTIVE):
             return False
@@ -92,8 +105,10 @@ class NodeState:
 
 
 class RouterCluster:
-    def __init__(self, source: NodeSource, sync_interval: float = 0.5, load_stale_s: float = 3.0) -> None:
+    def __init__(self, source: NodeSource, sync_interval: float = 0.5, load_stale_s: float = 3.0,
+                 keys: ClusterKeys | None = None) -> None:
         self.source = source
+        self.keys = keys   # the cluster secret's: CURVE on the Load subscription and on the decode nodes' dealers
         self.sync_interval = sync_interval
         self.load_stale_s = load_stale_s
         self._nodes: dict[str, NodeState] = {}
@@ -102,7 +117,7 @@ class RouterCluster:
         self.on_removed: list[Callable[[str], None]] = []
 
     async def start(self) -> None:
-        self._subscriber = LoadSubscriber()
+        self._subscriber = LoadSubscriber(keys=self.keys)
         self.sync()
         self._tasks = [asyncio.create_task(self._sync_loop()), asyncio.create_task(self._load_loop())]
 
@@ -159,10 +174,13 @@ class RouterCluster:
     def nodes(self, role: str) -> list[NodeState]:
         return [s for s in self._nodes.values() if s.info.role == role]
 
-    def candidates(self, role: str, exclude: set[str] = frozenset()) -> list[NodeState]:
-        """Nodes of `role` that take new work; ones whose reports went stale (maybe dead) only as a last resort."""
+    def candidates(self, role: str, exclude: set[str] = frozenset(), model: str | None = None,
+                   num_tokens: int = 0) -> list[NodeState]:
+        """Nodes of `role` that take new work (of `model`, able to hold `num_tokens` when they say how many
+        they can); ones whose reports went stale (maybe dead) only as a last resort."""
         now = time.monotonic()
-        nodes = [s for s in self.nodes(role) if s.accepting() and s.id not in exclude]
+        nodes = [s for s in self.nodes(role) if s.accepting() and s.id not in exclude
+                 and (model is None or s.serves(model)) and s.holds(num_tokens)]
         fresh = [s for s in nodes if s.load is None or now - s.load_time <= self.load_stale_s]
         return fresh or nodes
 

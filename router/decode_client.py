@@ -6,9 +6,11 @@ late messages from a node the request has left are simply dropped.
 
 A `RequestStream`:
   * `Reject` (before any token) -> the next decode node, up to `max_retries`; none left -> NoCapacity.
-  * no message for `stall_timeout`, the node left the cluster view, or it ended the request with
-    "abort"/"error" -> migration: `Generate` again on another node with `resume_ids` = the tokens
-    already received, up to `max_migrations`.
+  * no message for `stall_timeout` (a node sends `Progress` for a request that is queued or waiting on
+    its prefill, so this is silence, not time to first token), the node left the cluster view, it ended
+    the request with "abort"/"error", or tokens went missing (a `Tokens.pos` gap after a reconnect) ->
+    migration: `Generate` again on another node with `resume_ids` = the tokens already received, up to
+    `max_migrations`.
   * `abort()` (client gone, stop string hit) -> `Abort{rid}` to the node.
 """
 
@@ -20,7 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from pdcluster.control.protocol import Abort, Generate, Message, Reject, Tokens
+from pdcluster.control.protocol import Abort, Generate, Message, Progress, Reject, Tokens
 from pdcluster.control.transport import PeerDealers
 from pdcluster.router.cluster import NodeState, RouterCluster
 from pdcluster.router.metrics import RouterMetrics
@@ -53,14 +55,21 @@ class DecodeClient:
         self.settings = settings
         self.metrics = metrics
         self.queues: dict[str, asyncio.Queue] = {}   # per attempt rid: late replies to a left node are dropped
-        self.dealers = PeerDealers(self._on_message)
+        self.dealers = PeerDealers(self._on_message, keys=cluster.keys, owner=settings.node_id)
         cluster.on_removed.append(self.dealers.drop)
 
-    def stream(self, prompt_ids: list[int], sampling: dict[str, Any], deadline: float) -> RequestStream:
-        """A stream for one engine request (one choice); call `start()` then `next()`."""
-        return RequestStream(self, prompt_ids, sampling, deadline)
+    def stream(self, prompt_ids: list[int], sampling: dict[str, Any], deadline: float,
+               model: str | None = None) -> RequestStream:
+        """A stream for one engine request (one choice) on nodes serving `model`; call `start()` then `next()`."""
+        return RequestStream(self, prompt_ids, sampling, deadline, model)
 
     def _on_message(self, node_id: str, msg: Message) -> None:
+        if isinstance(msg, Progress):
+            for rid in msg.rids:
+                queue = self.queues.get(rid)
+                if queue is not None:
+                    queue.put_nowait(msg)
+            return
         queue = self.queues.get(getattr(msg, "rid", None))
         if queue is not None:
             queue.put_nowait(msg)
@@ -69,14 +78,17 @@ class DecodeClient:
         self.dealers.close()
         self.queues.clear()
 
-    def place(self, token_ids: list[int], max_tokens: int, exclude: set[str]) -> tuple[NodeState, NodeState | None]:
-        """(decode node, prefill node or None) for a request, or NoCapacity."""
-        decode_nodes = self.cluster.candidates("decode", exclude)
+    def place(self, token_ids: list[int], max_tokens: int, exclude: set[str],
+              model: str | None = None) -> tuple[NodeState, NodeState | None]:
+        """(decode node, prefill node or None) of `model` (None: any) for a request, or NoCapacity."""
+        decode_nodes = self.cluster.candidates("decode", exclude, model, len(token_ids) + max_tokens)
         decode = self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens)
         if decode is None:
-            raise NoCapacity("no decode node available", self.settings.retry_after)
+            raise NoCapacity(f"no decode node available{f' for model {model!r}' if model else ''}",
+                             self.settings.retry_after)
         prompt = Prompt(token_ids)
-        prefill = choose_prefill(self.policy, self.cluster.candidates("prefill"), prompt,
+        prefill = choose_prefill(self.policy, self.cluster.candidates("prefill", model=model,
+                                                                      num_tokens=len(token_ids) + 1), prompt,
                                  self.settings.disagg_min_tokens)
         note_assignment(decode, prefill, len(token_ids))
         return decode, prefill
@@ -84,8 +96,9 @@ class DecodeClient:
 
 class RequestStream:
     def __init__(self, client: DecodeClient, prompt_ids: list[int], sampling: dict[str, Any],
-                 deadline: float) -> None:
+                 deadline: float, model: str | None = None) -> None:
         self.client = client
+        self.model = model  # served name: only nodes of this model run it
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.deadline = deadline  # unix seconds
@@ -103,6 +116,7 @@ class RequestStream:
         self._rid = ""
         self._queue: asyncio.Queue | None = None
         self._last_message = 0.0
+        self._attempt_ids = 0  # token ids received from the current attempt (what its next Tokens.pos must be)
         self._first: Tokens | None = None
         self._sent_at = 0.0  # monotonic time of the current attempt's Generate, until its first reply
 
@@ -138,6 +152,10 @@ class RequestStream:
                 reason = "stalled or left the cluster" if msg is None else f"ended it with {msg.finish}: {msg.error}"
                 self._migrate(reason)
                 continue
+            if 0 <= msg.pos != self._attempt_ids:
+                self._migrate(f"lost tokens {self._attempt_ids}..{msg.pos - 1} of its stream (reconnect?)")
+                continue
+            self._attempt_ids += len(msg.ids)
             if self._sent_at:
                 self.client.metrics.backend_first_token.labels(self._node_id).observe(time.monotonic() - self._sent_at)
                 self._sent_at = 0.0
@@ -168,7 +186,7 @@ class RequestStream:
         try:
             decode, prefill = self.client.place(self.prompt_ids + self.output_ids,
                                                 self.sampling.get("max_tokens", 16) - len(self.output_ids),
-                                                exclude)
+                                                exclude, self.model)
         except NoCapacity as exc:
             if self._rejected:
                 raise NoCapacity(f"all decode nodes rejected the request ({len(self._rejected)} tried)",
@@ -179,6 +197,7 @@ class RequestStream:
         self._node_id = decode.id
         self._queue = self.client.queues[self._rid] = asyncio.Queue()
         self._last_message = self._sent_at = time.monotonic()
+        self._attempt_ids = 0
         log.info("request %s: attempt %d to decode node %s, prefill %s (%d prompt + %d resumed tokens)",
                  self.request_id, self._attempt, decode.id, prefill.id if prefill else "local",
                  len(self.prompt_ids), len(self.output_ids), extra={"request_id": self._rid})
@@ -190,12 +209,16 @@ class RequestStream:
             self._queue.put_nowait(None)  # treated like a dead node: try the next one
 
     async def _wait(self) -> Tokens | Reject | None:
-        """The node's next message, or None when it stalled / left the view / the deadline passed."""
+        """The node's next message, or None when it stalled / left the view / the deadline passed.
+        `Progress` only restarts the stall timer."""
         assert self._queue is not None and self._node_id is not None
         stall = self.client.settings.stall_timeout
         while True:
             try:
-                return await asyncio.wait_for(self._queue.get(), POLL_INTERVAL)
+                msg = await asyncio.wait_for(self._queue.get(), POLL_INTERVAL)
+                if not isinstance(msg, Progress):
+                    return msg
+                self._last_message = time.monotonic()
             except asyncio.TimeoutError:
                 pass
             if time.time() > self.deadline:

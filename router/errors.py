@@ -14,8 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 log = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error",
-          504: "timeout_error"}
+          405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+          503: "service_unavailable_error", 504: "timeout_error"}
 
 
 class APIError(Exception):
@@ -31,6 +31,11 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def model_not_found(name: str, served: list[str]) -> APIError:
+    return APIError(404, f"The model '{name}' does not exist; this router serves {', '.join(map(repr, served))}",
+                     param="model", code="model_not_found")
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

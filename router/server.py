@@ -31,8 +31,10 @@ def run_router(config: Any, source: NodeSource | None = None) -> None:
     registry = new_registry()  # shared by the app's metrics and the etcd view's connection gauge
     if source is None:
         from pdcluster.control.cluster_view import ClusterView
+        from pdcluster.control.etcd_client import EtcdCredentials
 
-        source = _StartedOnLifespan(ClusterView(list(config.etcd), config.cluster, registry=registry))
+        source = _StartedOnLifespan(ClusterView(list(config.etcd), config.cluster, registry=registry,
+                                                credentials=EtcdCredentials.from_config(config)))
     app = create_app(settings, source, registry)
     log.info("router %s serving %s on http://%s:%d (policy %s)", settings.node_id, settings.model,
              settings.host, settings.port, settings.routing_policy)

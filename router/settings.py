@@ -4,13 +4,16 @@ file, `PDCLUSTER_<KEY>` env variables and its flags (all derived from these fiel
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from pdcluster.control.config import CommonConfig, check_port, knob
+from pdcluster.control.config import CommonConfig, check_port, knob, parse_bytes
+from pdcluster.control.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware")  # = router.policies.POLICIES (tested)
 
@@ -23,11 +26,15 @@ def default_router_id() -> str:
 class RouterSettings:
     model: str = knob("", "model dir: tokenizer, chat template, config.json (no weights are loaded)")
     served_model_name: str = knob("", "the \"model\" clients send; default: the model dir's name")
-    max_model_len: int = knob(0, "context limit checked on requests; 0 = config.json's max_position_embeddings")
+    models: list[str] = knob(help="more served models, each a model dir or name=dir (comma-separated)",
+                             factory=list)
+    max_model_len: int = knob(0, "context limit checked on requests; 0 = each model's max_position_embeddings")
     host: str = knob("127.0.0.1", "HTTP bind address")
     port: int = knob(8000, "HTTP port of the OpenAI API")
     node_id: str = knob("", "router id sent as Generate.router; default router-<hostname>-<pid>")
     api_key: str = knob("", "when set, requests need \"Authorization: Bearer <api_key>\"")
+    api_key_file: str = knob("", "file of accepted API keys, one per line ('#' comments), besides api_key")
+    metrics_require_key: bool = knob(True, "with API keys set, GET /metrics needs one too (false: open to all)")
     routing_policy: str = knob("prefix_aware", "how a decode (and prefill) node is picked (docs/router.md)",
                                choices=ROUTING_POLICIES)
     disagg_min_tokens: int = knob(64, "shorter prompts with no cached prefix are prefilled on the decode node")
@@ -39,6 +46,11 @@ class RouterSettings:
     max_in_flight: int = knob(4096, "concurrent requests beyond this get 429")
     retry_after: float = knob(1.0, "Retry-After seconds sent when nothing can take a request")
     load_stale_s: float = knob(3.0, "Load reports older than this many seconds rank a node last")
+    max_body_bytes: int = knob(16 << 20, "larger request bodies get 413 (e.g. 16MiB)", parse=parse_bytes)
+    max_stop_strings: int = knob(16, f"most stop strings per request (engines refuse > {MAX_STOP_STRINGS})")
+    max_stop_chars: int = knob(256, f"longest stop string (engines refuse > {MAX_STOP_STRING_CHARS})")
+    max_stop_token_ids: int = knob(64, f"most stop_token_ids per request (engines refuse > {MAX_STOP_TOKEN_IDS})")
+    tokenizer_threads: int = knob(4, "threads that tokenize and render chat templates off the event loop")
 
     @classmethod
     def from_config(cls, config: Any, **overrides: Any) -> "RouterSettings":
@@ -50,8 +62,41 @@ class RouterSettings:
             settings.node_id = default_router_id()
         return settings
 
+    def served_models(self) -> list[tuple[str, str]]:
+        """(served name, model dir) of every model: `model` (named `served_model_name`), then `models`."""
+        out = [(self.served_model_name or _dir_name(self.model), self.model)] if self.model else []
+        for entry in self.models:
+            name, sep, path = entry.partition("=")
+            out.append((name, path) if sep and name and "/" not in name else (_dir_name(entry), entry))
+        return out
+
+    @cached_property
+    def accepted_keys(self) -> tuple[str, ...]:
+        """`api_key` and the keys of `api_key_file` (read once; restart the router to apply a changed file).
+        Empty: the API is open."""
+        return tuple(([self.api_key] if self.api_key else []) +
+                     (read_api_keys(self.api_key_file) if self.api_key_file else []))
+
     def validate(self) -> None:
         check_port("port", self.port)
+        if self.api_key_file:
+            try:
+                if not read_api_keys(self.api_key_file):
+                    raise ValueError(f"api_key_file: {self.api_key_file} holds no key (an open API is api_key_file "
+                                     "unset, not an empty file)")
+            except OSError as exc:
+                raise ValueError(f"api_key_file: cannot read {self.api_key_file} ({exc.strerror})") from None
+        names = [name for name, _ in self.served_models()]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"models: served names must be unique, got {', '.join(twice)} more than once")
+        for name, cap in (("max_stop_strings", MAX_STOP_STRINGS), ("max_stop_chars", MAX_STOP_STRING_CHARS),
+                          ("max_stop_token_ids", MAX_STOP_TOKEN_IDS)):
+            if not 0 <= getattr(self, name) <= cap:
+                raise ValueError(f"{name}: must be in [0, {cap}] (the engines' limit), got {getattr(self, name)}")
+        for name in ("max_body_bytes", "tokenizer_threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "disagg_min_tokens", "max_retries", "max_migrations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
@@ -59,10 +104,21 @@ class RouterSettings:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("request_timeout", "stall_timeout", "load_stale_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
-        if self.retry_after < 0:
-            raise ValueError(f"retry_after: must be >= 0 seconds, got {self.retry_after}")
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name}: must be > 0 seconds and finite, got {getattr(self, name)}")
+        if not 0 <= self.retry_after < math.inf:
+            raise ValueError(f"retry_after: must be >= 0 seconds and finite, got {self.retry_after}")
+
+
+def read_api_keys(path: str) -> list[str]:
+    """The keys of an API key file: one per line, surrounding blanks stripped; empty lines and '#' comments skipped."""
+    with open(path, encoding="utf-8") as f:
+        lines = (line.strip() for line in f)
+        return [line for line in lines if line and not line.startswith("#")]
+
+
+def _dir_name(path: str) -> str:
+    return Path(path).name
 
 
 @dataclass
@@ -72,7 +128,7 @@ class RouterConfig(RouterSettings, CommonConfig):
     def finish(self, kind: str) -> None:
         CommonConfig.finish(self, kind)
         if not self.served_model_name and self.model:
-            self.served_model_name = Path(self.model).name
+            self.served_model_name = _dir_name(self.model)
 
     def validate(self) -> None:
         CommonConfig.validate(self)

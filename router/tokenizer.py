@@ -46,6 +46,22 @@ def read_model_info(path: str, name: str | None = None, max_model_len: int | Non
                      max_model_len=int(limit), eos_token_ids=eos_ids)
 
 
+@dataclass
+class ServedModel:
+    """One model a router serves: its limits and tokenizer; nodes register with its name (`NodeInfo.model`)."""
+
+    info: ModelInfo
+    tokenizer: Tokenizer
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @classmethod
+    def load(cls, name: str, path: str, max_model_len: int | None = None) -> "ServedModel":
+        return cls(read_model_info(path, name, max_model_len), Tokenizer(path))
+
+
 class Tokenizer:
     """The model's tokenizer and chat template, read as transformers reads them: `tokenizer.json` through
     the `tokenizers` library, the template (tokenizer_config.json or chat_template.jinja) through jinja2.

@@ -14,8 +14,8 @@ import uvicorn
 import zmq
 
 from pdcluster.control import protocol
-from pdcluster.control.protocol import Abort, Generate, Load, Reject, Tokens
-from pdcluster.control.records import NodeInfo
+from pdcluster.control.protocol import Abort, Generate, Load, Progress, Reject, Tokens
+from pdcluster.control.records import Capacity, NodeInfo
 
 CORPUS = [
     "Hello world, this is a tiny test corpus for the router.",
@@ -59,17 +59,25 @@ class FakeDecodeNode:
     every `delay` seconds; finish "length" at max_tokens, "stop" when the script ends.
 
     mode: "ok" | "reject" (Reject every Generate) | "die" (after `die_after` tokens of its first
-    request it closes its socket and stops, like a killed process).
+    request it closes its socket and stops, like a killed process) | "silent" (takes every Generate and
+    never answers, like a hung node).
+    first_delay: seconds before a request's first token (a queue, a slow prefill); meanwhile, with
+    `progress` set, a Progress for it every `progress` seconds (what a real decode node does).
     """
 
     def __init__(self, node_id: str, script: list[int], mode: str = "ok", delay: float = 0.01, chunk: int = 1,
-                 die_after: int = 3, load: dict[str, Any] | None = None) -> None:
+                 die_after: int = 3, load: dict[str, Any] | None = None, model: str = "tiny",
+                 max_model_len: int = 0, first_delay: float = 0.0, progress: float | None = None) -> None:
         self.node_id = node_id
+        self.model = model  # the served name it registers (NodeInfo.model)
+        self.max_model_len = max_model_len  # registered in NodeInfo.capacity; 0 = not said
         self.script = script
         self.mode = mode
         self.delay = delay
         self.chunk = chunk
         self.die_after = die_after
+        self.first_delay = first_delay
+        self.progress = progress
         self.load = load  # when set, published as Load every 0.1 s
         self.generates: list[Generate] = []
         self.aborts: list[Abort] = []
@@ -87,8 +95,8 @@ class FakeDecodeNode:
 
     @property
     def info(self) -> NodeInfo:
-        return NodeInfo(node_id=self.node_id, role="decode", control_addr=self.address,
-                        load_addr=self.load_address)
+        return NodeInfo(node_id=self.node_id, role="decode", model=self.model, control_addr=self.address,
+                        load_addr=self.load_address, capacity=Capacity(max_model_len=self.max_model_len))
 
     def stop(self) -> None:
         self._stop.set()
@@ -111,7 +119,8 @@ class FakeDecodeNode:
                             active[msg.rid] = {"identity": frames[0], "pos": len(msg.resume_ids),
                                                "max": msg.sampling["max_tokens"],
                                                "logprobs": msg.sampling.get("logprobs"),
-                                               "first": True, "next": time.monotonic(),
+                                               "first": True, "next": time.monotonic() + self.first_delay,
+                                               "ping": 0.0,
                                                "plen": len(msg.prompt_ids)}
                     elif isinstance(msg, Abort):
                         self.aborts.append(msg)
@@ -121,7 +130,12 @@ class FakeDecodeNode:
                     self._pub.send(protocol.encode(Load(node_id=self.node_id, role="decode", **self.load)))
                     next_load = now + 0.1
                 for rid, req in list(active.items()):
+                    if self.mode == "silent":
+                        continue
                     if now < req["next"]:
+                        if self.progress and req["first"] and now >= req["ping"]:
+                            self._send(req["identity"], Progress(rids=[rid], states=["queued"]))
+                            req["ping"] = now + self.progress
                         continue
                     if self.mode == "die" and sent_total >= self.die_after:
                         self.dead.set()

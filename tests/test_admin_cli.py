@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,7 +44,8 @@ def cluster(tmp_path_factory):
 
 def cli(cluster: LocalCluster, *args: str, timeout: float = 60, etcd: str | None = None) -> subprocess.CompletedProcess:
     cmd = [PDCLUSTER, *args, "--etcd", etcd or cluster.etcd, "--cluster", CLUSTER]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    env = {**os.environ, "PDCLUSTER_CLUSTER_SECRET": cluster.cluster_secret}   # to read the nodes' Load reports
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def status(cluster: LocalCluster) -> dict[str, dict]:

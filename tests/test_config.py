@@ -18,9 +18,10 @@ import yaml
 from pdcluster.cli.config import KINDS, load_config
 from pdcluster.cli.main import app
 from pdcluster.control.config import CommonConfig, env_name, field_type, parse_bytes, parse_endpoint, settings
+from pdcluster.control.keys import generate_secret
 from pdcluster.control.log import bind_request_id, setup_logging
 from pdcluster.engine.args import EngineArgs
-from pdcluster.node.config import NODE_DEFAULTS, NodeConfig, engine_args_from_config
+from pdcluster.node.config import NODE_DEFAULTS, TIMEOUT_KNOBS, NodeConfig, engine_args_from_config
 from pdcluster.router.settings import RouterConfig, RouterSettings
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -216,6 +217,19 @@ def _flags(kind: str, argv: list[str]) -> dict:
 
 # Knobs whose only valid value is the default: setting another must fail with this (and not "unknown key").
 ONLY_DEFAULT = {"tensor_parallel_size": "tensor parallelism is not implemented yet"}
+# Knobs naming a file that must exist when the config is validated, and knobs valid only with others set.
+FILE_KNOBS = {"etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file", "api_key_file", "cluster_secret"}
+NEEDS = {"etcd_cert": ("etcd_key", "etcd_ca"), "etcd_key": ("etcd_cert", "etcd_ca"),
+         "etcd_user": ("etcd_password_file",), "etcd_password_file": ("etcd_user",)}
+
+
+def _a_file(tmp_path: Path, name: str) -> str:
+    path = tmp_path / f"{name}.txt"
+    if name == "cluster_secret":   # a real secret file (format and mode are checked)
+        generate_secret(path, force=True)
+    else:
+        path.write_text("a-secret-line\n")
+    return str(path)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -224,12 +238,13 @@ def test_every_declared_knob_is_settable_from_file_env_and_flags(kind, tmp_path)
     fields = settings(KINDS[kind])
     assert len(fields) > 20
     for f in fields:
-        value = _sample(f)
+        value = _a_file(tmp_path, f.name) if f.name in FILE_KNOBS else _sample(f)
         base = {} if kind == "router" or f.name == "model" else {"model": "/m"}
+        base.update({k: _a_file(tmp_path, k) if k in FILE_KNOBS else "someone" for k in NEEDS.get(f.name, ())})
         flag = "--" + f.name.replace("_", "-")
         argv = [f"{flag}" if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, _text(value)]
-        for model_flag in (["--model", base["model"]] if base else []):
-            argv.append(model_flag)
+        for key, other in base.items():
+            argv += ["--" + key.replace("_", "-"), other]
         path = tmp_path / f"{f.name}.yaml"
         path.write_text(yaml.safe_dump({**base, f.name: value}))
         env = {env_name(k): _text(v) for k, v in {**base, f.name: value}.items()}
@@ -250,7 +265,9 @@ def test_config_classes_derive_from_the_declarations():
     router = {f.name: f for f in settings(RouterConfig)}
     common = {f.name for f in settings(CommonConfig)}
     assert "kv_pool_factory" not in node and "kv_pool_tensor" not in node and "kv_pool_factory" not in engine
-    assert set(engine) | common | {"kv_backend", "control_port", "load_port", "kv_port"} == set(node)
+    timeouts = set(TIMEOUT_KNOBS)
+    own = {"kv_backend", "control_port", "load_port", "kv_port", "served_model_name"}
+    assert set(engine) | common | own | timeouts == set(node)
     for name, f in engine.items():  # same type, help and default (unless the node says otherwise)
         assert (node[name].type, node[name].metadata["help"]) == (f.type, f.metadata["help"]) and f.metadata["help"]
         assert _default(node[name]) == NODE_DEFAULTS.get(name, _default(f))

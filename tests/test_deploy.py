@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from pdcluster.cli.config import load_config
-from pdcluster.control.etcd_server import etcd_binary, free_port, is_reachable
+from pdcluster.control.etcd_server import etcd_binary, free_port, health_ok
 
 ROOT = Path(__file__).resolve().parents[1]
 ANSIBLE_DIR = ROOT / "deploy" / "ansible"
@@ -36,6 +36,9 @@ PDCLUSTER = VENV_BIN / "pdcluster"
 CLUSTER = "deploytest"
 DRAIN_TIMEOUT = 42
 NPU_DEVICES = [0, 1]
+ROUTER_KEYS = ["team-a-0123456789", "team-b-9876543210"]
+TLS_FILES = {"ca.crt": 0o644, "client.crt": 0o644, "client.key": 0o600, "etcd.password": 0o600,
+             "cluster.secret": 0o600}
 
 pytestmark = [pytest.mark.deploy, pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(),
                                                      reason="ansible-core not installed (pip install -e '.[dev]')")]
@@ -105,6 +108,8 @@ class Deployment:
         self.model = base / "models" / "tiny"
         self.etcd_port = free_port()
         self.etcd_peer_port = free_port()
+        self.etcd_metrics_port = free_port()
+        self.secrets = base / "secrets" / CLUSTER   # pdcluster_secrets_dir's default: next to the inventory
         self.ports = {name: free_port() for name in (
             "prefill_control", "prefill_load", "prefill_kv", "prefill_metrics",
             "decode_control", "decode_load", "decode_kv", "decode_metrics", "router", "router_metrics")}
@@ -147,6 +152,7 @@ class Deployment:
             "pdcluster_cluster": CLUSTER, "pdcluster_model": str(self.model),
             "pdcluster_drain_timeout_s": DRAIN_TIMEOUT,
             "pdcluster_etcd_client_port": self.etcd_port, "pdcluster_etcd_peer_port": self.etcd_peer_port,
+            "pdcluster_etcd_metrics_port": self.etcd_metrics_port, "pdcluster_router_api_keys": ROUTER_KEYS,
             "pdcluster_prefill_control_port": p["prefill_control"], "pdcluster_prefill_load_port": p["prefill_load"],
             "pdcluster_prefill_kv_port": p["prefill_kv"], "pdcluster_prefill_metrics_port": p["prefill_metrics"],
             "pdcluster_decode_control_port": p["decode_control"], "pdcluster_decode_load_port": p["decode_load"],
@@ -220,18 +226,43 @@ def test_site_renders_exactly_the_expected_files(deployed):
     def files(root: Path) -> set[str]:
         return {str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()}
 
-    cfg, units = "etc/pdcluster/", "etc/systemd/system/"
-    assert files(deployed.cpu) == {
-        cfg + "pdcluster.env", cfg + "etcd.yaml", cfg + "router.yaml", cfg + "router.env",
+    cfg, units, tls = "etc/pdcluster/", "etc/systemd/system/", "etc/pdcluster/tls/"
+    assert files(deployed.cpu) == {tls + name for name in [*TLS_FILES, "etcd.crt", "etcd.key"]} | {
+        cfg + "pdcluster.env", cfg + "etcd.yaml", cfg + "router.yaml", cfg + "router.env", cfg + "router.api_keys",
         cfg + "prefill-0.yaml", cfg + "prefill-0.env", cfg + "decode-0.yaml", cfg + "decode-0.env",
         units + "pdcluster-etcd.service", units + "pdcluster-router.service",
         units + "pdcluster-prefill@.service", units + "pdcluster-decode@.service",
     }
     assert (deployed.cpu / "var/lib/pdcluster/etcd").is_dir()
-    assert files(deployed.npu) == {cfg + "pdcluster.env", cfg + "ascend.env",
+    assert files(deployed.npu) == {tls + name for name in TLS_FILES} | {cfg + "pdcluster.env", cfg + "ascend.env",
                                    units + "pdcluster-prefill@.service", units + "pdcluster-decode@.service"} | {
         f"{cfg}{role}-{dev}.{ext}" for role in ("prefill", "decode") for dev in NPU_DEVICES for ext in ("yaml", "env")}
     assert (deployed.cpu / cfg / "router.env").stat().st_mode & 0o777 == 0o600
+    assert (deployed.cpu / cfg / "router.api_keys").stat().st_mode & 0o777 == 0o600
+    for root, extra in ((deployed.cpu, {"etcd.crt": 0o644, "etcd.key": 0o600}), (deployed.npu, {})):
+        for name, mode in {**TLS_FILES, **extra}.items():
+            assert (root / tls / name).stat().st_mode & 0o777 == mode, name
+        # Every host has the same CA, password and cluster secret, and a client certificate of its own.
+        for name in ("ca.crt", "cluster.secret"):
+            assert (root / tls / name).read_bytes() == (deployed.secrets / name).read_bytes()
+    assert (deployed.cpu / tls / "client.crt").read_bytes() != (deployed.npu / tls / "client.crt").read_bytes()
+
+
+def openssl(*args: str) -> str:
+    return subprocess.run(["openssl", *args], capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+def test_generated_certificates_chain_to_the_cluster_ca(deployed):
+    secrets, tls = deployed.secrets, deployed.config_dir("cpuhost") / "tls"
+    assert (secrets / "ca.key").stat().st_mode & 0o777 == 0o600 and not (tls / "ca.key").exists()
+    for cert in (tls / "etcd.crt", tls / "client.crt", deployed.config_dir("npuhost") / "tls" / "client.crt"):
+        assert openssl("verify", "-CAfile", str(secrets / "ca.crt"), str(cert)).strip().endswith(": OK")
+    server = openssl("x509", "-in", str(tls / "etcd.crt"), "-noout", "-text")
+    assert "IP Address:127.0.0.1" in server and "TLS Web Server Authentication" in server
+    client = openssl("x509", "-in", str(tls / "client.crt"), "-noout", "-subject", "-ext", "extendedKeyUsage")
+    assert "CN = pdcluster-client-cpuhost" in client and "TLS Web Client Authentication" in client
+    assert "Server" not in client
 
 
 def test_every_rendered_unit_passes_systemd_analyze_verify(deployed, tmp_path):
@@ -306,6 +337,10 @@ def test_node_unit_runs_pdcluster_with_its_rendered_config(deployed, host, devic
         assert config.device == ("npu" if host == "npuhost" else "cpu")
         assert config.block_size == (128 if host == "npuhost" else 16)
         assert config.tensor_parallel_size == 1
+        tls = config_dir / "tls"
+        assert (config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_password_file) == (
+            str(tls / "ca.crt"), str(tls / "client.crt"), str(tls / "client.key"), str(tls / "etcd.password"))
+        assert config.etcd_user == "pdcluster" and config.cluster_secret == str(tls / "cluster.secret")
         for port in ("control", "load", "kv", "metrics"):
             assert getattr(config, f"{port}_port") == deployed.ports[f"{role}_{port}"] + index
 
@@ -329,6 +364,8 @@ def test_router_unit_and_config(deployed):
     assert config.port == deployed.ports["router"] and config.metrics_port == deployed.ports["router_metrics"]
     assert config.etcd == [f"127.0.0.1:{deployed.etcd_port}"] and config.cluster == CLUSTER
     assert config.api_key == 'k3y"with\\quote', "the API key must survive env-file quoting exactly"
+    assert config.accepted_keys == ('k3y"with\\quote', *ROUTER_KEYS)
+    assert config.etcd_ca == str(deployed.config_dir("cpuhost") / "tls" / "ca.crt") and config.etcd_user == "pdcluster"
     assert "k3y" not in Path(argv[3]).read_text(), "the API key belongs in the 0600 env file, not the config"
 
 
@@ -398,10 +435,31 @@ class UnitProcess:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
 
 
-def etcdctl(endpoint: str, *args: str) -> str:
-    ctl = etcd_binary().with_name("etcdctl")
-    return subprocess.run([str(ctl), "--endpoints", endpoint, *args], capture_output=True, text=True,
-                          timeout=20, check=True, env=dict(os.environ, ETCDCTL_API="3")).stdout
+def etcdctl(deployed: "Deployment", *args: str, user: str | None = "pdcluster", check: bool = True,
+            host: str = "cpuhost") -> subprocess.CompletedProcess:
+    """etcdctl against the deployed etcd with a host's rendered client certificate, as `user` (None: no login)."""
+    tls = deployed.config_dir(host) / "tls"
+    env = dict(os.environ, ETCDCTL_API="3")
+    if user:
+        env.update(ETCDCTL_USER=user, ETCDCTL_PASSWORD=(deployed.secrets / f"etcd-{user}.password").read_text().strip())
+    result = subprocess.run([str(etcd_binary().with_name("etcdctl")), "--endpoints",
+                             f"https://127.0.0.1:{deployed.etcd_port}", "--cacert", str(tls / "ca.crt"),
+                             "--cert", str(tls / "client.crt"), "--key", str(tls / "client.key"), *args],
+                            capture_output=True, text=True, timeout=20, env=env)
+    assert not check or result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def start_etcd_with_auth(deployed: "Deployment", log_dir: Path) -> "UnitProcess":
+    """etcd from its rendered unit, then etcd_auth.yml (what site.yml runs once etcd is up; the test
+    deployment does not manage services, so it runs here). Returns the running etcd."""
+    etcd = UnitProcess(deployed.unit_dir("cpuhost") / "pdcluster-etcd.service", log_dir=log_dir)
+    health = f"http://127.0.0.1:{deployed.etcd_metrics_port}/health"
+    wait_until(lambda: health_ok(health) or etcd.proc.poll() is not None, 30, "etcd /health")
+    assert etcd.proc.poll() is None, etcd.tail()
+    deployed.auth_run = run_ansible(*deployed.args, "etcd_auth.yml")
+    assert deployed.auth_run.returncode == 0, (deployed.auth_run.stdout + deployed.auth_run.stderr)[-4000:]
+    return etcd
 
 
 def wait_until(predicate, timeout: float, what: str) -> None:
@@ -413,15 +471,35 @@ def wait_until(predicate, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def test_rendered_etcd_unit_runs_a_working_etcd(deployed, tmp_path):
-    unit_path = deployed.unit_dir("cpuhost") / "pdcluster-etcd.service"
-    etcd = UnitProcess(unit_path, log_dir=tmp_path)
-    endpoint = f"127.0.0.1:{deployed.etcd_port}"
+def test_rendered_etcd_unit_runs_etcd_with_tls_and_auth(deployed, tmp_path):
+    etcd = start_etcd_with_auth(deployed, tmp_path)
     try:
-        wait_until(lambda: is_reachable(endpoint) or etcd.proc.poll() is not None, 30, "etcd /health")
-        assert etcd.proc.poll() is None, etcd.tail()
-        etcdctl(endpoint, "put", f"/pdcluster/{CLUSTER}/probe", "hello")
-        assert etcdctl(endpoint, "get", "--print-value-only", f"/pdcluster/{CLUSTER}/probe").strip() == "hello"
+        assert recap(deployed.auth_run.stdout)["cpuhost"]["changed"] > 0
+        key = f"/pdcluster/{CLUSTER}/probe"
+        etcdctl(deployed, "put", key, "hello")
+        assert etcdctl(deployed, "get", "--print-value-only", key).stdout.strip() == "hello"
+        # The role may not leave /pdcluster/; a certificate without a login, or no certificate, gets nothing.
+        assert "permission denied" in etcdctl(deployed, "put", "/elsewhere", "x", check=False).stderr
+        anonymous = etcdctl(deployed, "get", key, user=None, check=False)
+        assert anonymous.returncode != 0 and "hello" not in anonymous.stdout
+        bare = subprocess.run([str(etcd_binary().with_name("etcdctl")), "--endpoints",
+                               f"https://127.0.0.1:{deployed.etcd_port}", "--cacert",
+                               str(deployed.config_dir("cpuhost") / "tls" / "ca.crt"), "--dial-timeout", "2s",
+                               "--command-timeout", "3s", "get", key], capture_output=True, text=True, timeout=20,
+                              env=dict(os.environ, ETCDCTL_API="3", ETCDCTL_USER="pdcluster", ETCDCTL_PASSWORD=(
+                                  deployed.secrets / "etcd-pdcluster.password").read_text().strip()))
+        assert bare.returncode != 0
+        # The npu host's own certificate and password file work too, through `pdcluster status`.
+        tls = deployed.config_dir("npuhost") / "tls"
+        status = subprocess.run([str(PDCLUSTER), "nodes", "--json", "--etcd", f"127.0.0.1:{deployed.etcd_port}",
+                                 "--cluster", CLUSTER, "--etcd-ca", str(tls / "ca.crt"), "--etcd-cert",
+                                 str(tls / "client.crt"), "--etcd-key", str(tls / "client.key"), "--etcd-user",
+                                 "pdcluster", "--etcd-password-file", str(tls / "etcd.password")],
+                                capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0 and json.loads(status.stdout)["nodes"] == [], status.stderr
+        # The auth tasks are idempotent: a second run changes nothing.
+        again = run_ansible(*deployed.args, "etcd_auth.yml")
+        assert again.returncode == 0 and recap(again.stdout)["cpuhost"]["changed"] == 0, again.stdout[-3000:]
         assert (deployed.cpu / "var/lib/pdcluster/etcd/member").is_dir(), "etcd must use the rendered data dir"
     finally:
         # etcd re-raises SIGTERM after a clean shutdown; systemd counts death by SIGTERM as success.
@@ -443,11 +521,10 @@ def test_rendered_units_serve_a_request_and_drain_on_sigterm(deployed, tmp_path)
     from pdcluster.engine.testing import make_tiny_model
 
     make_tiny_model(str(deployed.model), "llama")
-    units, endpoint = deployed.unit_dir("cpuhost"), f"127.0.0.1:{deployed.etcd_port}"
+    units = deployed.unit_dir("cpuhost")
     procs: dict[str, UnitProcess] = {}
     try:
-        procs["etcd"] = UnitProcess(units / "pdcluster-etcd.service", log_dir=tmp_path)
-        wait_until(lambda: is_reachable(endpoint), 30, "etcd")
+        procs["etcd"] = start_etcd_with_auth(deployed, tmp_path)
         for role in ("prefill", "decode"):
             procs[role] = UnitProcess(units / f"pdcluster-{role}@.service", "0", log_dir=tmp_path)
         procs["router"] = UnitProcess(units / "pdcluster-router.service", log_dir=tmp_path)
@@ -473,9 +550,9 @@ def test_rendered_units_serve_a_request_and_drain_on_sigterm(deployed, tmp_path)
 
         for role in ("decode", "prefill"):
             key = f"/pdcluster/{CLUSTER}/nodes/{role}/cpuhost-{role}-0"
-            assert etcdctl(endpoint, "get", "--print-value-only", key).strip(), f"{role} not registered"
+            assert etcdctl(deployed, "get", "--print-value-only", key).stdout.strip(), f"{role} not registered"
             assert procs.pop(role).stop() == 0, f"{role} did not drain cleanly on SIGTERM"
-            assert etcdctl(endpoint, "get", "--print-value-only", key).strip() == "", f"{role} still registered"
+            assert etcdctl(deployed, "get", "--print-value-only", key).stdout.strip() == "", f"{role} still registered"
     finally:
         for proc in reversed(list(procs.values())):
             if proc.proc.poll() is None:

@@ -21,12 +21,14 @@ from pdcluster.kv_transfer import (
     KVLayout,
     KVReceiver,
     KVSender,
+    LayoutMismatchError,
     SharedKVPool,
     TransferError,
     quant,
 )
+from pdcluster.kv_transfer.handshake import client_handshake
 from pdcluster.kv_transfer.shm import block_tags, token_tag
-from pdcluster.kv_transfer.tcp import WIRE_VERSION
+from pdcluster.kv_transfer.tcp import WIRE_VERSION, Wire
 from pdcluster.kv_transfer.testing import corrupt_writes
 
 pytestmark = pytest.mark.slow  # real processes or sockets: each test takes most of a second
@@ -296,8 +298,8 @@ def test_done_without_accepted_open_does_not_bind_the_reservation(sender, receiv
         return msgpack.unpackb(s.recv(n))
 
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        frame(s, {"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "x", "layout": dst.layout})
-        assert reply(s)["op"] == "hello_ok"
+        hello = {"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "x", "layout": dst.layout}
+        assert client_handshake(Wire(s), None, hello, "rx")["op"] == "hello_ok"
         frame(s, {"op": "open", "rid": "b", "xid": 1, "token": dst.token, "blocks": [6, 9]})  # 9: not reserved
         assert reply(s)["op"] == "error"
         frame(s, {"op": "done", "rid": "b", "xid": 1, "token": dst.token, "writes": 1, "checksum": 0})
@@ -368,22 +370,17 @@ def test_garbage_on_the_port_is_dropped(sender, receiver_pool):
     rx, pool = receiver_pool()
     host, port = rx.address.rsplit(":", 1)
     # 1) pure garbage, 2) a huge length prefix, 3) a valid hello followed by a frame that is not a map
-    hello = msgpack.packb(
-        {
-            "op": "hello",
-            "version": WIRE_VERSION,
-            "backend": "tcp",
-            "session": "evil",
-            "layout": KVLayout.of(pool).to_dict(),
-        }
-    )
+    hello = {"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "evil",
+             "layout": KVLayout.of(pool).to_dict()}
     payloads = [
         os.urandom(4096),
         struct.pack("!I", 2**31) + b"x" * 64,
-        struct.pack("!I", len(hello)) + hello + struct.pack("!I", 3) + msgpack.packb(7) + b"zz",
+        struct.pack("!I", 3) + msgpack.packb(7) + b"zz",
     ]
-    for data in payloads:
+    for i, data in enumerate(payloads):
         with socket.create_connection((host, int(port)), timeout=5) as s:
+            if i == 2:
+                client_handshake(Wire(s), None, hello, "rx")
             s.sendall(data)
             s.settimeout(5)
             try:
@@ -409,13 +406,9 @@ def test_layout_mismatch_fails_clearly(sender, receiver_pool):
     host, port = rx.address.rsplit(":", 1)
     theirs = {**KVLayout.of(pool).to_dict(), "head_dim": 64}
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        body = msgpack.packb(
-            {"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "s", "layout": theirs}
-        )
-        s.sendall(struct.pack("!I", len(body)) + body)
-        (n,) = struct.unpack("!I", s.recv(4))
-        reply = msgpack.unpackb(s.recv(n))
-    assert reply["op"] == "error" and "head_dim: sender 64 vs receiver 32" in reply["error"]
+        hello = {"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "s", "layout": theirs}
+        with pytest.raises(LayoutMismatchError, match="head_dim: sender 64 vs receiver 32"):
+            client_handshake(Wire(s), None, hello, "rx")
     rx.cancel("m")
     with pytest.raises(TransferError, match="cancelled"):
         rx.wait_blocking("m", 5)

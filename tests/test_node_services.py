@@ -15,7 +15,7 @@ from typing import AsyncIterator, Callable
 import pytest
 
 from pdcluster.control.etcd_server import EtcdServer
-from pdcluster.control.protocol import Abort, Generate, Message, Prefill, PrefillDone, Tokens
+from pdcluster.control.protocol import Abort, Generate, Message, Prefill, PrefillDone, Progress, Tokens
 from pdcluster.control.records import NodeInfo
 from pdcluster.control.registration import Registration
 from pdcluster.control.sampling_params import SamplingParams
@@ -78,14 +78,21 @@ async def assert_idle(node) -> None:
 
 
 async def recv(sock: DealerClient, kind: type[Message]) -> Message:
-    msg = await sock.recv(timeout=WAIT)
+    """The next `kind` message; the decode node's Progress heartbeats are skipped unless asked for."""
+    while True:
+        msg = await sock.recv(timeout=WAIT)
+        if not (isinstance(msg, Progress) and kind is not Progress):
+            break
     assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
     return msg
 
 
 async def nothing_more(sock: DealerClient) -> None:
-    msg = await sock.recv(timeout=QUIET)
-    assert msg is None, f"unexpected {msg!r}"
+    """No message but Progress heartbeats within QUIET."""
+    deadline = time.monotonic() + QUIET
+    while (left := deadline - time.monotonic()) > 0:
+        msg = await sock.recv(timeout=left)
+        assert msg is None or isinstance(msg, Progress), f"unexpected {msg!r}"
 
 
 # ---------------------------------------------------------------------------------------------- decode node

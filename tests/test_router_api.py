@@ -4,6 +4,7 @@ against fake decode nodes that are real zmq ROUTER sockets speaking pdcluster.co
 from __future__ import annotations
 
 import json
+import re
 import uuid
 
 import httpx
@@ -20,6 +21,7 @@ from pdcluster.router.tokenizer import Tokenizer
 pytestmark = pytest.mark.slow  # real processes or sockets: each test takes most of a second
 
 MAX_LEN = 256
+BODY_LIMIT = 1 << 16
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog."
 
 
@@ -30,7 +32,7 @@ class Env:
         self.source = StaticNodeSource()
         settings = RouterSettings(model=model_dir, served_model_name="tiny", routing_policy="least_loaded",
                                   stall_timeout=1.0, request_timeout=30.0, retry_after=2.0, max_retries=3,
-                                  node_id="router-test", disagg_min_tokens=64)
+                                  node_id="router-test", disagg_min_tokens=64, max_body_bytes=BODY_LIMIT)
         self.app = create_app(settings, self.source)
         self.server = ServerThread(self.app).start()
         self.http = httpx.Client(base_url=self.server.url, timeout=30)
@@ -201,7 +203,6 @@ def test_multibyte_utf8_streamed_one_byte_token_at_a_time(env: Env) -> None:
 
 BAD_REQUESTS = [
     ("/v1/completions", b"{not json", None),
-    ("/v1/completions", {"model": "nope", "prompt": "hi"}, "model"),
     ("/v1/completions", {"prompt": "hi"}, "model"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi " * 300}, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": MAX_LEN}, "max_tokens"),
@@ -217,6 +218,19 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": []}, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": 5}, "stop"),
+    # limits: caps (router knobs), integers msgpack cannot carry, non-finite numbers
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": ["x"] * 17}, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": "x" * 257}, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [5] * 65}, "stop_token_ids"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [2 ** 64]}, "stop_token_ids"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": 2 ** 64}, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": 10 ** 30}, "top_k"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10 ** 30}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "temperature": 10 ** 400}, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": [2 ** 70]}, "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "top_p": NaN}', "top_p"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "temperature": Infinity}', "temperature"),
     ("/v1/completions", [1, 2], None),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, "messages"),
@@ -334,7 +348,7 @@ def test_non_streaming_client_disconnect_sends_abort(env: Env) -> None:
 
 def test_long_prompts_go_through_a_prefill_node_short_ones_do_not(env: Env) -> None:
     (node,) = env.use_nodes("ok")
-    env.source.add(NodeInfo(node_id="p0", role="prefill"))
+    env.source.add(NodeInfo(node_id="p0", role="prefill", model="tiny"))
     assert wait_until(lambda: env.http.get("/health").json()["prefill_nodes"] == ["p0"], timeout=5)
     env.client.completions.create(model="tiny", prompt="Hello", max_tokens=1)
     env.client.completions.create(model="tiny", prompt="Hello world " * 30, max_tokens=1)
@@ -379,3 +393,110 @@ def test_garbage_on_a_load_port_is_dropped_counted_and_the_router_keeps_serving(
     finally:
         env.source.set_nodes([node.info])
         pub.close(linger=0)
+
+
+def test_unknown_model_gets_404_model_not_found(env: Env) -> None:
+    env.use_nodes("ok")
+    with pytest.raises(openai.NotFoundError) as info:
+        env.client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    r = env.http.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def _raw_request(env: Env, head: str, chunks: list[bytes] = ()) -> tuple[str, dict]:
+    """Send a request head (then chunks, stopping if the peer closed) on a raw socket: (status line, JSON body)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", env.server.port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        for chunk in chunks:
+            try:
+                sock.sendall(chunk)
+            except OSError:
+                break
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            reply += sock.recv(65536)
+        header, _, body = reply.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *(\d+)", header).group(1))
+        while len(body) < length:
+            body += sock.recv(65536)
+    return header.decode().split("\r\n", 1)[0], json.loads(body)
+
+
+def test_body_over_the_limit_gets_413_before_it_is_read(env: Env) -> None:
+    env.use_nodes("ok")
+    # Content-Length says 1 GB and no byte of it is sent: the answer cannot have waited for the body.
+    status, body = _raw_request(env, "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                     "Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n")
+    assert status == "HTTP/1.1 413 Request Entity Too Large", status
+    assert body["error"]["code"] == "request_too_large" and body["error"]["type"] == "invalid_request_error"
+    # Chunked: more than the limit arrives, the last chunk never does; the count answers.
+    piece = b"x" * 8192
+    chunk = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+    status, body = _raw_request(env, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+                                     "\r\nContent-Type: application/json\r\n\r\n",
+                                [chunk] * (2 * BODY_LIMIT // len(piece)))
+    assert status.startswith("HTTP/1.1 413") and body["error"]["code"] == "request_too_large"
+    # Under the limit all is as usual.
+    r = env.http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                               "user": "u" * (BODY_LIMIT - 200)})
+    assert r.status_code == 200, r.text
+
+
+def test_tokenization_does_not_block_other_requests(env: Env, monkeypatch) -> None:
+    """A prompt whose tokenization is stuck (a tokenizer patched to wait on an Event) holds only its own
+    request: /health and a small completion are answered meanwhile, and the stuck one finishes after."""
+    import threading
+
+    env.use_nodes("ok")
+    tokenizer = env.app.state.router.models["tiny"].tokenizer
+    entered, release = threading.Event(), threading.Event()
+    encode = tokenizer.encode
+
+    def slow_encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        if text.startswith("BIG"):
+            entered.set()
+            release.wait(30)
+        return encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    result = {}
+
+    def big() -> None:
+        result["big"] = httpx.post(env.server.url + "/v1/completions", timeout=60,
+                                   json={"model": "tiny", "prompt": "BIG hello", "max_tokens": 2})
+
+    thread = threading.Thread(target=big)
+    thread.start()
+    try:
+        assert entered.wait(10), "the big request never reached the tokenizer"
+        assert env.http.get("/health").status_code == 200
+        small = env.client.completions.create(model="tiny", prompt="Hello", max_tokens=2)
+        assert small.choices[0].text == " The quick"
+        assert thread.is_alive() and "big" not in result  # still tokenizing while the others were served
+    finally:
+        release.set()
+        thread.join(30)
+    assert result["big"].status_code == 200 and result["big"].json()["choices"][0]["text"] == " The quick"
+
+
+def test_nodes_max_model_len_routes_and_refuses_with_400(env: Env) -> None:
+    small, big = env.use_nodes("ok", "ok")
+    small.max_model_len, big.max_model_len = 32, 128  # registered in NodeInfo.capacity
+    env.source.set_nodes([small.info, big.info])
+    assert wait_until(lambda: env.client.models.list().data[0].model_extra["max_model_len"] == 128, timeout=5)
+    for _ in range(3):  # 20 + 40 tokens fit only the big node
+        env.client.completions.create(model="tiny", prompt=[375] * 20, max_tokens=40)
+    assert len(big.generates) == 3 and not small.generates
+    with pytest.raises(openai.BadRequestError) as info:  # fits the router's limit (256), no node's
+        env.client.completions.create(model="tiny", prompt=[375] * 100, max_tokens=40)
+    assert info.value.body["code"] == "context_length_exceeded" and "128" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        env.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi " * 150}])
+    assert info.value.body["code"] == "context_length_exceeded" and info.value.body["param"] == "messages"
+    # chat without max_tokens: the rest of the largest node's context
+    out = env.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+    assert out.choices[0].finish_reason == "stop"
+    assert big.generates[-1].sampling["max_tokens"] == 128 - len(big.generates[-1].prompt_ids)

@@ -235,3 +235,42 @@ def test_config_accepts_exactly_the_router_policies():
     from pdcluster.router.settings import ROUTING_POLICIES
 
     assert set(ROUTING_POLICIES) == set(POLICIES)
+
+
+# -- several models, node context limits
+
+def test_candidates_are_nodes_of_the_model_that_hold_the_sequence() -> None:
+    from pdcluster.control.records import Capacity
+
+    def info(node_id: str, role: str, model: str, max_model_len: int = 0) -> NodeInfo:
+        return NodeInfo(node_id=node_id, role=role, model=model, capacity=Capacity(max_model_len=max_model_len))
+
+    cluster = RouterCluster(StaticNodeSource([info("a1", "decode", "alpha", 64), info("a2", "decode", "alpha"),
+                                              info("b1", "decode", "beta", 4096), info("pa", "prefill", "alpha", 32),
+                                              info("pb", "prefill", "beta")]))
+    cluster.sync()
+    ids = lambda nodes: sorted(n.id for n in nodes)  # noqa: E731
+    assert ids(cluster.candidates("decode")) == ["a1", "a2", "b1"]
+    assert ids(cluster.candidates("decode", model="alpha")) == ["a1", "a2"]
+    assert ids(cluster.candidates("decode", model="alpha", num_tokens=64)) == ["a1", "a2"]
+    assert ids(cluster.candidates("decode", model="alpha", num_tokens=65)) == ["a2"]  # 0: did not say
+    assert ids(cluster.candidates("decode", model="beta", num_tokens=65)) == ["b1"]
+    assert ids(cluster.candidates("prefill", model="alpha", num_tokens=33)) == []
+    assert ids(cluster.candidates("decode", model="gamma")) == []
+    old = NodeState(info=NodeInfo(node_id="old", role="decode", model="/models/alpha/"))  # a pre-name record
+    assert old.serves("alpha") and not old.serves("models") and not old.serves("beta")
+
+
+def test_served_models_and_their_validation() -> None:
+    settings = RouterSettings(model="/m/llama-3", models=["/m/qwen2/", "small=/m/tiny", "/m/a=b"])
+    assert settings.served_models() == [("llama-3", "/m/llama-3"), ("qwen2", "/m/qwen2/"), ("small", "/m/tiny"),
+                                        ("a=b", "/m/a=b")]
+    assert RouterSettings(model="/m/x", served_model_name="chat").served_models() == [("chat", "/m/x")]
+    assert RouterSettings(models=["x=/m/x"]).served_models() == [("x", "/m/x")]
+    with pytest.raises(ValueError, match="unique.*qwen2"):
+        RouterSettings(model="/a/qwen2", models=["/b/qwen2"]).validate()
+    for key, value in [("max_stop_strings", 65), ("max_stop_chars", 4097), ("max_stop_token_ids", -1),
+                       ("max_body_bytes", 0), ("tokenizer_threads", 0), ("request_timeout", float("inf")),
+                       ("stall_timeout", float("nan")), ("retry_after", float("inf"))]:
+        with pytest.raises(ValueError, match=key):
+            RouterSettings(**{key: value}).validate()

@@ -29,6 +29,10 @@ def test_defaults_match_vllm():
     ("stop_token_ids", ["a"]), ("stop_token_ids", [-1]), ("stop_token_ids", 5),
     ("ignore_eos", "yes"), ("skip_special_tokens", 1),
     ("min_tokens", -1),
+    # limits: every integer fits msgpack's int64, floats are finite, lists are capped
+    ("seed", 1 << 64), ("seed", -(1 << 63) - 1), ("top_k", 1 << 63), ("max_tokens", 10 ** 30),
+    ("min_tokens", 1 << 70), ("n", 1 << 64), ("temperature", 10 ** 400), ("top_p", float("inf")),
+    ("stop", ["a"] * 65), ("stop", ["a" * 4097]), ("stop_token_ids", [1] * 1025), ("stop_token_ids", [1 << 64]),
 ])
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -80,3 +84,12 @@ def test_to_dict_does_not_alias_lists():
     d = p.to_dict()
     d["stop"].append("b")
     assert p.stop == ["a"]
+
+
+def test_limits_accept_their_edges():
+    from pdcluster.control.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    p = SamplingParams(seed=(1 << 63) - 1, top_k=(1 << 63) - 1, stop=["a" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+                       stop_token_ids=[7] * MAX_STOP_TOKEN_IDS)
+    assert SamplingParams.from_dict(msgpack.unpackb(msgpack.packb(p.to_dict()))) == p
+    assert SamplingParams(seed=-(1 << 63)).seed == -(1 << 63)

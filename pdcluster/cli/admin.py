@@ -1,7 +1,8 @@
 """The operator's commands: status, nodes, cordon / uncordon, drain, health.
 
 Membership and admin state come from etcd (docs/design.md §6); live numbers come from each node's Load
-publisher, subscribed to for a moment (at most `LOAD_WAIT` s) — nothing here writes load into etcd.
+publisher, subscribed to for a moment (at most `LOAD_WAIT` s) — nothing here writes load into etcd — and
+device utilization / memory from each node's /metrics (`pdcluster.monitor.read_node_metrics`).
 Every function talks to etcd with timeouts and raises `AdminError` with a message meant for the
 operator; `pdcluster.cli.main` turns that into a non-zero exit.
 """
@@ -12,10 +13,12 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
-from pdcluster.control.config import parse_endpoint
-from pdcluster.control.etcd_client import EtcdUnavailable, close_quietly, connect
+from pdcluster.control.config import ETCD_SECURITY, check_etcd_security, env_name, parse_endpoint
+from pdcluster.control.etcd_client import EtcdCredentials, EtcdUnavailable, close_quietly, connect
+from pdcluster.control.keys import ClusterKeys, SecretError, load_secret
 from pdcluster.control.protocol import Load
 from pdcluster.control.queries import get_admin_state, list_admin_states, list_nodes, set_admin_state
 from pdcluster.control.records import AdminState, NodeInfo
@@ -25,6 +28,9 @@ ENV_ETCD = "PDCLUSTER_ETCD"
 ENV_CLUSTER = "PDCLUSTER_CLUSTER"
 DEFAULT_ETCD = "127.0.0.1:2379"
 LOAD_WAIT = 1.5  # seconds to listen for Load reports (nodes publish at ~2 Hz)
+METRICS_WAIT = 1.5  # seconds to wait for a node's /metrics
+USAGE_KEYS = ("device_kind", "device_utilization_pct", "device_memory_used_bytes", "device_memory_total_bytes",
+              "batch_occupancy", "preemptions")
 DRAIN_POLL = 0.25
 
 
@@ -50,6 +56,27 @@ def cluster_name(flag: str | None) -> str:
     return flag or os.environ.get(ENV_CLUSTER) or "default"
 
 
+def cluster_keys() -> ClusterKeys | None:
+    """The keys of $PDCLUSTER_CLUSTER_SECRET (the nodes' cluster_secret): without them an authenticated
+    cluster's Load reports cannot be read, and every node shows as unreachable."""
+    path = os.environ.get(env_name("cluster_secret"), "")
+    try:
+        return load_secret(path) if path else None
+    except SecretError as exc:
+        raise AdminError(str(exc)) from None
+
+
+def etcd_credentials(flags: dict[str, str | None]) -> EtcdCredentials:
+    """TLS / auth for etcd from the `--etcd-ca ...` flags, else $PDCLUSTER_ETCD_CA ..., checked like a
+    service's config (pairs complete, files readable)."""
+    values = {name: flags.get(name) or os.environ.get(env_name(name)) or "" for name in ETCD_SECURITY}
+    try:
+        check_etcd_security(SimpleNamespace(**values))
+    except ValueError as exc:
+        raise AdminError(str(exc)) from None
+    return EtcdCredentials.from_config(SimpleNamespace(**values))
+
+
 @dataclass
 class NodeStatus:
     """One node as the operator sees it: its etcd record, admin state and (if it answered) its Load."""
@@ -57,6 +84,7 @@ class NodeStatus:
     info: NodeInfo
     admin: AdminState
     load: Load | None = None
+    usage: dict[str, Any] | None = None   # pdcluster.monitor KEYS from the node's /metrics, if it answered
 
     @property
     def state(self) -> str:
@@ -67,7 +95,7 @@ class NodeStatus:
         return "unreachable" if self.info.load_addr else "registered"
 
     def to_dict(self, now: float | None = None) -> dict[str, Any]:
-        load, info = self.load, self.info
+        load, info, usage = self.load, self.info, self.usage or {}
         total = load.total_blocks if load else info.capacity.num_blocks
         return {
             "node_id": info.node_id, "role": info.role, "host": info.host, "model": info.model,
@@ -79,6 +107,7 @@ class NodeStatus:
             "queued_prefill_tokens": load.queued_prefill_tokens if load else None,
             "tokens_per_s": round(load.tokens_per_s, 2) if load else None,
             "transfer_gbps": round(load.transfer_gbps, 6) if load else None,
+            **{key: usage.get(key) for key in USAGE_KEYS},
             "uptime_s": round((now or time.time()) - info.started_at, 1),
             "version": info.version, "control_addr": info.control_addr, "load_addr": info.load_addr,
             "metrics_addr": info.metrics_addr,
@@ -100,9 +129,9 @@ class Health:
 
 # ---------------------------------------------------------------------------------------------- etcd
 
-async def _client(endpoints: list[str]):
+async def _client(endpoints: list[str], credentials: EtcdCredentials | None):
     try:
-        return await connect(endpoints)
+        return await connect(endpoints, credentials=credentials)
     except EtcdUnavailable as exc:
         raise AdminError(str(exc)) from None
 
@@ -113,7 +142,7 @@ async def collect_loads(nodes: list[NodeInfo], timeout: float = LOAD_WAIT) -> di
     loads: dict[str, Load] = {}
     if not wanted:
         return loads
-    sub = LoadSubscriber()
+    sub = LoadSubscriber(keys=cluster_keys())
     try:
         for node in nodes:
             if node.load_addr:
@@ -133,16 +162,35 @@ async def collect_loads(nodes: list[NodeInfo], timeout: float = LOAD_WAIT) -> di
     return loads
 
 
-async def cluster_status(endpoints: list[str], cluster: str, load_wait: float = LOAD_WAIT) -> list[NodeStatus]:
+async def cluster_status(endpoints: list[str], cluster: str, load_wait: float = LOAD_WAIT,
+                         credentials: EtcdCredentials | None = None) -> list[NodeStatus]:
     """Every registered node (routers too, if they register) with its admin state and live Load."""
-    client = await _client(endpoints)
+    client = await _client(endpoints, credentials)
     try:
         nodes = await list_nodes(client, cluster)
         admin = await list_admin_states(client, cluster)
     finally:
         await close_quietly(client)
-    loads = await collect_loads(nodes, load_wait) if load_wait > 0 else {}
-    return [NodeStatus(n, admin.get(n.node_id, AdminState()), loads.get(n.node_id)) for n in nodes]
+    if load_wait <= 0:
+        return [NodeStatus(n, admin.get(n.node_id, AdminState())) for n in nodes]
+    loads, usages = await asyncio.gather(collect_loads(nodes, load_wait), collect_usages(nodes))
+    return [NodeStatus(n, admin.get(n.node_id, AdminState()), loads.get(n.node_id), usages.get(n.node_id))
+            for n in nodes]
+
+
+async def collect_usages(nodes: list[NodeInfo], timeout: float = METRICS_WAIT) -> dict[str, dict[str, Any]]:
+    """Device and engine figures of each node whose /metrics answers within `timeout` s."""
+    from pdcluster.monitor import read_node_metrics
+
+    async def one(node: NodeInfo) -> dict[str, Any] | None:
+        try:
+            return await asyncio.to_thread(read_node_metrics, node.metrics_addr, timeout)
+        except Exception:   # down, not a node, or not answering: the table shows "-"
+            return None
+
+    wanted = [n for n in nodes if n.metrics_addr and n.role in ("prefill", "decode")]
+    results = await asyncio.gather(*(one(n) for n in wanted))
+    return {n.node_id: r for n, r in zip(wanted, results) if r is not None}
 
 
 async def _find(client: Any, cluster: str, node_id: str) -> NodeInfo | None:
@@ -154,10 +202,11 @@ def _unknown(cluster: str, node_id: str, nodes: list[NodeInfo]) -> AdminError:
     return AdminError(f"unknown node {node_id!r} in cluster {cluster!r} (registered: {known})")
 
 
-async def set_state(endpoints: list[str], cluster: str, node_id: str, state: str, reason: str = "") -> AdminState:
+async def set_state(endpoints: list[str], cluster: str, node_id: str, state: str, reason: str = "",
+                    credentials: EtcdCredentials | None = None) -> AdminState:
     """cordon (state "cordoned") / uncordon ("active"). The node must be registered, except that a
     node with an admin record may be uncordoned while it is down (it comes back active)."""
-    client = await _client(endpoints)
+    client = await _client(endpoints, credentials)
     try:
         nodes = await list_nodes(client, cluster)
         if not any(n.node_id == node_id for n in nodes):
@@ -170,12 +219,12 @@ async def set_state(endpoints: list[str], cluster: str, node_id: str, state: str
 
 
 async def drain_node(endpoints: list[str], cluster: str, node_id: str, timeout: float,
-                     reason: str = "pdcluster drain") -> float:
+                     reason: str = "pdcluster drain", credentials: EtcdCredentials | None = None) -> float:
     """Mark `node_id` draining, wait until its etcd record is gone (it finished its requests and
     exited), then leave it cordoned so a restarted instance takes no traffic until `uncordon`.
     Returns the seconds it took; AdminError on an unknown node or after `timeout` s."""
     started = time.monotonic()
-    client = await _client(endpoints)
+    client = await _client(endpoints, credentials)
     try:
         nodes = await list_nodes(client, cluster)
         node = next((n for n in nodes if n.node_id == node_id), None)
@@ -196,11 +245,12 @@ async def drain_node(endpoints: list[str], cluster: str, node_id: str, timeout: 
         await close_quietly(client)
 
 
-async def check_health(endpoints: list[str], cluster: str, load_wait: float = LOAD_WAIT) -> Health:
+async def check_health(endpoints: list[str], cluster: str, load_wait: float = LOAD_WAIT,
+                       credentials: EtcdCredentials | None = None) -> Health:
     """Healthy: etcd answers, and at least one decode node is registered, active and answering Load
     (a decode node can prefill locally, so it is also a prefill path). Prefill nodes are a note."""
     try:
-        nodes = await cluster_status(endpoints, cluster, load_wait)
+        nodes = await cluster_status(endpoints, cluster, load_wait, credentials)
     except AdminError as exc:
         return Health(False, [f"etcd unreachable: {exc}"])
     health = Health(True, nodes=nodes)
@@ -235,6 +285,11 @@ def _uptime(seconds: float) -> str:
     return f"{days}d{hours}h" if days else f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
+def _memory(d: dict[str, Any]) -> str:
+    used, total = d["device_memory_used_bytes"], d["device_memory_total_bytes"]
+    return "-" if used is None or total is None else f"{used / 2**30:.1f}/{total / 2**30:.1f} GiB"
+
+
 STATE_STYLES = {"serving": "green", "cordoned": "yellow", "draining": "magenta", "unreachable": "red"}
 
 
@@ -245,7 +300,8 @@ def status_table(nodes: list[NodeStatus], cluster: str):
     table = Table(title=f"pdcluster {cluster!r}: {len(nodes)} node(s)", title_justify="left")
     for name, justify in (("role", "left"), ("node", "left"), ("host", "left"), ("state", "left"),
                           ("model", "left"), ("run", "right"), ("wait", "right"), ("KV used/free", "right"),
-                          ("tok/s", "right"), ("xfer GB/s", "right"), ("uptime", "right"), ("version", "left")):
+                          ("tok/s", "right"), ("device", "left"), ("util", "right"), ("mem used/total", "right"),
+                          ("xfer GB/s", "right"), ("uptime", "right"), ("version", "left")):
         table.add_column(name, justify=justify, no_wrap=True)
     now = time.time()
     for n in nodes:
@@ -254,7 +310,9 @@ def status_table(nodes: list[NodeStatus], cluster: str):
         kv = "-" if d["kv_blocks_used"] is None else f"{d['kv_blocks_used']}/{d['kv_blocks_free']}"
         table.add_row(d["role"], d["node_id"], d["host"], f"[{STATE_STYLES.get(n.state, 'white')}]{state}[/]",
                       os.path.basename(d["model"].rstrip("/")) or "-", _num(d["running"]), _num(d["waiting"]), kv,
-                      _num(d["tokens_per_s"], "{:.1f}"), _num(d["transfer_gbps"], "{:.2f}"),
+                      _num(d["tokens_per_s"], "{:.1f}"), d["device_kind"] or "-",
+                      _num(d["device_utilization_pct"], "{:.0f}%"), _memory(d),
+                      _num(d["transfer_gbps"], "{:.2f}"),
                       _uptime(d["uptime_s"]), d["version"])
     return table
 

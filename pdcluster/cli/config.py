@@ -31,6 +31,18 @@ def load_config(kind: str, file: str | os.PathLike | None = None, overrides: dic
     return base.load_config(kind, file, overrides, env, kinds=KINDS)
 
 
+def check_timeouts(decode: Any, router: Any) -> None:
+    """The relations between a decode node's and a router's timeouts (docs/operations.md "Timeouts"):
+    the decode node gives up on a prefill node, and hears from it, well before the router gives up on
+    the decode node. ValueError naming the knobs when they do not hold."""
+    if not decode.prefill_timeout < router.stall_timeout:
+        raise ValueError(f"prefill_timeout ({decode.prefill_timeout} s) must be below the router's stall_timeout "
+                         f"({router.stall_timeout} s)")
+    if not 3 * decode.heartbeat_interval <= router.stall_timeout:
+        raise ValueError(f"heartbeat_interval ({decode.heartbeat_interval} s) must be at most a third of the "
+                         f"router's stall_timeout ({router.stall_timeout} s)")
+
+
 def flag_parameters(cls: type, skip: typing.Collection[str] = ()) -> list[inspect.Parameter]:
     """One `--name` option per knob of `cls` (bools: `--name/--no-name`), default None = "not given".
     The loader coerces and validates the values, as it does the file's and the environment's."""

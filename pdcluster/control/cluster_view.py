@@ -9,7 +9,15 @@ from typing import Callable
 import aetcd
 from prometheus_client import CollectorRegistry
 
-from pdcluster.control.etcd_client import DEFAULT_TIMEOUT, backoff, cancel_and_wait, close_quietly, connect, etcd_call
+from pdcluster.control.etcd_client import (
+    DEFAULT_TIMEOUT,
+    EtcdCredentials,
+    backoff,
+    cancel_and_wait,
+    close_quietly,
+    connect,
+    etcd_call,
+)
 from pdcluster.control.metrics import etcd_connected_gauge
 from pdcluster.control.records import AdminState, NodeInfo, cluster_prefix, node_key, parse_node
 
@@ -30,8 +38,9 @@ class ClusterView:
     """
 
     def __init__(self, endpoints: list[str], cluster: str, timeout: float = DEFAULT_TIMEOUT,
-                 registry: CollectorRegistry | None = None):
+                 registry: CollectorRegistry | None = None, credentials: EtcdCredentials | None = None):
         self.endpoints = list(endpoints)
+        self.credentials = credentials
         self.cluster = cluster
         self.timeout = timeout
         self.nodes: dict[str, NodeInfo] = {}  # node_id -> record
@@ -110,7 +119,7 @@ class ClusterView:
             failures += 1
 
     async def _session(self) -> None:
-        self._client = client = await connect(self.endpoints, self.timeout)
+        self._client = client = await connect(self.endpoints, self.timeout, self.credentials)
         snapshot = await etcd_call(client.get_prefix(self._prefix.encode()), self.timeout)
         nodes: dict[str, NodeInfo] = {}
         admin: dict[str, AdminState] = {}

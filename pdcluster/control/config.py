@@ -32,6 +32,7 @@ except ImportError:  # Python 3.10
 ENV_PREFIX = "PDCLUSTER_"
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ETCD_SECURITY = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file")  # TLS and auth to etcd
 
 
 def knob(default: Any = MISSING, help: str = "", *, choices: tuple[str, ...] = (), parse: Callable | None = None,
@@ -66,6 +67,13 @@ class CommonConfig:
     log_format: str = knob("text", "text, or json (one JSON object per line)", choices=LOG_FORMATS)
     log_level: str = knob("INFO", "log level", choices=LOG_LEVELS)
     lease_ttl: int = knob(10, "seconds an etcd registration outlives its last refresh (nodes)")
+    cluster_secret: str = knob("", "cluster secret file (`pdcluster keys generate`, mode 0600) that authenticates "
+                               "every zmq and KV connection; empty = nothing inside the cluster is authenticated")
+    etcd_ca: str = knob("", "CA certificate (PEM file) that signed etcd's server certificate; set = TLS to etcd")
+    etcd_cert: str = knob("", "client certificate (PEM file) shown to etcd (--client-cert-auth); needs etcd_key")
+    etcd_key: str = knob("", "private key (PEM file) of etcd_cert")
+    etcd_user: str = knob("", "etcd auth user; its password is read from etcd_password_file")
+    etcd_password_file: str = knob("", "file holding etcd_user's password (first line)")
 
     def finish(self, kind: str) -> None:
         """Fill the defaults that depend on the process kind (called by `load_config` before `validate`)."""
@@ -86,6 +94,14 @@ class CommonConfig:
         if not re.fullmatch(r"[A-Za-z0-9_.:-]+", self.node_id):
             raise ValueError(f"node_id: {self.node_id!r} must be letters, digits, '_', '.', ':' or '-'")
         check_port("metrics_port", self.metrics_port)
+        if self.cluster_secret:
+            from pdcluster.control.keys import SecretError, load_secret
+
+            try:   # a missing, malformed or group-readable secret fails the start
+                load_secret(self.cluster_secret)
+            except SecretError as exc:
+                raise ValueError(f"cluster_secret: {exc}") from None
+        check_etcd_security(self)
 
 
 def load_config(kind: str, file: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
@@ -124,6 +140,31 @@ def load_config(kind: str, file: str | os.PathLike | None = None, overrides: dic
     config.finish(kind)
     config.validate()
     return config
+
+
+def check_etcd_security(config: Any) -> None:
+    """The etcd TLS / auth knobs come in pairs and name readable files (checked at start, not at first use)."""
+    for first, second in (("etcd_cert", "etcd_key"), ("etcd_user", "etcd_password_file")):
+        if bool(getattr(config, first)) != bool(getattr(config, second)):
+            raise ValueError(f"{first} and {second}: set both or neither")
+    if config.etcd_cert and not config.etcd_ca:
+        raise ValueError("etcd_cert: a client certificate needs etcd_ca (TLS to etcd)")
+    for name in ("etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file"):
+        check_readable_file(name, getattr(config, name))
+    if config.etcd_password_file and not read_first_line(config.etcd_password_file):
+        raise ValueError(f"etcd_password_file: {config.etcd_password_file} is empty")
+
+
+def check_readable_file(name: str, path: str) -> None:
+    """An empty path is "not set"; anything else must be a file this process can read."""
+    if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+        raise ValueError(f"{name}: {path} is not a readable file")
+
+
+def read_first_line(path: str) -> str:
+    """The first line of a secret file, without its line break (a password, say)."""
+    with open(path, encoding="utf-8") as f:
+        return f.readline().rstrip("\r\n")
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

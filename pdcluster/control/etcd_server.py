@@ -48,8 +48,13 @@ def is_reachable(endpoint: str, timeout: float = 1.0) -> bool:
     from pdcluster.control.config import parse_endpoint
 
     host, port = parse_endpoint(endpoint)
+    return health_ok(f"http://{host}:{port}/health", timeout)
+
+
+def health_ok(url: str, timeout: float = 1.0) -> bool:
+    """True when etcd's /health at `url` says healthy."""
     try:
-        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=timeout) as resp:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
             return json.loads(resp.read()).get("health") == "true"
     except (OSError, ValueError, urllib.error.URLError):
         return False
@@ -60,13 +65,18 @@ class EtcdServer:
 
     `EtcdServer()` picks free ports and a temporary data dir (removed by `close()`); pass
     `data_dir`/ports to keep them across runs. Use as a context manager or call `start`/`stop`.
+
+    With `ca_file`, `cert_file` and `key_file` (PEM) clients speak TLS and must show a certificate signed by
+    that CA (etcd --client-cert-auth); /health is then served over plain HTTP on a separate loopback port
+    (`health_url`). The local `pdcluster up` cluster stays plaintext on loopback.
     """
 
     host = LOOPBACK
     name = "pdcluster-etcd"
 
     def __init__(self, data_dir: str | os.PathLike | None = None, client_port: int = 0, peer_port: int = 0,
-                 end_with_parent: bool = False):
+                 end_with_parent: bool = False, ca_file: str | os.PathLike | None = None,
+                 cert_file: str | os.PathLike | None = None, key_file: str | os.PathLike | None = None):
         self.end_with_parent = end_with_parent   # SIGTERM to etcd when this process dies (control.process)
         self._own_dir = data_dir is None
         if data_dir is None:
@@ -78,6 +88,10 @@ class EtcdServer:
         self.log_path = self._base_dir / f"{self.name}.log"
         self.client_port = client_port or free_port()
         self.peer_port = peer_port or free_port()
+        self.tls = (ca_file, cert_file, key_file) if ca_file else None
+        if self.tls and not (cert_file and key_file):
+            raise ValueError("EtcdServer: TLS needs ca_file, cert_file and key_file")
+        self.health_port = free_port() if self.tls else None
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -86,7 +100,11 @@ class EtcdServer:
 
     @property
     def client_url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
+
+    @property
+    def health_url(self) -> str:
+        return f"http://{self.host}:{self.health_port or self.client_port}/health"
 
     @property
     def running(self) -> bool:
@@ -110,6 +128,10 @@ class EtcdServer:
             "--initial-cluster-state", "new",
             "--log-level", "warn",
         ]
+        if self.tls:
+            ca, cert, key = self.tls
+            cmd += ["--client-cert-auth", "--trusted-ca-file", str(ca), "--cert-file", str(cert),
+                    "--key-file", str(key), "--listen-metrics-urls", f"http://{self.host}:{self.health_port}"]
         log_file = open(self.log_path, "ab")
         try:
             self._proc = subprocess.Popen(with_parent(cmd) if self.end_with_parent else cmd, stdout=log_file,
@@ -123,7 +145,7 @@ class EtcdServer:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with code {self._proc.returncode} during start; "
                                    f"last log lines:\n{self._log_tail()}")
-            if is_reachable(self.endpoint, timeout=0.5):
+            if health_ok(self.health_url, timeout=0.5):
                 log.info("etcd ready at %s (data dir %s)", self.endpoint, self.data_dir)
                 return self
             time.sleep(0.05)

@@ -85,55 +85,6 @@ def serve_metrics(registry: CollectorRegistry, port: int = 0, host: str = "0.0.0
     return MetricsServer(registry, port, host)
 
 
-class DeviceCollector:
-    """`pdcluster_device_*` gauges of the accelerator a node runs on, read at scrape time.
-
-    CUDA: memory from `torch.cuda.mem_get_info`, utilization from `torch.cuda.utilization()` (needs
-    pynvml). NPU: `torch.npu.mem_get_info` (torch_npu is never imported here: the device layer
-    already did when the device is npu). On CPU nothing is exported.
-    """
-
-    def __init__(self, device: Callable[[], "tuple[str, int] | None"]) -> None:
-        self.device = device  # -> (device type, index) of the node's engine, None before it exists
-
-    def collect(self):
-        import sys
-
-        from prometheus_client.core import GaugeMetricFamily
-
-        device = self.device()
-        if device is None:
-            return
-        kind, index = device
-        torch = sys.modules.get("torch")
-        backend = getattr(torch, kind, None) if torch is not None and kind in ("cuda", "npu") else None
-        if backend is None:
-            return
-        labels = [kind, str(index)]
-        try:
-            free, total = backend.mem_get_info(index)
-        except Exception:  # device gone or runtime without the call: export nothing rather than fail the scrape
-            return
-        used = GaugeMetricFamily("pdcluster_device_memory_used_bytes", "device memory in use (all processes)",
-                                 labels=["device_type", "device"])
-        used.add_metric(labels, total - free)
-        yield used
-        cap = GaugeMetricFamily("pdcluster_device_memory_total_bytes", "device memory size",
-                                labels=["device_type", "device"])
-        cap.add_metric(labels, total)
-        yield cap
-        if kind == "cuda":
-            try:
-                util = backend.utilization(index)  # raises without pynvml
-            except Exception:
-                return
-            gauge = GaugeMetricFamily("pdcluster_device_utilization_ratio",
-                                      "fraction of the last sample period the device was busy",
-                                      labels=["device_type", "device"])
-            gauge.add_metric(labels, util / 100.0)
-            yield gauge
-
-
 class DroppedFramesCollector:
     """`<name>{socket}` read at scrape time from the `count` of each socket's `transport.DroppedFrames`."""
 

@@ -59,6 +59,36 @@ class Tokens(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prefill_path: str = ""  # "remote:<prefill node id>" | "local" (set on the first Tokens of a request)
+    # Index of ids[0] in this attempt's output (-1: not given). A gap (messages lost in a reconnect) is
+    # seen by the router, which then migrates the request instead of streaming a hole.
+    pos: int = -1
+
+    def check(self) -> None:
+        if self.pos < -1:
+            raise ProtocolError(f"tokens.pos: must be >= -1, got {self.pos}")
+
+
+PROGRESS_STATES = ("queued", "prefilling", "waiting_kv")
+
+
+@dataclass
+class Progress(Message):
+    """decode -> router: these requests are alive but sent no token lately (queued, waiting on a prefill
+    node or on its KV); once on admission and then every `heartbeat_interval` while silent, one frame per
+    router. The router's stall timer measures silence, so this keeps a slow first token from migrating."""
+
+    TYPE: ClassVar[str] = "progress"
+    rids: list[str]
+    states: list[str]  # per rid: one of PROGRESS_STATES
+
+    def check(self) -> None:
+        if len(self.states) != len(self.rids):
+            raise ProtocolError(f"progress: {len(self.rids)} rids but {len(self.states)} states")
+        if not all(isinstance(r, str) for r in self.rids):
+            raise ProtocolError("progress.rids: expected a list of strings")
+        bad = [s for s in self.states if s not in PROGRESS_STATES]
+        if bad:
+            raise ProtocolError(f"progress.states: {bad[0]!r} is not one of {', '.join(PROGRESS_STATES)}")
 
 
 @dataclass
@@ -155,7 +185,7 @@ class Pong(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Generate, Tokens, Reject, Abort, Prefill, PrefillDone, Load, Ping, Pong)
+    cls.TYPE: cls for cls in (Generate, Tokens, Progress, Reject, Abort, Prefill, PrefillDone, Load, Ping, Pong)
 }
 
 

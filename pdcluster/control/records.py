@@ -42,6 +42,7 @@ class Capacity:
     num_blocks: int = 0
     block_size: int = 0
     max_num_seqs: int = 0
+    max_model_len: int = 0  # longest sequence (prompt + output) the node runs; 0 = not said (older node)
 
 
 @dataclass
@@ -50,7 +51,7 @@ class NodeInfo:
 
     node_id: str
     role: str  # prefill | decode | router
-    model: str = ""
+    model: str = ""  # the served model name requests carry (routers route on it)
     host: str = ""
     control_addr: str = ""  # zmq ROUTER: Generate / Prefill / Abort / Ping
     load_addr: str = ""  # zmq PUB: Load reports at ~2 Hz

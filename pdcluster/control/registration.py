@@ -8,7 +8,15 @@ import logging
 import aetcd
 from prometheus_client import CollectorRegistry
 
-from pdcluster.control.etcd_client import DEFAULT_TIMEOUT, backoff, cancel_and_wait, close_quietly, connect, etcd_call
+from pdcluster.control.etcd_client import (
+    DEFAULT_TIMEOUT,
+    EtcdCredentials,
+    backoff,
+    cancel_and_wait,
+    close_quietly,
+    connect,
+    etcd_call,
+)
 from pdcluster.control.metrics import etcd_connected_gauge
 from pdcluster.control.records import NodeInfo, node_key
 
@@ -26,8 +34,10 @@ class Registration:
     """
 
     def __init__(self, endpoints: list[str], cluster: str, info: NodeInfo, ttl: int = DEFAULT_TTL,
-                 timeout: float = DEFAULT_TIMEOUT, registry: CollectorRegistry | None = None):
+                 timeout: float = DEFAULT_TIMEOUT, registry: CollectorRegistry | None = None,
+                 credentials: EtcdCredentials | None = None):
         self.endpoints = list(endpoints)
+        self.credentials = credentials
         self.cluster = cluster
         self.info = info
         self.ttl = int(ttl)
@@ -74,7 +84,7 @@ class Registration:
         try:
             if lease_id is not None:
                 if client is None:
-                    client = await connect(self.endpoints, self.timeout)
+                    client = await connect(self.endpoints, self.timeout, self.credentials)
                 await etcd_call(client.revoke_lease(lease_id), self.timeout)
                 log.info("deregistered %s", self.key)
         except Exception as exc:
@@ -109,7 +119,7 @@ class Registration:
     async def _session(self) -> None:
         """One connected stretch: (re)register, then refresh until the lease is lost or etcd fails."""
         if self._client is None:
-            self._client = await connect(self.endpoints, self.timeout)
+            self._client = await connect(self.endpoints, self.timeout, self.credentials)
         client = self._client
         if self.lease_id is not None and not await self._refresh(client):
             log.warning("lease of %s expired while etcd was unreachable; registering anew", self.key)

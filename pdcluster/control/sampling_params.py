@@ -9,12 +9,20 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_LOGPROBS = 20
+# Hard limits every engine enforces; a router may set lower ones (router/settings.py).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1   # every integer goes on the wire as a msgpack int
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 4096
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def _float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an int too large for a float
+        raise ValueError(f"{name} must be finite, got an integer of {value.bit_length()} bits") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value!r}")
     return value
@@ -25,6 +33,8 @@ def _int(name: str, value: Any) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must fit in a signed 64-bit integer, got {value}")
     return value
 
 
@@ -39,6 +49,8 @@ def _int_list(name: str, value: Any) -> list[int]:
         return []
     if not isinstance(value, (list, tuple)):
         raise ValueError(f"{name} must be a list of integers, got {value!r}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{name} may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(value)}")
     out = [_int(name, v) for v in value]
     if any(v < 0 for v in out):
         raise ValueError(f"{name} must hold non-negative token ids, got {value!r}")
@@ -54,6 +66,10 @@ def _str_list(name: str, value: Any) -> list[str]:
         raise ValueError(f"{name} must be a string or a list of strings, got {value!r}")
     if any(v == "" for v in value):
         raise ValueError(f"{name} must not contain empty strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"{name} may hold at most {MAX_STOP_STRINGS} strings, got {len(value)}")
+    if any(len(v) > MAX_STOP_STRING_CHARS for v in value):
+        raise ValueError(f"{name} strings may be at most {MAX_STOP_STRING_CHARS} characters long")
     return list(value)
 
 

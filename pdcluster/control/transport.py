@@ -6,18 +6,27 @@ connection to it), `LoadPublisher` / `LoadSubscriber` (the ~2 Hz Load reports).
 Sends are synchronous and never block: a dead or slow peer makes `send` return False instead of
 stalling the sender's event loop (ROUTER_MANDATORY + NOBLOCK + bounded HWMs). Receives are async
 and never raise on bad input: frames that fail `protocol.decode` are logged and dropped.
+
+With `keys` (`pdcluster.control.keys.ClusterKeys`, from the cluster secret) every socket speaks CURVE: server
+sockets (ROUTER, PUB) take only clients holding the cluster's client key (checked by a ZAP handler thread,
+one per process), so a peer without the secret completes no handshake and no frame of it is ever delivered;
+every frame is encrypted and authenticated. Without keys, sockets are plain (docs/security.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import os
 import time
 from typing import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
 
+from pdcluster.control.keys import ClusterKeys
 from pdcluster.control.protocol import MAX_FRAME_BYTES, Load, Message, ProtocolError, decode, encode
 
 log = logging.getLogger(__name__)
@@ -32,8 +41,19 @@ def _context() -> zmq.asyncio.Context:
     return zmq.asyncio.Context.instance()
 
 
-def _socket(kind: int, hwm: int) -> zmq.asyncio.Socket:
+def _socket(kind: int, hwm: int, keys: ClusterKeys | None = None, server: bool = False) -> zmq.asyncio.Socket:
+    """A socket with the common options; with `keys`, a CURVE server (`server`) or client of the cluster."""
     sock = _context().socket(kind)
+    if keys is not None and server:
+        domain = _zap_allow(keys)
+        sock.setsockopt(zmq.ZAP_DOMAIN, domain)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.server_public)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+    elif keys is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
@@ -41,6 +61,36 @@ def _socket(kind: int, hwm: int) -> zmq.asyncio.Socket:
     # not read whole into memory and then dropped by `decode`.
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
     return sock
+
+
+class _ClusterClients:
+    """The ZAP policy: a CURVE client is let in iff its public key is the client key of the secret the server
+    socket was made with (its ZAP domain names that secret, so sockets of two clusters can share a process)."""
+
+    def __init__(self) -> None:
+        self.allowed: dict[str, bytes] = {}   # ZAP domain -> the cluster's client public key (z85)
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        ok = self.allowed.get(domain) == client_key
+        if not ok:
+            AUTH_FAILURES.drop(f"a CURVE client with a key that is not the cluster's (domain {domain})")
+        return ok
+
+
+_zap: ThreadAuthenticator | None = None
+_zap_policy = _ClusterClients()
+
+
+def _zap_allow(keys: ClusterKeys) -> bytes:
+    """Start this process's ZAP handler (once) and let the clients of `keys` in; returns the ZAP domain."""
+    global _zap
+    if _zap is None:
+        _zap = ThreadAuthenticator(_context())
+        _zap.start()
+    domain = f"pdcluster-{keys.fingerprint}"
+    _zap_policy.allowed[domain] = keys.client_public
+    _zap.configure_curve_callback(domain, credentials_provider=_zap_policy)
+    return domain.encode()
 
 
 def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
@@ -93,13 +143,22 @@ class DroppedFrames:
             return None
 
 
+# CURVE clients of this process's server sockets refused by the ZAP handler: they knew the server key but not
+# the cluster's client key. A client without CURVE, or with another secret's server key, fails the handshake
+# inside zmq before any ZAP request (and is not counted here).
+AUTH_FAILURES = DroppedFrames("zmq authentication")
+
+
 class RouterServer:
     """A node's control socket: many DEALER peers, addressed by their zmq identity."""
 
-    def __init__(self, hwm: int = DEFAULT_HWM) -> None:
-        self._sock = _socket(zmq.ROUTER, hwm)
+    def __init__(self, hwm: int = DEFAULT_HWM, keys: ClusterKeys | None = None) -> None:
+        self._sock = _socket(zmq.ROUTER, hwm, keys, server=True)
         # Unknown/disconnected identity -> EHOSTUNREACH instead of a silent drop.
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A peer that reconnects with its identity (DealerClient's is stable) takes it over even while this
+        # side still holds the old connection (a network blip it has not noticed), so streams to it go on.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.address = ""
@@ -140,8 +199,11 @@ class RouterServer:
 class DealerClient:
     """One connection to one peer's RouterServer."""
 
-    def __init__(self, hwm: int = DEFAULT_HWM, dropped: DroppedFrames | None = None) -> None:
-        self._sock = _socket(zmq.DEALER, hwm)
+    def __init__(self, hwm: int = DEFAULT_HWM, dropped: DroppedFrames | None = None,
+                 keys: ClusterKeys | None = None, identity: bytes | None = None) -> None:
+        self._sock = _socket(zmq.DEALER, hwm, keys)
+        if identity is not None:   # kept across reconnects: the peer keeps addressing replies to it
+            self._sock.setsockopt(zmq.IDENTITY, identity)
         self.dropped = dropped or DroppedFrames("dealer")
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
@@ -190,8 +252,12 @@ class PeerDealers:
     """One DEALER per peer node, connected on first use and reconnected when the peer's address
     changes; every message a peer sends goes to `on_message(node_id, msg)` (on the event loop)."""
 
-    def __init__(self, on_message: Callable[[str, Message], None]) -> None:
+    def __init__(self, on_message: Callable[[str, Message], None], keys: ClusterKeys | None = None,
+                 owner: str = "") -> None:
         self._on_message = on_message
+        self._keys = keys
+        self._owner = owner   # this process's id: part of each dealer's stable zmq identity
+        self._instance = os.urandom(4).hex()   # two processes configured with one id still differ
         self._peers: dict[str, tuple[str, DealerClient, asyncio.Task]] = {}
         self.dropped = DroppedFrames("peer connections")   # shared by every peer's dealer
 
@@ -199,11 +265,17 @@ class PeerDealers:
         peer = self._peers.get(node_id)
         if peer is None or peer[0] != address:
             self.drop(node_id)
-            dealer = DealerClient(dropped=self.dropped)
+            dealer = DealerClient(dropped=self.dropped, keys=self._keys, identity=self.identity(node_id))
             dealer.connect(address)
             reader = asyncio.create_task(self._read_loop(node_id, dealer), name=f"peer:{node_id}")
             peer = self._peers[node_id] = (address, dealer, reader)
         return peer[1].send(msg)
+
+    def identity(self, node_id: str) -> bytes:
+        """The zmq identity of the connection to `node_id`: stable for this object's life, unique per peer
+        connection; at most 255 bytes (zmq's limit), never starting with a zero byte."""
+        ident = f"{self._owner or 'peer'}/{node_id}/{self._instance}".encode()
+        return ident if len(ident) <= 255 else b"h" + hashlib.blake2b(ident, digest_size=32).hexdigest().encode()
 
     def send_existing(self, node_id: str, msg: Message) -> bool:
         """Send only on an open connection (e.g. an Abort); False when there is none."""
@@ -232,8 +304,8 @@ class PeerDealers:
 class LoadPublisher:
     """PUB socket a node publishes its `Load` on; routers subscribe."""
 
-    def __init__(self) -> None:
-        self._sock = _socket(zmq.PUB, LOAD_HWM)
+    def __init__(self, keys: ClusterKeys | None = None) -> None:
+        self._sock = _socket(zmq.PUB, LOAD_HWM, keys, server=True)
         self.address = ""
 
     def bind(self, addr: str) -> str:
@@ -264,8 +336,8 @@ class LoadPublisher:
 class LoadSubscriber:
     """SUB socket connected to any number of LoadPublishers."""
 
-    def __init__(self) -> None:
-        self._sock = _socket(zmq.SUB, LOAD_HWM)
+    def __init__(self, keys: ClusterKeys | None = None) -> None:
+        self._sock = _socket(zmq.SUB, LOAD_HWM, keys)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._sock.setsockopt(zmq.RECONNECT_IVL, 100)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2_000)

@@ -22,6 +22,8 @@ NODE_DEFAULTS: dict[str, Any] = {
     "device": "auto",
 }
 ENGINE_KNOBS = tuple(f.name for f in settings(EngineArgs))
+TIMEOUT_KNOBS = ("prefill_timeout", "heartbeat_interval", "router_reconnect_timeout", "kv_connect_timeout",
+                 "kv_ack_timeout", "drain_timeout")
 
 
 @dataclass
@@ -34,6 +36,20 @@ class NodeFields(CommonConfig):
     control_port: int = knob(0, "zmq ROUTER port for Generate/Prefill/Abort; 0 = pick a free port")
     load_port: int = knob(0, "zmq PUB port for Load reports; 0 = pick a free port")
     kv_port: int = knob(0, "KV transfer listener port; 0 = pick a free port")
+    # Timeouts (docs/operations.md "Timeouts" lists them all, with what happens when each fires).
+    prefill_timeout: float = knob(15.0, "decode: seconds to wait for a prefill node's PrefillDone (the KV "
+                                  "reservation lives as long) before prefilling locally; below the router's "
+                                  "stall_timeout")
+    heartbeat_interval: float = knob(1.0, "decode: seconds between Progress messages to the router for a "
+                                     "request that sent no token lately (queued, waiting on its prefill)")
+    router_reconnect_timeout: float = knob(10.0, "decode: seconds a request's tokens are held while its router "
+                                           "is unreachable (reconnecting) before the request is aborted")
+    kv_connect_timeout: float = knob(5.0, "prefill: seconds to connect to a decode node's KV receiver and "
+                                     "finish the handshake; a destination that does not answer fails only "
+                                     "its own prompts")
+    kv_ack_timeout: float = knob(10.0, "prefill: seconds to wait for the receiver's checksum ack of a transfer")
+    drain_timeout: float = knob(60.0, "seconds a draining node waits for its requests to finish before exiting")
+    served_model_name: str = knob("", "the \"model\" requests name to be routed here; default: the model dir's name")
 
     def finish(self, kind: str) -> None:
         super().finish(kind)
@@ -47,6 +63,9 @@ class NodeFields(CommonConfig):
             raise ValueError("model: a checkpoint directory is required")
         for name in ("control_port", "load_port", "kv_port"):
             check_port(name, getattr(self, name))
+        for name in TIMEOUT_KNOBS:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
         engine_args_from_config(self)  # EngineArgs checks the engine knobs
 
 

