@@ -4,8 +4,10 @@ A pool laid out as the engine's (block-major, several layers, scattered block ta
 with contexts uniform in [--min-len, --max-len]; each call is one layer of one decode step. Prints the
 median time per call of both, their ratio, and the K/V bytes read per second against the machine's
 read bandwidth measured in the same run (a sum over a 1 GiB tensor, which reads every byte once).
+With `--kv-dtype int8` the same K/V is also quantized into an int8 pool (engine/kv_cache.py: int8 values and
+an fp16 scale per token and KV head) and both paths run over it too, in the same run.
 
-    .venv/bin/python benchmarks/decode_attention.py [--dtype bf16] [--batch 64] [--json]
+    .venv/bin/python benchmarks/decode_attention.py [--dtype bf16] [--kv-dtype int8] [--batch 64] [--json]
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 from pdcluster.engine.attention import native
 from pdcluster.engine.attention.metadata import AttentionMetadata
 from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
+from pdcluster.engine.kv_cache import quantize_rows
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,7 +42,7 @@ def make_inputs(args, dtype):
     meta = TorchAttentionBackend.prepare(AttentionMetadata(   # the torch path's per-step metadata
         slot_blocks=none, slot_offsets=none, num_decode_tokens=args.batch, decode_block_tables=tables,
         decode_context_lens=lens.to(torch.int32)))
-    return q, k_cache, v_cache, meta, lens
+    return q, k_cache, v_cache, meta, lens, pool
 
 
 def median_s(fn, repeats: int) -> float:
@@ -60,6 +63,8 @@ def read_gbps() -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"],
+                   help="int8: also time both paths over an int8 copy of the pool")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--min-len", type=int, default=32)
     p.add_argument("--max-len", type=int, default=512)
@@ -76,7 +81,7 @@ def main() -> None:
     kernel = native.decode_kernel(dtype)
     if kernel is None:
         raise SystemExit("native kernel unavailable here (no C compiler?): nothing to compare")
-    q, k_cache, v_cache, meta, lens = make_inputs(args, dtype)
+    q, k_cache, v_cache, meta, lens, pool = make_inputs(args, dtype)
     torch_path = TorchAttentionBackend(args.heads, args.kv_heads, args.head_dim)
     scale = args.head_dim ** -0.5
     kv_bytes = int(lens.sum()) * args.kv_heads * args.head_dim * 2 * k_cache.element_size()
@@ -91,6 +96,23 @@ def main() -> None:
            "speedup": round(t_torch / t_native, 2), "native_gbps": round(kv_bytes / t_native / 1e9, 1),
            "torch_gbps": round(kv_bytes / t_torch / 1e9, 1), "read_limit_gbps": round(limit, 1),
            "native_vs_limit": round(kv_bytes / t_native / 1e9 / limit, 2)}
+    if args.kv_dtype == "int8":
+        pool8 = torch.empty(*pool.shape[:-1], args.head_dim + 2, dtype=torch.int8)
+        for layer in range(args.layers):   # a layer at a time: quantizing goes through fp32
+            pool8[:, layer] = quantize_rows(pool[:, layer])
+        k8, v8 = pool8[:, 0, 0], pool8[:, 0, 1]
+        kernel8 = native.decode_kernel(dtype, torch.int8)
+        t_torch8 = median_s(lambda: torch_path._decode(q, k8, v8, meta), args.repeats)
+        t_native8 = median_s(lambda: native.paged_decode(kernel8, q, k8, v8, meta.decode_block_tables,
+                                                         meta.decode_context_lens, scale), args.repeats)
+        t_native_again = median_s(lambda: native.paged_decode(kernel, q, k_cache, v_cache, meta.decode_block_tables,
+                                                              meta.decode_context_lens, scale), args.repeats)
+        kv8_bytes = int(lens.sum()) * args.kv_heads * (args.head_dim + 2) * 2
+        out.update({"int8_kv_mib": round(kv8_bytes / 2**20, 1), "int8_torch_ms": round(t_torch8 * 1e3, 3),
+                    "int8_native_ms": round(t_native8 * 1e3, 3),
+                    "native_ms_after": round(t_native_again * 1e3, 3),
+                    "int8_vs_native": round(min(t_native, t_native_again) / t_native8, 2),
+                    "int8_native_gbps": round(kv8_bytes / t_native8 / 1e9, 1)})
     if args.json:
         print(json.dumps(out))
         return
@@ -99,6 +121,12 @@ def main() -> None:
     print(f"  torch (gather + SDPA): {out['torch_ms']:8.3f} ms  {out['torch_gbps']:5.1f} GB/s")
     print(f"  native paged kernel:   {out['native_ms']:8.3f} ms  {out['native_gbps']:5.1f} GB/s  "
           f"({out['speedup']}x; {out['native_vs_limit']:.0%} of the {out['read_limit_gbps']} GB/s read limit)")
+    if args.kv_dtype == "int8":
+        print(f"int8 KV ({out['int8_kv_mib']} MiB per call, same tokens):")
+        print(f"  torch (gather + dequantize + SDPA): {out['int8_torch_ms']:8.3f} ms")
+        print(f"  native paged kernel:   {out['int8_native_ms']:8.3f} ms  {out['int8_native_gbps']:5.1f} GB/s  "
+              f"({out['int8_vs_native']}x the {args.dtype} kernel, best of its runs before and after: "
+              f"{out['native_ms']} / {out['native_ms_after']} ms)")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ exactly its output length. Reports throughput, TTFT / TPOT / ITL / E2E percentil
     # start a local cluster first: 1 prefill + 1 decode node, or one decode node doing both
     python benchmarks/serving.py --start 1p1d --num-prompts 64 --request-rate 4
     python benchmarks/serving.py --start colocated --num-prompts 64 --request-rate 4
-    # the router alone: a fake decode node that streams every token at once
-    python benchmarks/serving.py --start fake --num-prompts 512 --request-rate inf --output-len 64
+    # the router alone (one router process, a fake decode node stepping every --fake-step-ms, this process
+    # only generating load), optionally profiled (cProfile of the router process)
+    python benchmarks/serving.py --start fake --num-prompts 512 --max-concurrency 256 --profile /tmp/router.prof
+    # the router alone, this tree against another checkout (`git worktree add /tmp/base HEAD`), interleaved
+    python benchmarks/serving.py --compare /tmp/base --rounds 3
 """
 
 from __future__ import annotations
@@ -19,16 +22,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, os.environ.get("PDCLUSTER_BENCH_CODE") or str(REPO))
 
 
 @dataclass
@@ -78,17 +85,19 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                chunk = json.loads(line[6:])
                 now = time.perf_counter()
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                # Cheap per chunk (the client must not be what is measured): JSON only for the usage chunk.
+                if '"text":""' not in line and '"text": ""' not in line and '"choices":[]' not in line \
+                        and '"choices": []' not in line:
                     if res.ttft == 0.0:
                         res.ttft = now - start
                     else:
                         res.itls.append(now - last)
                     last = now
-                if chunk.get("usage"):
-                    res.output_len = chunk["usage"]["completion_tokens"]
-                    res.prompt_len = chunk["usage"]["prompt_tokens"]
+                elif '"usage":{' in line or '"usage": {' in line:
+                    usage = loads(line[6:])["usage"]
+                    res.output_len = usage["completion_tokens"]
+                    res.prompt_len = usage["prompt_tokens"]
     except httpx.HTTPError as exc:
         res.error = f"{type(exc).__name__}: {exc}"
     res.e2e = time.perf_counter() - start
@@ -144,50 +153,21 @@ async def run(args, url: str, model: str, vocab: int) -> dict:
     return summary
 
 
-class FakeDecodeNode:
-    """A decode node that answers every Generate with all its tokens at once (router overhead runs)."""
-
-    def __init__(self, etcd: str, cluster: str, tokens_per_message: int, secret: str = "") -> None:
-        from pdcluster.control.keys import load_secret
-        from pdcluster.control.records import NodeInfo
-        from pdcluster.control.registration import Registration
-        from pdcluster.control.transport import LoadPublisher, RouterServer
-
-        keys = load_secret(secret) if secret else None   # the cluster's: the router speaks CURVE with it
-        self.server, self.pub = RouterServer(keys=keys), LoadPublisher(keys=keys)
-        self.tokens_per_message = tokens_per_message
-        control = self.server.bind("tcp://127.0.0.1:0")
-        load = self.pub.bind("tcp://127.0.0.1:0")
-        self.registration = Registration([etcd], cluster, NodeInfo(node_id="fake-decode", role="decode",
-                                                                   control_addr=control, load_addr=load))
-
-    async def serve(self) -> None:
-        from pdcluster.control.protocol import Generate, Tokens
-
-        await self.registration.start(wait=10)
-        while True:
-            identity, msg = await self.server.recv()
-            if not isinstance(msg, Generate):
-                continue
-            n = int(msg.sampling.get("max_tokens", 16))
-            step = self.tokens_per_message
-            for i in range(0, n, step):
-                ids = [(7 + j) % 300 + 3 for j in range(i, min(n, i + step))]
-                first = i == 0
-                self.server.send(identity, Tokens(rid=msg.rid, ids=ids, finish="length" if i + step >= n else None,
-                                                  num_prompt_tokens=len(msg.prompt_ids) if first else 0,
-                                                  prefill_path="local" if first else ""))
-            await asyncio.sleep(0)
-
-
 async def main_async(args) -> dict:
-    from pdcluster.cli.up import LocalCluster
-
     cluster = None
-    fake_task = None
+    fake = None
     try:
-        if args.start:
-            layouts = {"1p1d": (1, 1, 0), "colocated": (0, 1, 0), "2p2d": (2, 2, 0), "fake": (0, 0, 0)}
+        if args.start == "fake":
+            from router_fake import FakeSetup
+
+            model_dir = args.model or fake_model_dir()
+            fake = FakeSetup(model_dir, args.fake_step_ms / 1000, args.profile)
+            await asyncio.to_thread(fake.wait_ready)
+            url = fake.url
+        elif args.start:
+            from pdcluster.cli.up import LocalCluster
+
+            layouts = {"1p1d": (1, 1, 0), "colocated": (0, 1, 0), "2p2d": (2, 2, 0)}
             num_prefill, num_decode, _ = layouts[args.start]
             cluster = LocalCluster(model=args.model, num_prefill=num_prefill, num_decode=num_decode, port=0,
                                    cluster=f"bench-{args.start}",
@@ -196,11 +176,6 @@ async def main_async(args) -> dict:
                                    router_config={"disagg_min_tokens": 0, "routing_policy": "least_loaded"},
                                    log_level="WARNING")
             await asyncio.to_thread(cluster.start)
-            if args.start == "fake":
-                fake = FakeDecodeNode(cluster.etcd, cluster.cluster, args.fake_tokens_per_message,
-                                      cluster.cluster_secret)
-                fake_task = asyncio.create_task(fake.serve())
-                await asyncio.to_thread(cluster.wait_ready, 0, 0, 30.0, {"fake-decode"})
             url, model_dir = cluster.url, cluster.model
         else:
             url, model_dir = args.url.rstrip("/"), args.model
@@ -208,18 +183,86 @@ async def main_async(args) -> dict:
             model = args.served_model or (await http.get("/v1/models")).json()["data"][0]["id"]
         vocab = 32000
         if model_dir:  # random prompt ids must be valid for both the model and its tokenizer
-            from transformers import AutoTokenizer
+            from tokenizers import Tokenizer
 
             config = json.loads((Path(model_dir) / "config.json").read_text())
-            vocab = min(config["vocab_size"], len(AutoTokenizer.from_pretrained(model_dir)), 32000)
+            size = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).get_vocab_size()
+            vocab = min(config.get("vocab_size", size), size, 32000)
+        cpu = fake.cpu_seconds() if fake is not None else 0.0
         summary = await run(args, url, model, vocab)
         summary["setup"] = args.start or "external"
+        if fake is not None:   # the router's CPU per streamed token: robust where other work shares the cores
+            out = summary["output_tokens_per_s"] * summary["duration_s"]
+            summary["router_cpu_us_per_token"] = (fake.cpu_seconds() - cpu) / max(out, 1) * 1e6
         return summary
     finally:
-        if fake_task is not None:
-            fake_task.cancel()
+        if fake is not None:
+            await asyncio.to_thread(fake.stop)
         if cluster is not None:
             await asyncio.to_thread(cluster.stop)
+
+
+def loads(text: str):
+    try:
+        import orjson
+    except ImportError:
+        return json.loads(text)
+    return orjson.loads(text)
+
+
+def fake_model_dir() -> str:
+    """The router tests' tiny byte-fallback tokenizer, with room for the benchmark's lengths."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from router_fakes import make_tokenizer_dir
+
+    return make_tokenizer_dir(tempfile.mkdtemp(prefix="pdcluster-bench-tok-"), max_position_embeddings=8192)
+
+
+def code_tree(checkout: str, into: str) -> str:
+    """A directory that imports `pdcluster` (all its rooms) from `checkout` as the installed package maps them."""
+    root = Path(into) / "pdcluster"
+    root.mkdir(parents=True)
+    for entry in (Path(checkout) / "pdcluster").iterdir():
+        (root / entry.name).symlink_to(entry)
+    for room in ("router", "engine", "kv_transfer", "prefill_node", "decode_node"):
+        if (Path(checkout) / room).is_dir():
+            (root / room).symlink_to(Path(checkout) / room)
+    return into
+
+
+def compare(args) -> None:
+    """Rounds of (baseline, this tree) in alternating order, each run a fresh router + fake node + load."""
+    model_dir = args.model or fake_model_dir()
+    base = code_tree(args.compare, tempfile.mkdtemp(prefix="pdcluster-bench-base-"))
+    runs = [(f"c{c}", ["--num-prompts", str(4 * c), "--max-concurrency", str(c)])
+            for c in map(int, args.concurrencies.split(","))]
+    runs.append(("light", ["--num-prompts", "40", "--max-concurrency", "1", "--output-len", "8"]))
+    results: dict[str, dict[str, list[dict]]] = {}
+    for r in range(args.rounds):
+        for name, extra in runs:
+            for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                env = dict(os.environ, PDCLUSTER_BENCH_CODE=base if label == "before" else str(REPO))
+                cmd = [sys.executable, __file__, "--start", "fake", "--json", "--model", model_dir,
+                       "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                       "--fake-step-ms", str(args.fake_step_ms), *extra]
+                out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+                if out.returncode != 0:
+                    raise SystemExit(f"{label} {name} failed:\n{out.stderr[-3000:]}")
+                summary = json.loads(out.stdout.strip().splitlines()[-1])
+                results.setdefault(name, {}).setdefault(label, []).append(summary)
+                print(f"round {r} {name:6s} {label:6s}: {summary['output_tokens_per_s']:8.0f} tok/s, router CPU "
+                      f"{summary['router_cpu_us_per_token']:6.1f} us/token, "
+                      f"TTFT p50 {summary['ttft_ms']['p50']:.1f} ms, "
+                      f"failed {summary['failed']}, load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"medians of {args.rounds} rounds (load average now {os.getloadavg()[0]:.1f}):")
+    for name, by_label in results.items():
+        cells = []
+        for label in ("before", "after"):
+            rows = by_label[label]
+            cells.append(f"{label} {statistics.median(x['output_tokens_per_s'] for x in rows):8.0f} tok/s "
+                         f"{statistics.median(x['router_cpu_us_per_token'] for x in rows):6.1f} us/token "
+                         f"TTFT p50 {statistics.median(x['ttft_ms']['p50'] for x in rows):6.1f} ms")
+        print(f"  {name:6s} " + " | ".join(cells))
 
 
 def main() -> None:
@@ -241,9 +284,18 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="256MiB", help="per node, with --start")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--fake-tokens-per-message", type=int, default=1)
+    p.add_argument("--fake-step-ms", type=float, default=5.0, help="--start fake: the fake node's step interval")
+    p.add_argument("--profile", default="", help="--start fake: write the router process's cProfile stats here")
+    p.add_argument("--compare", default="", metavar="CHECKOUT",
+                   help="router alone (fake node), this tree against CHECKOUT side by side: streamed tokens/s at "
+                        "--concurrencies, TTFT at concurrency 1; --rounds interleaved rounds, medians")
+    p.add_argument("--concurrencies", default="64,256")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
+    if args.compare:
+        compare(args)
+        return
     summary = asyncio.run(main_async(args))
     if args.json:
         print(json.dumps(summary))

@@ -4,9 +4,10 @@ token streaming to routers.
 A request's path (docs/design.md §3): `Generate` from a router → reserve blocks (leading blocks already in
 this node's prefix cache are shared, not re-sent) → `Prefill` to the chosen prefill node, which
 writes the prompt's KV straight into the reserved blocks of this node's shared-memory pool → on
-`PrefillDone` + the receiver's checksum ack the sequence joins the running batch → one `Tokens`
-message per engine step per request back to the router. Any failure of the remote part
-(timeout, checksum, prefill node gone or erroring) frees the reservation and prefills locally (§5).
+`PrefillDone` + the receiver's checksum ack the sequence joins the running batch → one message per engine
+step per router: a `TokenBatch` of the new tokens of each of its requests (`Tokens` when only one has any).
+Any failure of the remote part (timeout, checksum, prefill node gone or erroring) frees the reservation and
+prefills locally (§5).
 
 While a request sends no token (queued, waiting on its prefill or its KV) the router hears `Progress` for
 it on admission and every `heartbeat_interval`, so its stall timer measures silence, not time to first
@@ -22,11 +23,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcluster.control.protocol import Abort, Generate, Load, Message, Prefill, PrefillDone, Progress, Reject, Tokens
+from pdcluster.control.protocol import (
+    Abort,
+    Generate,
+    Load,
+    Message,
+    Prefill,
+    PrefillDone,
+    Progress,
+    Reject,
+    TokenBatch,
+    Tokens,
+)
 from pdcluster.control.records import NodeInfo
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
 from pdcluster.decode_node.metrics import DecodeMetrics
+from pdcluster.decode_node.streams import step_tokens
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.kv_transfer import KVReceiver, SharedKVPool, sweep_dead_pools
@@ -51,7 +64,7 @@ class DecodeRequest:
     router: bytes  # zmq identity of the router's DEALER: where Tokens go
     prompt_ids: list[int]  # Generate.prompt_ids + resume_ids
     params: SamplingParams
-    deadline: float
+    deadline: float  # time.monotonic() seconds (0: none); from the message's timeout_s at receipt
     prefill_node: str | None
     phase: str = "new"  # remote (prefill elsewhere) | engine (the engine owns it)
     blocks: list[int] = field(default_factory=list)  # held in the engine while the remote KV lands
@@ -199,7 +212,8 @@ class DecodeNode(NodeService):
             self.control.send(identity, Tokens(rid=msg.rid, ids=[], finish="error", error=str(exc)))
             return
         req = DecodeRequest(rid=msg.rid, router=identity, prompt_ids=prompt, params=params,
-                            deadline=msg.deadline, prefill_node=msg.prefill_node)
+                            deadline=time.monotonic() + msg.timeout_s if msg.timeout_s else 0.0,
+                            prefill_node=msg.prefill_node)
         self.requests[req.rid] = req
         self._to_router(req, Progress(rids=[req.rid], states=[req.progress]))   # the acknowledgement
         log.info("request %s admitted from router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
@@ -237,7 +251,7 @@ class DecodeNode(NodeService):
             req.prefill_done = self.loop.create_future()
             sent = self.peers.send(peer.node_id, peer.control_addr, Prefill(
                 rid=rid, prompt_ids=prompt, sampling=req.params.to_dict(), dst=dst.to_dict(),
-                decode_node=self.node_id, deadline=dst.deadline, skip_blocks=skip))
+                decode_node=self.node_id, timeout_s=dst.timeout_s, skip_blocks=skip))
             if not sent:
                 raise RemotePrefillFailed("send_failed", f"could not queue Prefill to {peer.node_id}")
             req.progress = "prefilling"
@@ -377,7 +391,7 @@ class DecodeNode(NodeService):
     async def _deadline_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
-            now = time.time()
+            now = time.monotonic()
             for req in [r for r in self.requests.values() if r.deadline and now > r.deadline]:
                 log.info("request %s: deadline passed; aborting", req.rid)
                 self._abort(req.rid, "deadline exceeded", notify_router=True)
@@ -389,36 +403,40 @@ class DecodeNode(NodeService):
                 self._forget(req, "error")
             self.begin_drain("engine failure")
             return
+        batches: dict[bytes, list[tuple[DecodeRequest, Tokens]]] = {}
         for out in outputs:
             req = self.requests.get(out.request_id)
             if req is None or req.phase != "engine":
                 continue
-            msg = Tokens(rid=req.rid, ids=list(out.new_token_ids),
-                         logprobs=[_wire_logprob(lp) for lp in out.logprobs] if out.logprobs is not None else None,
-                         finish=out.finish_reason if out.finished else None, pos=req.sent)
-            req.sent += len(msg.ids)
-            if not req.first_sent:
-                req.first_sent = True
-                msg.num_prompt_tokens = len(req.prompt_ids)
-                msg.num_cached_tokens = req.num_cached_tokens or out.num_cached_tokens
-                msg.prefill_path = req.prefill_path
-            if req.backlog is not None:   # still held for a reconnecting router: send in order, as one message
-                msg = _merge(req.backlog, msg)
-            req.backlog = None if self._to_router(req, msg) else msg
+            batches.setdefault(req.router, []).append((req, step_tokens(req, out)))
             if out.finished:
                 req.outcome = out.finish_reason or "stop"
-                if req.backlog is None:
-                    self._forget(req, req.outcome)
+        for router, items in batches.items():
+            frame = items[0][1] if len(items) == 1 else TokenBatch(items=[msg for _, msg in items])
+            if self._send_to(router, frame):
+                now = time.monotonic()
+                for req, _ in items:
+                    req.last_sent = now
+                    if req.outcome:
+                        self._forget(req, req.outcome)
+            else:
+                for req, msg in items:
+                    req.backlog = msg
 
     # ---- the router link: acknowledgements, heartbeats, held tokens ---------------------------------
 
     def _to_router(self, req: DecodeRequest, msg: Message) -> bool:
         """Send to the request's router; False when it cannot take it now (disconnected or far behind)."""
-        if not self.control.send(req.router, msg):
-            self._unreachable.setdefault(req.router, time.monotonic())
+        if not self._send_to(req.router, msg):
             return False
-        self._unreachable.pop(req.router, None)
         req.last_sent = time.monotonic()
+        return True
+
+    def _send_to(self, router: bytes, msg: Message) -> bool:
+        if not self.control.send(router, msg):
+            self._unreachable.setdefault(router, time.monotonic())
+            return False
+        self._unreachable.pop(router, None)
         return True
 
     async def _heartbeat_loop(self) -> None:
@@ -453,22 +471,6 @@ class DecodeNode(NodeService):
             self._abort(req.rid, "router unreachable")
         for router in gone:
             del self._unreachable[router]
-
-
-def _merge(held: Tokens, new: Tokens) -> Tokens:
-    """`new` appended to the held message (which keeps its pos and first-message fields)."""
-    held.ids += new.ids
-    if held.logprobs is not None and new.logprobs is not None:
-        held.logprobs += new.logprobs
-    held.finish, held.error = new.finish, new.error
-    return held
-
-
-def _wire_logprob(lp: Any) -> Any:
-    """Engine (logprob, [(id, logprob), ...]) -> msgpack-friendly lists."""
-    if lp is None:
-        return None
-    return [float(lp[0]), [[int(t), float(v)] for t, v in lp[1]]]
 
 
 def _logprob_entry(lp: Any) -> Any:

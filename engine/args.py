@@ -18,6 +18,7 @@ DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "float": "float32",
                "float16": "float16", "fp16": "float16", "half": "float16"}
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")  # what a config file or flag may say
 DEVICE_CHOICES = ("auto", "npu", "cuda", "cpu")
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8")
 
 
 def dtype_name(dtype: Any) -> str:
@@ -41,6 +42,9 @@ class EngineArgs:
                                     help="weights and KV dtype; auto: float32 on CPU, else the checkpoint's")
     device: str | None = knob(None, choices=DEVICE_CHOICES, help="auto: npu > cuda > cpu")
     block_size: int = knob(16, help="tokens per KV block (vLLM-Ascend commonly uses 128)")
+    kv_cache_dtype: str = knob("auto", choices=KV_CACHE_DTYPE_CHOICES,
+                               help="KV pool dtype; auto: the model dtype, int8: int8 with a scale per token "
+                                    "and KV head")
     kv_cache_memory: int | None = knob(None, parse=parse_bytes,
                                        help="KV pool bytes, e.g. 4GiB; unset (0): derived from "
                                             "gpu_memory_utilization")
@@ -80,6 +84,9 @@ class EngineArgs:
                              f"({self.max_model_len}) needs enable_chunked_prefill")
         if self.dtype != "auto":
             dtype_name(self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if isinstance(self.weight_pool, str):
             parse_spec(self.weight_pool)
         elif self.weight_pool is not None and not isinstance(self.weight_pool, SharedWeightPool):

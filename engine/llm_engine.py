@@ -13,7 +13,7 @@ from pdcluster.engine.args import EngineArgs
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import ModelConfig, resolve_dtype
 from pdcluster.engine.device import default_cpu_kv_cache_bytes, free_memory_bytes, resolve_device
-from pdcluster.engine.kv_cache import KVCachePool
+from pdcluster.engine.kv_cache import KVCachePool, resolve_kv_dtype
 from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.engine.loader import load_eos_token_ids, load_tokenizer
 from pdcluster.engine.model_runner import ModelRunner
@@ -79,10 +79,11 @@ class LLMEngine:
 
     def _make_pool(self) -> KVCachePool:
         a, cfg = self.args, self.model_config
-        per_block = KVCachePool.bytes_per_block(cfg, a.block_size, self.dtype)
+        kv_dtype = resolve_kv_dtype(a.kv_cache_dtype, self.dtype)
+        per_block = KVCachePool.bytes_per_block(cfg, a.block_size, kv_dtype)
         if a.kv_pool_tensor is not None:
             t = a.kv_pool_tensor
-            return KVCachePool(t.shape[0], cfg.num_layers, a.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+            return KVCachePool(t.shape[0], cfg.num_layers, a.block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
                                t.device, tensor=t)
         if a.num_gpu_blocks_override is not None:
             num_blocks = a.num_gpu_blocks_override
@@ -102,9 +103,9 @@ class LLMEngine:
             num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: room for no KV block (one block needs {per_block} bytes)")
-        shape = KVCachePool.shape_for(cfg, num_blocks, a.block_size)
-        tensor = a.kv_pool_factory(shape, self.dtype) if a.kv_pool_factory is not None else None
-        return KVCachePool(num_blocks, cfg.num_layers, a.block_size, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+        shape = KVCachePool.shape_for(cfg, num_blocks, a.block_size, kv_dtype)
+        tensor = a.kv_pool_factory(shape, kv_dtype) if a.kv_pool_factory is not None else None
+        return KVCachePool(num_blocks, cfg.num_layers, a.block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
                            self.device, tensor=tensor)
 
     # ---- requests -------------------------------------------------------------------------------

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 
 def host_id() -> str:
-    """Same value ⇔ same kernel (so /dev/shm is shareable, modulo containers: attach is still tried)."""
+    """Same value ⇔ same kernel boot and the same /dev/shm mount, so a shared-memory pool is shareable.
+    The mount's device number tells two private tmpfs apart (containers, network-namespace "hosts"); a
+    sender still checks that the pool segment is really there (ShmChannel.auto_rank) before choosing shm."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        shm = os.stat("/dev/shm").st_dev
+    except OSError:
+        shm = -1
+    return f"{socket.gethostname()}/{boot}/shm:{shm}"
 
 
 @dataclass
@@ -23,11 +31,17 @@ class Destination:
     address: str  # "host:port" of the receiver's control/data listener
     block_ids: list[int]  # reserved destination blocks, in the order of the request's blocks
     token: str  # auth token: writes without it are rejected
-    deadline: float  # unix seconds; writes after it are rejected and the blocks returned
+    deadline: float  # the receiver's clock (unix s), for its own use: no other host compares it with theirs
     backends: list[str]  # what the receiver accepts, e.g. ["shm", "tcp", "gloo"]
     layout: dict[str, Any]  # KVLayout.to_dict() of the receiver pool
     host_id: str = ""
     shm_name: str | None = None
+    # Seconds left when handed on (0: unknown). A sender's deadline is its own monotonic clock at receipt plus
+    # this (`expires`); the receiver enforces its deadline anyway, this only saves writing in vain.
+    timeout_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.expires = time.monotonic() + self.timeout_s if self.timeout_s > 0 else float("inf")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -47,6 +61,9 @@ class Destination:
             raise ValueError("destination.block_ids: expected non-negative ints")
         if ":" not in d["address"]:
             raise ValueError(f"destination.address: expected host:port, got {d['address']!r}")
+        timeout = d.get("timeout_s", 0.0)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout != timeout:
+            raise ValueError("destination.timeout_s: expected a number")
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"destination: unknown fields {sorted(unknown)}")

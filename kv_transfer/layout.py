@@ -1,7 +1,10 @@
 """The KV pool layout both sides must agree on, and byte views of a pool.
 
-Pool shape: [num_blocks, num_layers, 2(k,v), block_size, num_kv_heads, head_dim], block-major, so
-block b restricted to layers [l0, l1) is one contiguous byte range.
+Pool shape: [num_blocks, num_layers, 2(k,v), block_size, num_kv_heads, row], block-major, so
+block b restricted to layers [l0, l1) is one contiguous byte range. row = head_dim for a float pool; an
+int8 pool (the engine's `kv_cache_dtype="int8"`) stores each (token, KV head) row as head_dim int8 values
+followed by its fp16 scale (`scale_bytes` = 2, row = head_dim + 2): the scales travel inside the blocks,
+and the handshake refuses a peer whose dtype or scale bytes differ.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import torch
 from pdcluster.kv_transfer.errors import LayoutMismatchError
 
 LAYOUT_VERSION = 1
-_CHECKED_FIELDS = ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim")
+_CHECKED_FIELDS = ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "scale_bytes")
+INT8_SCALE_BYTES = 2   # the fp16 scale after each int8 row (engine/kv_cache.py)
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     version: int = LAYOUT_VERSION
+    scale_bytes: int = 0   # per (token, KV head) row, after its head_dim values: 2 for an int8 pool
 
     @classmethod
     def of(cls, pool: torch.Tensor) -> "KVLayout":
@@ -36,8 +41,11 @@ class KVLayout:
             )
         if not pool.is_contiguous():
             raise ValueError("pool: must be contiguous (block-major)")
-        nb, nl, _, bs, nh, hd = pool.shape
-        return cls(str(pool.dtype).removeprefix("torch."), nb, nl, bs, nh, hd)
+        nb, nl, _, bs, nh, row = pool.shape
+        scale = INT8_SCALE_BYTES if pool.dtype == torch.int8 else 0
+        if row <= scale:
+            raise ValueError(f"pool: an int8 pool's last dim is head_dim + {scale} scale bytes, got {row}")
+        return cls(str(pool.dtype).removeprefix("torch."), nb, nl, bs, nh, row - scale, scale_bytes=scale)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -49,8 +57,13 @@ class KVLayout:
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes of one layer (k and v) of one block."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.element_size
+        """Bytes of one layer (k and v) of one block, scales included."""
+        return 2 * self.block_size * self.num_kv_heads * self.row * self.element_size
+
+    @property
+    def row(self) -> int:
+        """Elements of one (token, KV head) row: head_dim, plus the scale bytes of an int8 pool."""
+        return self.head_dim + self.scale_bytes // self.element_size
 
     @property
     def block_bytes(self) -> int:
@@ -58,7 +71,7 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.row)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -68,10 +81,13 @@ class KVLayout:
         if not isinstance(d, dict):
             raise ValueError("layout: expected a map")
         try:
-            layout = cls(**{k: d[k] for k in (*_CHECKED_FIELDS, "num_blocks")})
+            fields = {k: d[k] for k in (*_CHECKED_FIELDS[:-1], "num_blocks")}
+            layout = cls(**fields, scale_bytes=d.get("scale_bytes", 0))   # absent from older peers: a float pool
         except KeyError as exc:
             raise ValueError(f"layout: missing field {exc.args[0]!r}") from None
-        for name in _CHECKED_FIELDS[2:] + ("num_blocks", "version"):
+        if not isinstance(layout.scale_bytes, int) or isinstance(layout.scale_bytes, bool) or layout.scale_bytes < 0:
+            raise ValueError(f"layout.scale_bytes: expected an int >= 0, got {layout.scale_bytes!r}")
+        for name in _CHECKED_FIELDS[2:-1] + ("num_blocks", "version"):
             value = getattr(layout, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"layout.{name}: expected a positive int, got {value!r}")

@@ -128,6 +128,7 @@ class KVReceiver:
             layout=self.layout.to_dict(),
             host_id=host_id(),
             shm_name=self.shm_name,
+            timeout_s=timeout_s,
         )
 
     def cancel(self, request_id: str) -> None:

@@ -198,7 +198,7 @@ class _Stream:
         self.wire.send({"op": "open", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "blocks": blocks})
 
     def write(self, t: Transfer, part: list[tuple[int, int, int]], l0: int, l1: int) -> None:
-        if time.time() > t.dst.deadline:
+        if time.monotonic() > t.dst.expires:
             raise TransferError(f"kv transfer {t.request_id!r}: destination deadline passed")
         base = {
             "op": "write", "rid": t.request_id, "xid": t.xid, "token": t.dst.token,
@@ -343,7 +343,7 @@ class KVSender:
             cls.prepare(self.views)
         self.backend = backend
         self.num_streams = num_streams
-        self.quant = quant
+        self.quant = None if self.layout.scale_bytes else quant   # an int8 pool's blocks travel as they are
         self.connect_timeout = connect_timeout
         self.io_timeout = io_timeout
         self.auth_key = auth_key

@@ -40,7 +40,7 @@ class PrefillJob:
     prompt_ids: list[int]
     dst: Destination
     skip_blocks: int
-    deadline: float
+    deadline: float  # time.monotonic() seconds, from the Prefill message's timeout_s at receipt
     state: str = "connecting"  # connecting (to the KV receiver) | queued (engine) | sending (ack awaited) | done
     transfer: Transfer | None = None
     transfer_error: str | None = None
@@ -138,7 +138,7 @@ class PrefillNode(NodeService):
             self._reply_error(identity, msg.rid, f"bad Prefill: {exc}", "error")
             return
         job = PrefillJob(rid=msg.rid, decode=identity, prompt_ids=list(msg.prompt_ids), dst=dst,
-                         skip_blocks=msg.skip_blocks, deadline=msg.deadline)
+                         skip_blocks=msg.skip_blocks, deadline=time.monotonic() + msg.timeout_s)
         self.jobs[job.rid] = job
         log.info("prefill %s queued: %d prompt tokens (%d blocks cached on the decode node) for %s",
                  job.rid, len(job.prompt_ids), job.skip_blocks, msg.decode_node, extra={"request_id": job.rid})
@@ -192,7 +192,7 @@ class PrefillNode(NodeService):
     async def _deadline_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
-            now = time.time()
+            now = time.monotonic()
             for job in [j for j in self.jobs.values() if now > j.deadline]:
                 self._abort(job.rid, "deadline exceeded")
 

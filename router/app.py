@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -13,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
@@ -70,6 +70,8 @@ class Router:
         self.cluster = RouterCluster(source, load_stale_s=settings.load_stale_s, keys=keys)
         self.decode: DecodeClient | None = None
         self.in_flight = 0
+        self.draining = False   # admin drain: new requests get 503, open streams finish (membership.py)
+        self.membership: Any = None   # membership.RouterMembership, set by run_router: etcd record, stats, drain
         self.metrics.registry.register(DroppedFramesCollector("pdcluster_router_dropped_frames", self.dropped_frames))
 
     def dropped_frames(self) -> dict[str, object]:
@@ -85,8 +87,12 @@ class Router:
             await self.cluster.source.start()
         await self.cluster.start()
         self.decode = DecodeClient(self.cluster, self.policy, self.settings, self.metrics)
+        if self.membership is not None:
+            await self.membership.start()
 
     async def stop(self) -> None:
+        if self.membership is not None:
+            await self.membership.stop()
         if self.decode is not None:
             self.decode.close()
         await self.cluster.stop()
@@ -245,8 +251,13 @@ class Router:
                 for lp in lps]
 
 
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _has_text(prompt: Any) -> bool:
+    # A list is all ids or holds one prompt (validated as a whole: a mixed list is refused either way).
+    return isinstance(prompt, str) or (isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int))
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -302,9 +313,10 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
     @app.get("/health")
     async def health(request: Request) -> dict[str, Any]:
         decode = router.cluster.candidates("decode")
+        status = "draining" if router.draining else "ok" if decode else "no_decode_nodes"
         if not _has_key(router, request):  # probes without a key learn the status only, not the topology
-            return {"status": "ok" if decode else "no_decode_nodes"}
-        return {"status": "ok" if decode else "no_decode_nodes", "router": settings.node_id,
+            return {"status": status}
+        return {"status": status, "router": settings.node_id,
                 "decode_nodes": sorted(n.id for n in decode),
                 "prefill_nodes": sorted(n.id for n in router.cluster.candidates("prefill")),
                 "models": {name: sorted(n.id for n in router.cluster.candidates("decode", model=name))
@@ -334,7 +346,10 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
         if req.suffix:
             raise bad_request("suffix is not supported", param="suffix")
         router.check_limits(req)
-        prompt_ids = await router.off_loop(router.completion_prompt, model, req)
+        if _has_text(req.prompt):
+            prompt_ids = await router.off_loop(router.completion_prompt, model, req)
+        else:   # token ids: no tokenizer to run, and a hop through the pool costs more than the check
+            prompt_ids = router.completion_prompt(model, req)
         prep = router.prepare(model, req, prompt_ids, req.max_tokens, req.logprobs, "prompt")
         return await serve(request, prep, chat=False, want_logprobs=req.logprobs is not None)
 
@@ -353,6 +368,9 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
         return await serve(request, prep, chat=True, want_logprobs=req.logprobs)
 
     async def serve(request: Request, prep: Prepared, chat: bool, want_logprobs: bool) -> Response:
+        if router.draining:
+            router.metrics.requests.labels("unavailable").inc()
+            raise APIError(503, f"router {settings.node_id} is draining", retry_after=settings.retry_after)
         if router.in_flight >= settings.max_in_flight:
             router.metrics.requests.labels("overloaded").inc()
             raise APIError(429, "too many requests in flight", retry_after=settings.retry_after)
@@ -427,7 +445,7 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
                              "model": prep.model.name, "choices": choices, "usage": usage})
 
     async def stream_body(prep: Prepared, runs: list[ChoiceRun], chat: bool, want_logprobs: bool,
-                          arrival: float) -> AsyncIterator[str]:
+                          arrival: float) -> AsyncIterator[bytes]:
         rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -436,7 +454,7 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
         tok = prep.model.tokenizer
         outcome = "client_disconnected"
 
-        def chunk(choices: list[dict[str, Any]], usage: dict | None = None) -> str:
+        def chunk(choices: list[dict[str, Any]], usage: dict | None = None) -> bytes:
             body = dict(head, choices=choices)
             if prep.include_usage:
                 body["usage"] = usage
@@ -464,12 +482,12 @@ def create_app(settings: RouterSettings, source: NodeSource, registry: Collector
             except (NoCapacity, StreamFailed) as exc:
                 outcome = "failed"
                 yield _sse(error_body(503, f"generation failed: {exc}"))
-                yield "data: [DONE]\n\n"
+                yield b"data: [DONE]\n\n"
                 return
             usage = router.count_tokens(prep, runs, arrival)
             if prep.include_usage:
                 yield chunk([], usage)
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
             outcome = "ok"
         finally:
             router.metrics.requests.labels(outcome).inc()
@@ -481,7 +499,7 @@ class _SSEResponse(StreamingResponse):
     """An SSE response that releases its request even when the body generator never started
     (the client left before the first byte): `cleanup` runs exactly once, however it ends."""
 
-    def __init__(self, body: AsyncIterator[str], cleanup: Any) -> None:
+    def __init__(self, body: AsyncIterator[bytes], cleanup: Any) -> None:
         super().__init__(body, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._cleanup = cleanup

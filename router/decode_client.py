@@ -1,8 +1,8 @@
 """Per-request token streams from decode nodes over zmq, with retries and migration.
 
-One DEALER per decode node (`PeerDealers`); replies are demultiplexed `Tokens` / `Reject` by rid into
-per-request queues. Each attempt of a request gets its own rid (`<request id>.<attempt>`), so
-late messages from a node the request has left are simply dropped.
+One DEALER per decode node (`PeerDealers`); replies (`Tokens`, the items of a `TokenBatch`, `Reject`,
+`Progress`) are demultiplexed by rid into per-request queues. Each attempt of a request gets its own rid
+(`<request id>.<attempt>`), so late messages from a node the request has left are simply dropped.
 
 A `RequestStream`:
   * `Reject` (before any token) -> the next decode node, up to `max_retries`; none left -> NoCapacity.
@@ -20,9 +20,10 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from typing import Any
 
-from pdcluster.control.protocol import Abort, Generate, Message, Progress, Reject, Tokens
+from pdcluster.control.protocol import Abort, Generate, Message, Progress, Reject, TokenBatch, Tokens
 from pdcluster.control.transport import PeerDealers
 from pdcluster.router.cluster import NodeState, RouterCluster
 from pdcluster.router.metrics import RouterMetrics
@@ -47,6 +48,49 @@ class StreamFailed(Exception):
     """The request could not be completed (deadline, migrations exhausted)."""
 
 
+class Mailbox:
+    """One attempt's incoming messages: a deque and at most one waiting reader. Cheaper than an
+    `asyncio.Queue` read under `wait_for` (a task per read), which the per-token path cannot afford."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, msg: Any) -> None:
+        self._items.append(msg)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> Any:
+        return self._items.popleft()
+
+    async def get(self, timeout: float) -> Any:
+        """The next message; TimeoutError after `timeout` seconds without one."""
+        if not self._items:
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._items:
+                raise asyncio.TimeoutError
+        return self._items.popleft()
+
+
+def _wake(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class DecodeClient:
     def __init__(self, cluster: RouterCluster, policy: RoutingPolicy, settings: RouterSettings,
                  metrics: RouterMetrics) -> None:
@@ -54,7 +98,7 @@ class DecodeClient:
         self.policy = policy
         self.settings = settings
         self.metrics = metrics
-        self.queues: dict[str, asyncio.Queue] = {}   # per attempt rid: late replies to a left node are dropped
+        self.queues: dict[str, Mailbox] = {}   # per attempt rid: late replies to a left node are dropped
         self.dealers = PeerDealers(self._on_message, keys=cluster.keys, owner=settings.node_id)
         cluster.on_removed.append(self.dealers.drop)
 
@@ -64,6 +108,13 @@ class DecodeClient:
         return RequestStream(self, prompt_ids, sampling, deadline, model)
 
     def _on_message(self, node_id: str, msg: Message) -> None:
+        if isinstance(msg, TokenBatch):   # one engine step of a node: fan the items out to their streams
+            queues = self.queues
+            for item in msg.items:
+                queue = queues.get(item.rid)
+                if queue is not None:
+                    queue.put_nowait(item)
+            return
         if isinstance(msg, Progress):
             for rid in msg.rids:
                 queue = self.queues.get(rid)
@@ -114,7 +165,7 @@ class RequestStream:
         self._retry_after = 0.0
         self._node_id: str | None = None   # decode node of the current attempt
         self._rid = ""
-        self._queue: asyncio.Queue | None = None
+        self._queue: Mailbox | None = None
         self._last_message = 0.0
         self._attempt_ids = 0  # token ids received from the current attempt (what its next Tokens.pos must be)
         self._first: Tokens | None = None
@@ -172,6 +223,11 @@ class RequestStream:
                 self._detach(send_abort=False)
             return msg
 
+    def pending(self) -> bool:
+        """Messages of the current attempt are queued: `next()` returns without waiting (unless one of
+        them ends the attempt and the stream migrates)."""
+        return self._queue is not None and not self._queue.empty()
+
     def abort(self, reason: str = "client") -> None:
         """Stop the request on its decode node (idempotent; no-op once finished)."""
         if self._node_id is not None and not self.finished:
@@ -195,7 +251,7 @@ class RequestStream:
         self._attempt += 1
         self._rid = f"{self.request_id}.{self._attempt}"
         self._node_id = decode.id
-        self._queue = self.client.queues[self._rid] = asyncio.Queue()
+        self._queue = self.client.queues[self._rid] = Mailbox()
         self._last_message = self._sent_at = time.monotonic()
         self._attempt_ids = 0
         log.info("request %s: attempt %d to decode node %s, prefill %s (%d prompt + %d resumed tokens)",
@@ -203,7 +259,7 @@ class RequestStream:
                  len(self.prompt_ids), len(self.output_ids), extra={"request_id": self._rid})
         sent = self.client.dealers.send(decode.id, decode.info.control_addr, Generate(
             rid=self._rid, prompt_ids=self.prompt_ids, sampling=self.sampling,
-            prefill_node=prefill.id if prefill else None, deadline=self.deadline,
+            prefill_node=prefill.id if prefill else None, timeout_s=self.deadline - time.time(),
             router=self.client.settings.node_id, resume_ids=list(self.output_ids)))
         if not sent:
             self._queue.put_nowait(None)  # treated like a dead node: try the next one
@@ -213,9 +269,10 @@ class RequestStream:
         `Progress` only restarts the stall timer."""
         assert self._queue is not None and self._node_id is not None
         stall = self.client.settings.stall_timeout
+        queue = self._queue
         while True:
             try:
-                msg = await asyncio.wait_for(self._queue.get(), POLL_INTERVAL)
+                msg = await queue.get(POLL_INTERVAL)
                 if not isinstance(msg, Progress):
                     return msg
                 self._last_message = time.monotonic()

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from pdcluster.control.protocol import Tokens
 from pdcluster.router.decode_client import RequestStream
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
@@ -44,6 +45,8 @@ class ChoiceRun:
         last = time.monotonic()
         while True:
             msg = await self.stream.next()
+            if msg.finish is None and self.stream.pending():
+                msg = await self._coalesce(msg)
             now = time.monotonic()
             if msg.ids:
                 if not self.first_token_time:
@@ -68,6 +71,18 @@ class ChoiceRun:
             if emit or logprobs:
                 yield ChoiceDelta(self.index, emit, logprobs)
 
+    async def _coalesce(self, msg: Tokens) -> Tokens:
+        """`msg` and the Tokens already queued behind it as one (the router fell behind: one SSE chunk for
+        them, not one each)."""
+        ids, logprobs, finish, error = list(msg.ids), list(msg.logprobs or []), None, None
+        while finish is None and self.stream.pending():
+            more = await self.stream.next()
+            ids += more.ids
+            logprobs += more.logprobs or [None] * len(more.ids)
+            finish, error = more.finish, more.error
+        return Tokens(rid=msg.rid, ids=ids, logprobs=logprobs if msg.logprobs is not None else None,
+                      finish=finish, error=error)
+
     def observe_end(self) -> None:
         if self.first_token_time and self.num_tokens > 1:
             self.metrics.tpot.observe((time.monotonic() - self.first_token_time) / (self.num_tokens - 1))
@@ -90,6 +105,15 @@ def _parse_logprobs(ids: list[int], raw: list[Any] | None) -> list[TokenLogprob]
 
 async def merge(runs: list[ChoiceRun]) -> AsyncIterator[ChoiceDelta]:
     """Interleave the deltas of n choices as they come; errors propagate; abort all on exit."""
+    if len(runs) == 1:   # the common case: no pump task, no queue between the stream and the response
+        run = runs[0]
+        try:
+            async for delta in run.deltas():
+                yield delta
+            run.observe_end()
+        finally:
+            run.stream.abort("client")
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(run: ChoiceRun) -> None:

@@ -1,14 +1,16 @@
-"""Run the router: uvicorn (uvloop + httptools) serving `router.app.create_app`."""
+"""Run the router: uvicorn (uvloop + httptools) serving `router.app.create_app` on a socket bound here."""
 
 from __future__ import annotations
 
 import logging
+import socket
 from typing import Any
 
 import uvicorn
 
 from pdcluster.router.app import create_app
 from pdcluster.router.cluster import NodeSource
+from pdcluster.router.membership import RouterMembership
 from pdcluster.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -19,26 +21,57 @@ def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning") -
                           access_log=False, timeout_graceful_shutdown=5)
 
 
-def run_router(config: Any, source: NodeSource | None = None) -> None:
-    """Serve until SIGINT/SIGTERM. `config`: a `RouterConfig` (what `pdcluster router` loads), a
-    `RouterSettings`, or any object with those attribute names.
+def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """The listening socket's bound (not yet listening) socket; `reuse_port`: shared with the other router
+    workers on this port (SO_REUSEPORT: the kernel spreads new connections over them)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host or "0.0.0.0", port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(addr)
+    return sock
 
-    Without `source`, nodes come from etcd (`pdcluster.control.cluster_view.ClusterView` on `config.etcd`).
+
+def run_router(config: Any, source: NodeSource | None = None, reuse_port: bool = False) -> None:
+    """Serve until SIGINT/SIGTERM or an admin drain. `config`: a `RouterConfig` (what `pdcluster router`
+    loads), a `RouterSettings`, or any object with those attribute names.
+
+    Without `source`, nodes come from etcd (`pdcluster.control.cluster_view.ClusterView` on `config.etcd`)
+    and the router registers there itself (`membership.py`).
     """
     settings = config if isinstance(config, RouterSettings) else RouterSettings.from_config(config)
     from pdcluster.control.metrics import new_registry
 
     registry = new_registry()  # shared by the app's metrics and the etcd view's connection gauge
+    etcd_config = None
     if source is None:
         from pdcluster.control.cluster_view import ClusterView
         from pdcluster.control.etcd_client import EtcdCredentials
 
         source = _StartedOnLifespan(ClusterView(list(config.etcd), config.cluster, registry=registry,
                                                 credentials=EtcdCredentials.from_config(config)))
+        etcd_config = config
     app = create_app(settings, source, registry)
+    sock = bind_socket(settings.host, settings.port, reuse_port)
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, settings.host, port))
+
+    def stop_listening() -> None:   # drain: no new connections; open ones (and their streams) go on
+        for listener in getattr(server, "servers", []):
+            listener.close()
+
+    def exit_server() -> None:
+        server.should_exit = True
+
+    app.state.router.membership = RouterMembership(app.state.router, port, etcd_config, stop_listening, exit_server)
     log.info("router %s serving %s on http://%s:%d (policy %s)", settings.node_id, settings.model,
-             settings.host, settings.port, settings.routing_policy)
-    uvicorn.Server(uvicorn_config(app, settings.host, settings.port)).run()
+             settings.host, port, settings.routing_policy)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
 
 
 class _StartedOnLifespan:

@@ -51,6 +51,8 @@ class RouterSettings:
     max_stop_chars: int = knob(256, f"longest stop string (engines refuse > {MAX_STOP_STRING_CHARS})")
     max_stop_token_ids: int = knob(64, f"most stop_token_ids per request (engines refuse > {MAX_STOP_TOKEN_IDS})")
     tokenizer_threads: int = knob(4, "threads that tokenize and render chat templates off the event loop")
+    workers: int = knob(1, "router processes sharing the port (SO_REUSEPORT), each with its own etcd view, "
+                           "connections and limits (max_in_flight is per process)")
 
     @classmethod
     def from_config(cls, config: Any, **overrides: Any) -> "RouterSettings":
@@ -94,7 +96,7 @@ class RouterSettings:
                           ("max_stop_token_ids", MAX_STOP_TOKEN_IDS)):
             if not 0 <= getattr(self, name) <= cap:
                 raise ValueError(f"{name}: must be in [0, {cap}] (the engines' limit), got {getattr(self, name)}")
-        for name in ("max_body_bytes", "tokenizer_threads"):
+        for name in ("max_body_bytes", "tokenizer_threads", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "disagg_min_tokens", "max_retries", "max_migrations"):

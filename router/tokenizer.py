@@ -193,39 +193,40 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
     A delta is only released once it decodes without a trailing U+FFFD, so a multi-byte character
-    split across byte-fallback tokens comes out whole. Decoding a short window (from the last point
-    where the text was complete) instead of the whole output keeps each step O(window).
+    split across byte-fallback tokens comes out whole. The work is `tokenizers`' `DecodeStream`: its state
+    (a short window from the last point where the text was complete) lives in Rust, so a step costs one
+    call and no Python-side re-decoding; the prompt's tail seeds the window (leading-space markers).
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._released = context   # the window of ids whose text is out (the tail of it), for flush
+        self._held: list[int] = []  # ids since the last released text
 
     def add(self, new_ids: list[int]) -> str:
         """Append tokens; return the newly completed text (maybe "")."""
-        self.ids.extend(new_ids)
-        decode = self.tokenizer.decode
-        prefix_text = decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full_text = decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
+        piece = self._stream.step(self.tokenizer.tk, new_ids if len(new_ids) != 1 else new_ids[0])
+        if piece is None:
+            self._held += new_ids
             return ""  # incomplete character (or nothing visible) so far: wait for more tokens
-        delta = full_text[len(prefix_text):]
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        return delta
+        self._released = (self._released + self._held + new_ids)[-_PROMPT_CONTEXT_TOKENS:]
+        self._held = []
+        return piece
 
     def flush(self) -> str:
         """At the end of a sequence: release whatever is held back (even an invalid byte run)."""
-        if self.read_offset >= len(self.ids):
+        if not self._held:
             return ""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        full_text = self.tokenizer.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
-        delta = full_text[len(prefix_text):]
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return delta
+        decode = self.tokenizer.decode
+        prefix_text = decode(self._released, self.skip_special_tokens)
+        full_text = decode(self._released + self._held, self.skip_special_tokens)
+        self._released, self._held = (self._released + self._held)[-_PROMPT_CONTEXT_TOKENS:], []
+        return full_text[len(prefix_text):]
 
 
 class StopMatcher:

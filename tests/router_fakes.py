@@ -14,7 +14,7 @@ import uvicorn
 import zmq
 
 from pdcluster.control import protocol
-from pdcluster.control.protocol import Abort, Generate, Load, Progress, Reject, Tokens
+from pdcluster.control.protocol import Abort, Generate, Load, Progress, Reject, TokenBatch, Tokens
 from pdcluster.control.records import Capacity, NodeInfo
 
 CORPUS = [
@@ -63,11 +63,15 @@ class FakeDecodeNode:
     never answers, like a hung node).
     first_delay: seconds before a request's first token (a queue, a slow prefill); meanwhile, with
     `progress` set, a Progress for it every `progress` seconds (what a real decode node does).
+    batch: send the tokens of one loop pass (a "step") as one `TokenBatch` per router, as a real decode node
+    does. gap_prompt: the second message of a request with exactly these prompt ids skips a position (tokens
+    lost in a reconnect), once.
     """
 
     def __init__(self, node_id: str, script: list[int], mode: str = "ok", delay: float = 0.01, chunk: int = 1,
                  die_after: int = 3, load: dict[str, Any] | None = None, model: str = "tiny",
-                 max_model_len: int = 0, first_delay: float = 0.0, progress: float | None = None) -> None:
+                 max_model_len: int = 0, first_delay: float = 0.0, progress: float | None = None,
+                 batch: bool = False, gap_prompt: list[int] | None = None) -> None:
         self.node_id = node_id
         self.model = model  # the served name it registers (NodeInfo.model)
         self.max_model_len = max_model_len  # registered in NodeInfo.capacity; 0 = not said
@@ -78,6 +82,9 @@ class FakeDecodeNode:
         self.die_after = die_after
         self.first_delay = first_delay
         self.progress = progress
+        self.batch = batch
+        self.gap_prompt = gap_prompt
+        self.batches: list[TokenBatch] = []   # what it sent, in batch mode
         self.load = load  # when set, published as Load every 0.1 s
         self.generates: list[Generate] = []
         self.aborts: list[Abort] = []
@@ -120,7 +127,8 @@ class FakeDecodeNode:
                                                "max": msg.sampling["max_tokens"],
                                                "logprobs": msg.sampling.get("logprobs"),
                                                "first": True, "next": time.monotonic() + self.first_delay,
-                                               "ping": 0.0,
+                                               "ping": 0.0, "resumed": len(msg.resume_ids),
+                                               "gap": msg.prompt_ids == self.gap_prompt and not msg.resume_ids,
                                                "plen": len(msg.prompt_ids)}
                     elif isinstance(msg, Abort):
                         self.aborts.append(msg)
@@ -129,6 +137,7 @@ class FakeDecodeNode:
                 if self.load is not None and now >= next_load:
                     self._pub.send(protocol.encode(Load(node_id=self.node_id, role="decode", **self.load)))
                     next_load = now + 0.1
+                step: dict[bytes, list[Tokens]] = {}
                 for rid, req in list(active.items()):
                     if self.mode == "silent":
                         continue
@@ -152,14 +161,23 @@ class FakeDecodeNode:
                         logprobs = [[-0.25 * (1 + (req["pos"] + k) % 3),
                                      [[t + j, -0.25 * (1 + j)] for j in range(req["logprobs"])]]
                                     for k, t in enumerate(ids)]
-                    self._send(req["identity"], Tokens(rid=rid, ids=ids, logprobs=logprobs, finish=finish,
-                                                       num_prompt_tokens=req["plen"]
-                                                       if req["first"] else 0,
-                                                       prefill_path="local" if req["first"] else ""))
+                    msg = Tokens(rid=rid, ids=ids, logprobs=logprobs, finish=finish,
+                                 num_prompt_tokens=req["plen"] if req["first"] else 0,
+                                 prefill_path="local" if req["first"] else "", pos=req["pos"] - req["resumed"])
+                    if req["gap"] and req["pos"] > req["resumed"]:
+                        msg.pos += 1
+                        req["gap"], self.gap_prompt = False, None
+                    if self.batch:
+                        step.setdefault(req["identity"], []).append(msg)
+                    else:
+                        self._send(req["identity"], msg)
                     sent_total += len(ids)
                     req.update(pos=end, first=False, next=now + self.delay)
                     if finish:
                         del active[rid]
+                for identity, items in step.items():
+                    self.batches.append(TokenBatch(items=items))
+                    self._send(identity, self.batches[-1])
         finally:
             self._sock.close(0)
             self._pub.close(0)

@@ -108,8 +108,13 @@ async def in_thread(fn, *args):
 
 
 def test_status_json_and_nodes_list_every_node_with_live_numbers(cluster):
-    nodes = status(cluster)
+    everyone = status(cluster)
+    routers = {k: v for k, v in everyone.items() if v["role"] == "router"}
+    nodes = {k: v for k, v in everyone.items() if v["role"] != "router"}
     assert set(nodes) == {"prefill-0", "decode-0", "decode-1"}
+    (router,) = routers.values()   # the router registers too, with its own stats
+    assert router["state"] == "serving" and router["running"] == 0 and router["errors"] == 0
+    assert router["streams"] == 0 and router["version"]
     for node_id, n in nodes.items():
         assert n["role"] == node_id.split("-")[0]
         assert n["state"] == "serving" and n["admin_state"] == "active"
@@ -122,7 +127,7 @@ def test_status_json_and_nodes_list_every_node_with_live_numbers(cluster):
     listed = cli(cluster, "nodes", "--json")
     assert listed.returncode == 0, listed.stderr
     records = {n["node_id"]: n for n in json.loads(listed.stdout)["nodes"]}
-    assert set(records) == set(nodes)
+    assert set(records) == set(everyone)
     assert records["decode-0"]["control_addr"].startswith("tcp://") and records["decode-0"]["kv_backends"]
     assert "prefill-0" in cli(cluster, "nodes").stdout
 

@@ -174,12 +174,13 @@ def test_sigkilled_nodes_leave_no_pool_once_a_node_restarts_or_the_cluster_stops
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("when", ["serving", "starting"])
-def test_sigint_to_the_process_group_of_pdcluster_up_leaves_nothing_in_dev_shm(when):
+def test_sigint_to_the_process_group_of_pdcluster_up_leaves_nothing_in_dev_shm(when, tiny_llama):
     before = pool_files()
     # Large pools when starting: creating one (page population, zeroing) takes long enough for the signal to
     # land in the middle of it.
     pool = "1GiB" if when == "starting" else "64MiB"
-    proc = subprocess.Popen([str(PDCLUSTER), "up", "--port", "0", "--decode", "2", "--kv-cache-memory", pool],
+    proc = subprocess.Popen([str(PDCLUSTER), "up", "--model", tiny_llama, "--port", "0", "--decode", "2",
+                             "--kv-cache-memory", pool],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         if when == "serving":
@@ -218,9 +219,10 @@ def child_pids(parent: int) -> set[int]:
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_a_sigkilled_pdcluster_up_takes_its_children_and_the_next_run_removes_its_work_dir(tmp_path):
+def test_a_sigkilled_pdcluster_up_takes_its_children_and_the_next_run_removes_its_work_dir(tmp_path, tiny_llama):
     before = pool_files()
-    proc = subprocess.Popen([str(PDCLUSTER), "up", "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([str(PDCLUSTER), "up", "--model", tiny_llama, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     children: set[int] = set()
     try:

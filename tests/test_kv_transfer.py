@@ -263,7 +263,7 @@ def test_rejected_writes_leave_pool_untouched(sender, receiver_pool, backend):
         _tampered(good, token="0" * 32),  # wrong token
         _tampered(good, block_ids=[20, 22]),  # block 22 is not reserved
         _tampered(good, block_ids=[20, 99]),  # outside the pool
-        _tampered(expired, deadline=time.time() + 30),  # the receiver's deadline counts, not the sender's copy
+        _tampered(expired, deadline=time.time() + 30, timeout_s=30),  # the receiver's deadline counts, not the sender's
     ]
     out = sender.run(
         backend=backend, dtype="float32", seed=5, dsts=jobs, srcs=[[1, 2], [1, 2], [1, 2], [3]], layers=[(0, 2)]

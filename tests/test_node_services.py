@@ -137,7 +137,7 @@ async def decode_setup(etcd: EtcdServer, cluster: str, model: str, prefill_timeo
 
 def generate(router: DealerClient, rid: str, prefill_node: str | None) -> None:
     assert router.send(Generate(rid=rid, prompt_ids=PROMPT, sampling=GREEDY, prefill_node=prefill_node,
-                                deadline=time.time() + 60, router="router-fake"))
+                                timeout_s=60, router="router-fake"))
 
 
 async def stream(router: DealerClient, rid: str) -> tuple[list[int], Tokens]:
@@ -265,9 +265,9 @@ async def prefill_setup(etcd: EtcdServer, cluster: str, model: str):
         decode.close()
 
 
-def prefill(rid: str, dst: dict, deadline: float | None = None) -> Prefill:
+def prefill(rid: str, dst: dict, timeout_s: float = 60.0) -> Prefill:
     return Prefill(rid=rid, prompt_ids=PROMPT, sampling=GREEDY, dst=dst, decode_node="decode-fake",
-                   deadline=deadline or time.time() + 60)
+                   timeout_s=timeout_s)
 
 
 def destination(node, rid: str, address: str, num_blocks: int = 3) -> dict:
@@ -300,7 +300,7 @@ async def test_prefill_node_answers_abort_and_deadline_while_its_transfer_hangs(
             assert done.rid == "p-abort" and "abort" in done.error
 
             # queued behind the hanging transfer, its deadline already past: the deadline check answers it
-            assert decode.send(prefill("p-late", destination(node, "p-late", address), deadline=time.time() - 1))
+            assert decode.send(prefill("p-late", destination(node, "p-late", address), timeout_s=-1))
             done = await recv(decode, PrefillDone)
             assert done.rid == "p-late" and "deadline" in done.error
             assert not node.jobs

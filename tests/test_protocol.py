@@ -21,6 +21,7 @@ from pdcluster.control.protocol import (
     Progress,
     ProtocolError,
     Reject,
+    TokenBatch,
     Tokens,
     decode,
     encode,
@@ -28,18 +29,20 @@ from pdcluster.control.protocol import (
 
 SAMPLES = [
     Generate(rid="r1", prompt_ids=[1, 2, 3], sampling={"temperature": 0.0, "max_tokens": 8, "stop": ["\n"]},
-             prefill_node="prefill-a", deadline=1.7e9, router="router-1", resume_ids=[9, 8]),
-    Generate(rid="r2", prompt_ids=[], sampling={}, prefill_node=None, deadline=0.0),
+             prefill_node="prefill-a", timeout_s=30.0, router="router-1", resume_ids=[9, 8]),
+    Generate(rid="r2", prompt_ids=[], sampling={}, prefill_node=None, timeout_s=0.0),
     Tokens(rid="r1", ids=[5], logprobs=[[-0.1, [[5, -0.1], [6, -2.3]]]], finish="stop", num_prompt_tokens=3,
            num_cached_tokens=16, prefill_path="remote:prefill-a"),
     Tokens(rid="r1", ids=[], finish="error", error="kv checksum mismatch"),
     Tokens(rid="r1", ids=[7, 8], pos=12),
+    TokenBatch(items=[Tokens(rid="r1", ids=[7], pos=2), Tokens(rid="r2", ids=[9], logprobs=[[-0.5, []]],
+                                                             finish="length", pos=0, num_prompt_tokens=4)]),
     Progress(rids=["r1", "r2"], states=["queued", "prefilling"]),
     Reject(rid="r3", reason="queue full", retry_after=0.5),
     Abort(rid="r4"),
     Prefill(rid="r5", prompt_ids=list(range(100)), sampling={"seed": 7},
             dst={"address": "tcp://127.0.0.1:7000", "block_ids": [3, 4], "token": b"\x00\xff"},
-            decode_node="decode-a", deadline=123.5, skip_blocks=1),
+            decode_node="decode-a", timeout_s=123.5, skip_blocks=1),
     PrefillDone(rid="r5", first_token=42, logprobs=None, checksum=2**63 - 1, num_cached_tokens=16),
     PrefillDone(rid="r6", error="out of blocks"),
     Load(node_id="decode-a", role="decode", running=3, waiting=1, free_blocks=10, total_blocks=64,
@@ -93,9 +96,13 @@ def test_int_accepted_where_float_expected():
     (frame(v=PROTOCOL_VERSION, t="tokens", rid="x", ids=[], logprobs="no"), "tokens.logprobs: expected a list"),
     (frame(v=PROTOCOL_VERSION, t="tokens", rid="x", ids=[], finish=3), "tokens.finish: expected str"),
     (frame(v=PROTOCOL_VERSION, t="generate", rid="x", prompt_ids=[1], sampling=[], prefill_node=None,
-           deadline=1.0), "generate.sampling: expected a map"),
+           timeout_s=1.0), "generate.sampling: expected a map"),
     (frame(v=PROTOCOL_VERSION, t="generate", rid="x", prompt_ids=[1], sampling={}, prefill_node=None,
-           deadline=None), "generate.deadline: expected float"),
+           timeout_s=None), "generate.timeout_s: expected float"),
+    (frame(v=PROTOCOL_VERSION, t="generate", rid="x", prompt_ids=[1], sampling={}, prefill_node=None,
+           timeout_s=float("nan")), "generate.timeout_s: must be finite"),
+    (frame(v=PROTOCOL_VERSION - 1, t="generate", rid="x", prompt_ids=[1], sampling={}, prefill_node=None,
+           deadline=1.7e9), "protocol version"),  # a release that sent wall-clock deadlines is refused
 ])
 def test_bad_frames_raise_protocol_error(data, match):
     with pytest.raises(ProtocolError, match=match):
@@ -108,7 +115,7 @@ def test_oversize_frame_rejected_before_parsing():
         decode(huge)
     # A valid message that is simply too big is refused the same way.
     big = encode(Prefill(rid="x", prompt_ids=[1], sampling={}, dst={"blob": b"\x00" * MAX_FRAME_BYTES},
-                         decode_node="d", deadline=0.0))
+                         decode_node="d", timeout_s=0.0))
     assert len(big) > MAX_FRAME_BYTES
     with pytest.raises(ProtocolError, match="exceeds"):
         decode(big)

@@ -45,10 +45,10 @@ def test_message_shaped_maps_decode_or_raise_protocol_error(body):
 
 
 @pytest.mark.parametrize("body", [
-    {"v": 1, "t": [1]},                     # the 10-byte frame that once killed a node's control loop
-    {"v": 1, "t": {"a": 1}},
-    {"v": 1, "t": "generate", 1: 2},
-    {"v": 1, "t": "tokens", "rid": "r", "ids": [True]},
+    {"v": PROTOCOL_VERSION, "t": [1]},                     # the 10-byte frame that once killed a node's control loop
+    {"v": PROTOCOL_VERSION, "t": {"a": 1}},
+    {"v": PROTOCOL_VERSION, "t": "generate", 1: 2},
+    {"v": PROTOCOL_VERSION, "t": "tokens", "rid": "r", "ids": [True]},
 ])
 def test_frames_that_once_escaped_as_other_exceptions(body):
     with pytest.raises(ProtocolError):

@@ -281,7 +281,7 @@ async def test_node_ports_refuse_unauthenticated_peers(etcd, cluster, tiny_llama
             def generate(name: str) -> None:
                 clients[name].connect(node.control.address)
                 assert clients[name].send(Generate(rid=f"r-{name}", prompt_ids=PROMPT, sampling=GREEDY,
-                                                   deadline=time.time() + 60, router=name, prefill_node=None))
+                                                   timeout_s=60, router=name, prefill_node=None))
             generate("none")
             generate("other")
             for name in ("none", "other"):

@@ -215,7 +215,7 @@ async def test_a_router_that_reconnects_with_its_identity_keeps_its_stream(etcd,
         try:
             old.connect(node.control.address)
             assert old.send(Generate(rid="r", prompt_ids=PROMPT, sampling=sampling, prefill_node=None,
-                                     deadline=time.time() + 60, router="router-t"))
+                                     timeout_s=60, router="router-t"))
             assert (await recv(old, Progress)).rids == ["r"]   # the acknowledgement of admission
             got = [await recv(old, Tokens)]
             assert got[0].finish is None   # the engine waits at the gate after the request's first step
@@ -234,7 +234,7 @@ async def test_a_router_that_reconnects_with_its_identity_keeps_its_stream(etcd,
             assert node.registry.get_sample_value("pdcluster_node_requests_total", {"outcome": "abort"}) is None
 
             assert new.send(Generate(rid="again", prompt_ids=PROMPT, sampling=sampling, prefill_node=None,
-                                     deadline=time.time() + 60, router="router-t"))
+                                     timeout_s=60, router="router-t"))
             again: list[int] = []
             while True:
                 msg = await new.recv(timeout=WAIT)
@@ -269,7 +269,7 @@ async def test_a_decode_node_reports_progress_while_its_prefill_is_slow_and_the_
             watcher.connect(node.control.address)
             try:
                 assert watcher.send(Generate(rid="w", prompt_ids=PROMPT, sampling=GREEDY, prefill_node=PREFILL_PEER,
-                                             deadline=time.time() + 60, router="watcher"))
+                                             timeout_s=60, router="watcher"))
                 identity, _ = await peer.recv(Prefill)
                 assert (await recv(watcher, Progress)).states == ["queued"]   # on admission
                 states = [(await recv(watcher, Progress)).states for _ in range(3)]   # then while it waits
@@ -334,9 +334,9 @@ async def test_a_blackholed_kv_destination_fails_only_its_prompt_and_the_engine_
             good = receiver.reserve("good", [3, 4, 5], timeout_s=60).to_dict()
             good["backends"] = ["tcp"]
             assert decode.send(Prefill(rid="bad", prompt_ids=PROMPT, sampling=GREEDY, dst=bad,
-                                       decode_node="decode-fake", deadline=time.time() + 60))
+                                       decode_node="decode-fake", timeout_s=60))
             assert decode.send(Prefill(rid="good", prompt_ids=PROMPT, sampling=GREEDY, dst=good,
-                                       decode_node="decode-fake", deadline=time.time() + 60))
+                                       decode_node="decode-fake", timeout_s=60))
             answers = {}
             for _ in range(2):
                 done = await recv(decode, PrefillDone)

@@ -16,13 +16,13 @@ from pdcluster.control.transport import DealerClient, LoadPublisher, LoadSubscri
 
 SAMPLES = [
     Generate(rid="r1", prompt_ids=[1, 2, 3], sampling={"temperature": 0.0, "stop": ["x"]}, prefill_node=None,
-             deadline=123.5, router="router-a", resume_ids=[7, 8]),
+             timeout_s=123.5, router="router-a", resume_ids=[7, 8]),
     Tokens(rid="r1", ids=[4, 5], logprobs=[[-0.5, [[4, -0.5], [9, -1.25]]], [-0.1, []]], finish="length",
            num_prompt_tokens=3, num_cached_tokens=0, prefill_path="local"),
     Reject(rid="r2", reason="queue full", retry_after=0.5),
     Abort(rid="r3"),
     Prefill(rid="r4", prompt_ids=[1] * 40, sampling={}, dst={"addr": "shm://x", "blocks": [1, 2]},
-            decode_node="d0", deadline=1.0, skip_blocks=1),
+            decode_node="d0", timeout_s=1.0, skip_blocks=1),
     PrefillDone(rid="r4", first_token=11, logprobs=None, checksum=99, num_cached_tokens=16),
     Load(node_id="d0", role="decode", running=2, waiting=1, free_blocks=100, total_blocks=128,
          cached_block_hashes=[1, 2, 3], timestamp=5.0),
@@ -206,7 +206,7 @@ async def test_a_frame_over_the_size_limit_is_refused_by_zmq_before_it_is_buffer
         sock.connect(addr)
     try:
         await big.send(protocol.encode(Prefill(rid="huge", prompt_ids=[7] * 2000, sampling={}, dst={},
-                                               decode_node="d0", deadline=1.0)))
+                                               decode_node="d0", timeout_s=1.0)))
         await small.send(protocol.encode(Ping(nonce=7)))
         identity, msg = await asyncio.wait_for(server.recv(), 5)
         assert msg == Ping(nonce=7)   # the oversized Prefill never reached the application

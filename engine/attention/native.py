@@ -25,7 +25,11 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
-_SYMBOLS = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16", torch.float16: "paged_decode_f16"}
+# (q dtype, cache dtype) -> symbol; an int8 cache holds D int8 values + an fp16 scale per row (engine/kv_cache.py)
+_SYMBOLS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
+            (torch.float16, torch.float16): "paged_decode_f16", (torch.float32, torch.int8): "paged_decode_i8_f32",
+            (torch.bfloat16, torch.int8): "paged_decode_i8_bf16", (torch.float16, torch.int8): "paged_decode_i8_f16"}
+_SCALE_BYTES = 2
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
              ctypes.c_int]
@@ -90,23 +94,25 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def decode_kernel(dtype: torch.dtype):
-    """The compiled function for `dtype`, or None (no compiler, build failed, dtype not built)."""
+def decode_kernel(dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
+    """The compiled function for queries of `dtype` over a cache of `cache_dtype` (default: the same), or None
+    (no compiler, build failed, dtypes not built)."""
     lib = load()
-    symbol = _SYMBOLS.get(dtype)
+    symbol = _SYMBOLS.get((dtype, cache_dtype or dtype))
     return None if lib is None or symbol is None else getattr(lib, symbol, None)
 
 
 def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    """q: [B, Hq, D] (token rows may be strided); caches: a layer's [num_blocks, block_size, Hkv, D] views with
-    contiguous blocks; block_tables: [B, >= max blocks] int64; context_lens: [B] int32; window > 0: attend to
-    each row's last `window` tokens only. Returns [B, Hq, D]."""
+    """q: [B, Hq, D] (token rows may be strided); caches: a layer's [num_blocks, block_size, Hkv, row] views with
+    contiguous blocks (row = D, or D + 2 for an int8 cache); block_tables: [B, >= max blocks] int64;
+    context_lens: [B] int32; window > 0: attend to each row's last `window` tokens only. Returns [B, Hq, D]."""
     b, hq, d = q.shape
-    _, bs, hkv, _ = k_cache.shape
-    if q.stride()[1:] != (d, 1) or k_cache.stride()[1:] != (hkv * d, d, 1) or v_cache.stride() != k_cache.stride():
+    _, bs, hkv, row = k_cache.shape
+    if q.stride()[1:] != (d, 1) or k_cache.stride()[1:] != (hkv * row, row, 1) or v_cache.stride() != k_cache.stride():
         raise ValueError("paged_decode: q heads and cache blocks must be contiguous")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or hq % hkv or k_cache.shape[3] != d:
+    want_row = d + _SCALE_BYTES if k_cache.dtype == torch.int8 else d
+    if k_cache.dtype not in (q.dtype, torch.int8) or v_cache.dtype != k_cache.dtype or hq % hkv or row != want_row:
         raise ValueError(f"paged_decode: q {tuple(q.shape)} {q.dtype} does not fit the cache "
                          f"{tuple(k_cache.shape)} {k_cache.dtype}")
     tables = block_tables.to(torch.int64).contiguous()

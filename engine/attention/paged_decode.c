@@ -6,8 +6,10 @@
  * ctypes. The OpenMP runtime is torch's own (same soname, already loaded), so no second thread pool.
  * An AVX-512 path serves head sizes 64/128/256; plain C (auto-vectorised) serves everything else.
  *
- * Layout (DESIGN §3): a layer's K (and V) is a view [num_blocks, block_size, Hkv, D] whose block
- * stride is `block_stride` elements and whose rows inside a block are contiguous.
+ * Layout (DESIGN §3): a layer's K (and V) is a view [num_blocks, block_size, Hkv, row] whose block
+ * stride is `block_stride` elements and whose rows inside a block are contiguous. row = D for a float
+ * pool; an int8 pool's row is D int8 values then the row's fp16 scale (row = D + 2 bytes, engine/kv_cache.py):
+ * the kernel reads the int8 values and folds the scale into the score (K) and the probability (V).
  */
 #include <math.h>
 #include <stdint.h>
@@ -20,7 +22,8 @@
 #define TILE 16   /* tokens scored together; a tile never crosses a block boundary */
 #define INLINE static inline __attribute__((always_inline))
 
-enum { KIND_F32, KIND_BF16, KIND_F16 };
+enum { KIND_F32, KIND_BF16, KIND_F16, KIND_I8 };
+#define SCALE_BYTES 2   /* fp16 scale after each int8 row */
 
 INLINE float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -37,8 +40,30 @@ INLINE uint16_t float_to_bf16(float f) {   /* round to nearest even, as torch do
     return (uint16_t)(u >> 16);
 }
 
+INLINE float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (ex == 0x1f) u = sign | 0x7f800000u | (man << 13);
+    else if (ex) u = sign | ((ex + 112u) << 23) | (man << 13);
+    else {   /* zero or subnormal */
+        float f = (float)man * 5.9604644775390625e-8f;
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* Scale of a cache row: the fp16 after an int8 row's D values, 1 for float rows. */
+INLINE float row_scale(const char *row, int64_t d, int ckind) {
+    if (ckind != KIND_I8) return 1.0f;
+    uint16_t h;
+    memcpy(&h, row + d, sizeof h);
+    return half_to_float(h);
+}
+
 INLINE float load1(const void *p, int64_t i, int kind) {
     if (kind == KIND_F32) return ((const float *)p)[i];
+    if (kind == KIND_I8) return (float)((const int8_t *)p)[i];
     if (kind == KIND_BF16) return bf16_to_float(((const uint16_t *)p)[i]);
 #ifdef __FLT16_MAX__
     return (float)((const _Float16 *)p)[i];
@@ -55,7 +80,10 @@ INLINE void store1(void *p, int64_t i, float x, int kind) {
 #endif
 }
 
-INLINE int64_t elem_size(int kind) { return kind == KIND_F32 ? 4 : 2; }
+INLINE int64_t elem_size(int kind) { return kind == KIND_F32 ? 4 : kind == KIND_I8 ? 1 : 2; }
+
+/* Elements from one KV head's row to the next in the cache. */
+INLINE int64_t head_stride(int64_t d, int ckind) { return ckind == KIND_I8 ? d + SCALE_BYTES : d; }
 
 /* exp(x) for x <= 0 (a score minus the running maximum), Cephes' expf polynomial, ~1 ulp. Below -87.3
  * it returns ~1e-38 instead of 0, which does not change a softmax sum. */
@@ -108,11 +136,11 @@ INLINE int64_t tile_base(const int64_t *table, int64_t pos, int64_t bs, int64_t 
     return table[pos / bs] * block_stride + (pos % bs) * tok_stride;
 }
 
-/* One sequence, KV heads [h0, h1), any head size: plain C. */
-INLINE void item_generic(int kind, const void *q, void *out, const void *k_pool, const void *v_pool,
+/* One sequence, KV heads [h0, h1), any head size: plain C. `kind`: q/out dtype, `ckind`: the cache's. */
+INLINE void item_generic(int kind, int ckind, const void *q, void *out, const void *k_pool, const void *v_pool,
                          const int64_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
                          int64_t d, int64_t bs, int64_t block_stride, float scale, float *work) {
-    int64_t rows = (h1 - h0) * group, tok_stride = hkv * d, es = elem_size(kind);
+    int64_t rows = (h1 - h0) * group, hs = head_stride(d, ckind), tok_stride = hkv * hs, es = elem_size(ckind);
     float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *s = l + rows, *row = s + rows * TILE;
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t i = 0; i < d; i++) qf[r * d + i] = load1(q, (h0 * group + r) * d + i, kind) * scale;
@@ -125,14 +153,15 @@ INLINE void item_generic(int kind, const void *q, void *out, const void *k_pool,
         const char *kb = (const char *)k_pool + base * es, *vb = (const char *)v_pool + base * es;
         for (int64_t t = 0; t < n; t++)
             for (int64_t h = h0; h < h1; h++) {
-                const char *kr = kb + (t * tok_stride + h * d) * es;
-                for (int64_t i = 0; i < d; i++) row[i] = load1(kr, i, kind);
+                const char *kr = kb + (t * tok_stride + h * hs) * es;
+                float ks = row_scale(kr, d, ckind);
+                for (int64_t i = 0; i < d; i++) row[i] = load1(kr, i, ckind);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qg = qf + ((h - h0) * group + g) * d;
                     float dot = 0.0f;
                     _Pragma("omp simd reduction(+:dot)")
                     for (int64_t i = 0; i < d; i++) dot += qg[i] * row[i];
-                    s[((h - h0) * group + g) * TILE + t] = dot;
+                    s[((h - h0) * group + g) * TILE + t] = dot * ks;
                 }
             }
         for (int64_t r = 0; r < rows; r++) {
@@ -142,11 +171,12 @@ INLINE void item_generic(int kind, const void *q, void *out, const void *k_pool,
         }
         for (int64_t t = 0; t < n; t++)
             for (int64_t h = h0; h < h1; h++) {
-                const char *vr = vb + (t * tok_stride + h * d) * es;
-                for (int64_t i = 0; i < d; i++) row[i] = load1(vr, i, kind);
+                const char *vr = vb + (t * tok_stride + h * hs) * es;
+                float vs = row_scale(vr, d, ckind);
+                for (int64_t i = 0; i < d; i++) row[i] = load1(vr, i, ckind);
                 for (int64_t g = 0; g < group; g++) {
                     int64_t r = (h - h0) * group + g;
-                    float p = s[r * TILE + t], *ar = acc + r * d;
+                    float p = s[r * TILE + t] * vs, *ar = acc + r * d;
                     for (int64_t i = 0; i < d; i++) ar[i] += p * row[i];
                 }
             }
@@ -163,6 +193,7 @@ INLINE void prefetch_span(const char *p, int64_t bytes) {
 
 INLINE __m512 load16(const char *p, int kind) {
     if (kind == KIND_F32) return _mm512_loadu_ps(p);
+    if (kind == KIND_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     if (kind == KIND_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     return _mm512_cvtph_ps(h);
@@ -186,11 +217,12 @@ INLINE __m512 exp16_nonpositive(__m512 x) {   /* exp_nonpositive on 16 lanes */
 
 /* One sequence, KV heads [h0, h1), head size 16 * NV (NV a compile-time constant after inlining, so the
  * per-row vectors stay in registers). */
-INLINE void item_avx512(int kind, const int NV, const void *q, void *out, const void *k_pool, const void *v_pool,
-                        const int64_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
-                        int64_t bs, int64_t block_stride, float scale, float *work) {
+INLINE void item_avx512(int kind, int ckind, const int NV, const void *q, void *out, const void *k_pool,
+                        const void *v_pool, const int64_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1,
+                        int64_t hkv, int64_t group, int64_t bs, int64_t block_stride, float scale, float *work) {
     const int64_t d = 16 * NV;
-    int64_t rows = (h1 - h0) * group, tok_stride = hkv * d, es = elem_size(kind);
+    int64_t rows = (h1 - h0) * group, es = elem_size(kind), hs = head_stride(d, ckind), tok_stride = hkv * hs;
+    int64_t ces = elem_size(ckind);
     float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *s = l + rows;
     for (int64_t r = 0; r < rows; r++) {
         for (int j = 0; j < NV; j++) {
@@ -201,23 +233,24 @@ INLINE void item_avx512(int kind, const int NV, const void *q, void *out, const 
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    const int64_t span = (h1 - h0) * d * es;   /* bytes of one token's K (or V) row this item reads */
-    int64_t pos = first, n = tile_len(first, ctx, bs), base = tile_base(table, first, bs, block_stride, tok_stride) + h0 * d;
+    const int64_t span = (h1 - h0) * hs * ces;   /* bytes of one token's K (or V) row this item reads */
+    int64_t pos = first, n = tile_len(first, ctx, bs), base = tile_base(table, first, bs, block_stride, tok_stride) + h0 * hs;
     while (pos < ctx) {
         int64_t next_pos = pos + n, next_n = next_pos < ctx ? tile_len(next_pos, ctx, bs) : 0;
-        int64_t next_base = next_n ? tile_base(table, next_pos, bs, block_stride, tok_stride) + h0 * d : 0;
-        const char *kb = (const char *)k_pool + base * es, *vb = (const char *)v_pool + base * es;
-        const char *next_kb = (const char *)k_pool + next_base * es, *next_vb = (const char *)v_pool + next_base * es;
+        int64_t next_base = next_n ? tile_base(table, next_pos, bs, block_stride, tok_stride) + h0 * hs : 0;
+        const char *kb = (const char *)k_pool + base * ces, *vb = (const char *)v_pool + base * ces;
+        const char *next_kb = (const char *)k_pool + next_base * ces, *next_vb = (const char *)v_pool + next_base * ces;
         __mmask16 live = (__mmask16)((1u << n) - 1u);
         /* Scores, in memory order (token by token, the item's heads side by side); the next tile's rows are
          * prefetched meanwhile: its block is anywhere in the pool, out of the hardware prefetcher's sight. */
         for (int64_t t = 0; t < n; t++) {
-            if (t < next_n) prefetch_span(next_kb + t * tok_stride * es, span);
+            if (t < next_n) prefetch_span(next_kb + t * tok_stride * ces, span);
             for (int64_t h = h0; h < h1; h++) {
-                const char *kr = kb + (t * tok_stride + (h - h0) * d) * es;
+                const char *kr = kb + (t * tok_stride + (h - h0) * hs) * ces;
                 int64_t r0 = (h - h0) * group;
+                float ks = row_scale(kr, d, ckind);
                 __m512 k[16];   /* NV <= 16; a fixed size lets the compiler keep the unrolled rows in registers */
-                for (int j = 0; j < NV; j++) k[j] = load16(kr + 16 * j * es, kind);
+                for (int j = 0; j < NV; j++) k[j] = load16(kr + 16 * j * ces, ckind);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qg = qf + (r0 + g) * d;
                     __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]), a1 = _mm512_setzero_ps();
@@ -225,7 +258,7 @@ INLINE void item_avx512(int kind, const int NV, const void *q, void *out, const 
                         if (j & 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], a1);
                         else a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], a0);
                     }
-                    s[(r0 + g) * TILE + t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+                    s[(r0 + g) * TILE + t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * ks;
                 }
             }
         }
@@ -247,15 +280,16 @@ INLINE void item_avx512(int kind, const int NV, const void *q, void *out, const 
         }
         /* Weighted V, again in memory order. */
         for (int64_t t = 0; t < n; t++) {
-            if (t < next_n) prefetch_span(next_vb + t * tok_stride * es, span);
+            if (t < next_n) prefetch_span(next_vb + t * tok_stride * ces, span);
             for (int64_t h = h0; h < h1; h++) {
-                const char *vr = vb + (t * tok_stride + (h - h0) * d) * es;
+                const char *vr = vb + (t * tok_stride + (h - h0) * hs) * ces;
                 int64_t r0 = (h - h0) * group;
+                float vs = row_scale(vr, d, ckind);
                 __m512 v[16];
-                for (int j = 0; j < NV; j++) v[j] = load16(vr + 16 * j * es, kind);
+                for (int j = 0; j < NV; j++) v[j] = load16(vr + 16 * j * ces, ckind);
                 for (int64_t g = 0; g < group; g++) {
                     float *a = acc + (r0 + g) * d;
-                    __m512 p = _mm512_set1_ps(s[(r0 + g) * TILE + t]);
+                    __m512 p = _mm512_set1_ps(s[(r0 + g) * TILE + t] * vs);
                     for (int j = 0; j < NV; j++)
                         _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, v[j], _mm512_loadu_ps(a + 16 * j)));
                 }
@@ -272,51 +306,69 @@ typedef void (*item_fn)(const void *q, void *out, const void *k_pool, const void
                         int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,
                         int64_t block_stride, float scale, float *work);
 
-/* One compiled item function per (dtype, head size): the dtype and the vector count must be constants
- * inside the loops, which an argument passed through the OpenMP region is not. */
-#define ITEM_GENERIC(NAME, KIND)                                                                               \
+/* One compiled item function per (q dtype, cache dtype, head size): the dtypes and the vector count must be
+ * constants inside the loops, which an argument passed through the OpenMP region is not. */
+#define ITEM_GENERIC(NAME, KIND, CKIND)                                                                        \
     static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,  \
                      int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
                      int64_t block_stride, float scale, float *work) {                                         \
-        item_generic(KIND, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, d, bs, block_stride, scale, work); \
+        item_generic(KIND, CKIND, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, d, bs, block_stride, \
+                     scale, work);                                                                             \
     }
-#define ITEM_AVX512(NAME, KIND, NV)                                                                            \
+#define ITEM_AVX512(NAME, KIND, CKIND, NV)                                                                     \
     static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,  \
                      int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
                      int64_t block_stride, float scale, float *work) {                                         \
         (void)d;                                                                                               \
-        item_avx512(KIND, NV, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, bs, block_stride, scale, work); \
+        item_avx512(KIND, CKIND, NV, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, bs, block_stride, \
+                    scale, work);                                                                              \
     }
 
-ITEM_GENERIC(item_f32, KIND_F32)
-ITEM_GENERIC(item_bf16, KIND_BF16)
+ITEM_GENERIC(item_f32, KIND_F32, KIND_F32)
+ITEM_GENERIC(item_bf16, KIND_BF16, KIND_BF16)
+ITEM_GENERIC(item_i8_f32, KIND_F32, KIND_I8)
+ITEM_GENERIC(item_i8_bf16, KIND_BF16, KIND_I8)
 #ifdef __FLT16_MAX__
-ITEM_GENERIC(item_f16, KIND_F16)
+ITEM_GENERIC(item_f16, KIND_F16, KIND_F16)
+ITEM_GENERIC(item_i8_f16, KIND_F16, KIND_I8)
 #endif
 #ifdef __AVX512F__
-ITEM_AVX512(item_f32_d64, KIND_F32, 4)
-ITEM_AVX512(item_f32_d128, KIND_F32, 8)
-ITEM_AVX512(item_f32_d256, KIND_F32, 16)
-ITEM_AVX512(item_bf16_d64, KIND_BF16, 4)
-ITEM_AVX512(item_bf16_d128, KIND_BF16, 8)
-ITEM_AVX512(item_bf16_d256, KIND_BF16, 16)
-ITEM_AVX512(item_f16_d64, KIND_F16, 4)
-ITEM_AVX512(item_f16_d128, KIND_F16, 8)
-ITEM_AVX512(item_f16_d256, KIND_F16, 16)
+ITEM_AVX512(item_f32_d64, KIND_F32, KIND_F32, 4)
+ITEM_AVX512(item_f32_d128, KIND_F32, KIND_F32, 8)
+ITEM_AVX512(item_f32_d256, KIND_F32, KIND_F32, 16)
+ITEM_AVX512(item_bf16_d64, KIND_BF16, KIND_BF16, 4)
+ITEM_AVX512(item_bf16_d128, KIND_BF16, KIND_BF16, 8)
+ITEM_AVX512(item_bf16_d256, KIND_BF16, KIND_BF16, 16)
+ITEM_AVX512(item_f16_d64, KIND_F16, KIND_F16, 4)
+ITEM_AVX512(item_f16_d128, KIND_F16, KIND_F16, 8)
+ITEM_AVX512(item_f16_d256, KIND_F16, KIND_F16, 16)
+ITEM_AVX512(item_i8_f32_d64, KIND_F32, KIND_I8, 4)
+ITEM_AVX512(item_i8_f32_d128, KIND_F32, KIND_I8, 8)
+ITEM_AVX512(item_i8_f32_d256, KIND_F32, KIND_I8, 16)
+ITEM_AVX512(item_i8_bf16_d64, KIND_BF16, KIND_I8, 4)
+ITEM_AVX512(item_i8_bf16_d128, KIND_BF16, KIND_I8, 8)
+ITEM_AVX512(item_i8_bf16_d256, KIND_BF16, KIND_I8, 16)
+ITEM_AVX512(item_i8_f16_d64, KIND_F16, KIND_I8, 4)
+ITEM_AVX512(item_i8_f16_d128, KIND_F16, KIND_I8, 8)
+ITEM_AVX512(item_i8_f16_d256, KIND_F16, KIND_I8, 16)
 #endif
 
-static item_fn pick_item(int kind, int64_t d) {
+static item_fn pick_item(int kind, int ckind, int64_t d) {
+    int i8 = ckind == KIND_I8;
 #ifdef __AVX512F__
-    static const item_fn fast[3][3] = {{item_f32_d64, item_f32_d128, item_f32_d256},
-                                       {item_bf16_d64, item_bf16_d128, item_bf16_d256},
-                                       {item_f16_d64, item_f16_d128, item_f16_d256}};
-    if (d == 64 || d == 128 || d == 256) return fast[kind][d == 64 ? 0 : d == 128 ? 1 : 2];
+    static const item_fn fast[2][3][3] = {{{item_f32_d64, item_f32_d128, item_f32_d256},
+                                           {item_bf16_d64, item_bf16_d128, item_bf16_d256},
+                                           {item_f16_d64, item_f16_d128, item_f16_d256}},
+                                          {{item_i8_f32_d64, item_i8_f32_d128, item_i8_f32_d256},
+                                           {item_i8_bf16_d64, item_i8_bf16_d128, item_i8_bf16_d256},
+                                           {item_i8_f16_d64, item_i8_f16_d128, item_i8_f16_d256}}};
+    if (d == 64 || d == 128 || d == 256) return fast[i8][kind][d == 64 ? 0 : d == 128 ? 1 : 2];
 #endif
     (void)d;
-    if (kind == KIND_F32) return item_f32;
-    if (kind == KIND_BF16) return item_bf16;
+    if (kind == KIND_F32) return i8 ? item_i8_f32 : item_f32;
+    if (kind == KIND_BF16) return i8 ? item_i8_bf16 : item_bf16;
 #ifdef __FLT16_MAX__
-    return item_f16;
+    return i8 ? item_i8_f16 : item_f16;
 #else
     return NULL;
 #endif
@@ -326,12 +378,12 @@ static item_fn pick_item(int kind, int64_t d) {
  * ids, rows `table_stride` apart; context_lens: [batch]; window > 0: each row attends to its last `window`
  * tokens only (sliding-window attention), 0: to all. Returns 0, or -1 if a work buffer could not be
  * allocated, -2 if this dtype was not compiled. */
-static int decode(int kind, const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,
+static int decode(int kind, int ckind, const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,
                   const int64_t *tables, int64_t table_stride, const int32_t *context_lens, int64_t batch, int64_t hq,
                   int64_t hkv, int64_t d, int64_t bs, int64_t block_stride, float scale, int64_t window,
                   int num_threads) {
     int64_t group = hq / hkv, es = elem_size(kind);
-    item_fn item = pick_item(kind, d);
+    item_fn item = pick_item(kind, ckind, d);
     if (!item) return -2;
     /* Whole sequences per item when there are enough of them; else split the KV heads too. */
     int64_t heads = hkv;
@@ -360,17 +412,20 @@ static int decode(int kind, const void *q, int64_t q_stride, void *out, const vo
     return failed ? -1 : 0;
 }
 
-#define EXPORT(NAME, KIND)                                                                                     \
+#define EXPORT(NAME, KIND, CKIND)                                                                                   \
     int NAME(const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,               \
              const int64_t *tables, int64_t table_stride, const int32_t *context_lens, int64_t batch, int64_t hq, \
              int64_t hkv, int64_t d, int64_t bs, int64_t block_stride, float scale, int64_t window,            \
              int num_threads) {                                                                                \
-        return decode(KIND, q, q_stride, out, k_pool, v_pool, tables, table_stride, context_lens, batch, hq, hkv, d, \
+        return decode(KIND, CKIND, q, q_stride, out, k_pool, v_pool, tables, table_stride, context_lens, batch, hq, hkv, d, \
                       bs, block_stride, scale, window, num_threads);                                           \
     }
 
-EXPORT(paged_decode_f32, KIND_F32)
-EXPORT(paged_decode_bf16, KIND_BF16)
+EXPORT(paged_decode_f32, KIND_F32, KIND_F32)
+EXPORT(paged_decode_bf16, KIND_BF16, KIND_BF16)
+EXPORT(paged_decode_i8_f32, KIND_F32, KIND_I8)
+EXPORT(paged_decode_i8_bf16, KIND_BF16, KIND_I8)
 #ifdef __FLT16_MAX__
-EXPORT(paged_decode_f16, KIND_F16)
+EXPORT(paged_decode_f16, KIND_F16, KIND_F16)
+EXPORT(paged_decode_i8_f16, KIND_F16, KIND_I8)
 #endif

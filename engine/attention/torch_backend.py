@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.engine.attention.metadata import AttentionMetadata
+from pdcluster.engine.kv_cache import dequantize_rows, quantize_rows
 
 
 @dataclass
@@ -86,16 +87,21 @@ class TorchAttentionBackend:
                                       meta.decode_block_tables, meta.decode_context_lens, meta.prefills)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes the new K/V rows into their slots (quantized first for an int8 pool); returns them as stored."""
+        if k_cache.dtype == torch.int8:
+            k, v = quantize_rows(k), quantize_rows(v)
         k_cache[meta.slot_blocks, meta.slot_offsets] = k
         v_cache[meta.slot_blocks, meta.slot_offsets] = v
+        return k, v
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: TorchAttentionMetadata, window: int = 0) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: per-layer views [num_blocks, block_size, Hkv, D];
         window > 0: sliding-window attention, each token sees its last `window` positions (itself included).
-        Returns [T, Hq, D]."""
-        self.write_kv(k, v, k_cache, v_cache, meta)
+        An int8 pool's rows are dequantized wherever they are read, the chunk's own new K/V included, so a
+        prefix-cache hit attends to exactly the values a recomputation would. Returns [T, Hq, D]."""
+        k, v = self.write_kv(k, v, k_cache, v_cache, meta)
         nd = meta.num_decode_tokens
         if nd == q.shape[0] and not meta.prefills:
             return self._decode(q, k_cache, v_cache, meta, window)
@@ -108,12 +114,12 @@ class TorchAttentionBackend:
             qs = q[chunk.start:chunk.end].transpose(0, 1)[None]
             n = chunk.end - chunk.start
             if chunk.num_cached == 0:
-                ks = k[chunk.start:chunk.end].transpose(0, 1)[None]
-                vs = v[chunk.start:chunk.end].transpose(0, 1)[None]
+                ks = _readable(k[chunk.start:chunk.end], q.dtype).transpose(0, 1)[None]
+                vs = _readable(v[chunk.start:chunk.end], q.dtype).transpose(0, 1)[None]
             else:
                 total = chunk.num_cached + n
-                ks = k_cache[chunk.block_table].flatten(0, 1)[:total].transpose(0, 1)[None]
-                vs = v_cache[chunk.block_table].flatten(0, 1)[:total].transpose(0, 1)[None]
+                ks = _readable(k_cache[chunk.block_table].flatten(0, 1)[:total], q.dtype).transpose(0, 1)[None]
+                vs = _readable(v_cache[chunk.block_table].flatten(0, 1)[:total], q.dtype).transpose(0, 1)[None]
             if chunk.num_cached == 0 and (not window or n <= window):
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=self.gqa)
             else:
@@ -161,10 +167,15 @@ class TorchAttentionBackend:
         k = torch.index_select(k_cache.flatten(1), 0, idx, out=self._k_buf[:n])
         v = torch.index_select(v_cache.flatten(1), 0, idx, out=self._v_buf[:n])
         hkv, d = self.num_kv_heads, self.head_dim
-        ks = k.view(b, m * bs, hkv, d).transpose(1, 2)   # [B, Hkv, L, D]
-        vs = v.view(b, m * bs, hkv, d).transpose(1, 2)
+        ks = _readable(k.view(b, m * bs, hkv, -1), q.dtype).transpose(1, 2)   # [B, Hkv, L, D]
+        vs = _readable(v.view(b, m * bs, hkv, -1), q.dtype).transpose(1, 2)
         # The query heads sharing one KV head act as that head's query rows: no GQA expansion, and on CPU
         # this SDPA call is several times faster than enable_gqa (bf16) or explicit matmuls on strided K/V.
         qg = q.reshape(b, hkv, self.num_heads // hkv, d)
         o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=bias)
         return o.reshape(b, self.num_heads, d)
+
+
+def _readable(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K/V rows as attention reads them: int8 pool rows dequantized to `dtype`, float rows as they are."""
+    return dequantize_rows(kv, dtype) if kv.dtype == torch.int8 else kv

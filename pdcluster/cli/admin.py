@@ -106,6 +106,9 @@ class NodeStatus:
             "kv_blocks_free": load.free_blocks if load else None,
             "queued_prefill_tokens": load.queued_prefill_tokens if load else None,
             "tokens_per_s": round(load.tokens_per_s, 2) if load else None,
+            # routers: running = requests in flight; open token streams and failed requests since start
+            "streams": load.streams if load and info.role == "router" else None,
+            "errors": load.errors if load and info.role == "router" else None,
             "transfer_gbps": round(load.transfer_gbps, 6) if load else None,
             **{key: usage.get(key) for key in USAGE_KEYS},
             "uptime_s": round((now or time.time()) - info.started_at, 1),
@@ -308,6 +311,8 @@ def status_table(nodes: list[NodeStatus], cluster: str):
         d = n.to_dict(now)
         state = n.state if n.admin.state == "active" or n.admin.state == n.state else f"{n.state} ({n.admin.state})"
         kv = "-" if d["kv_blocks_used"] is None else f"{d['kv_blocks_used']}/{d['kv_blocks_free']}"
+        if d["streams"] is not None:   # a router has no KV: its streams and errors in that column
+            kv = f"{d['streams']} streams, {d['errors']} err"
         table.add_row(d["role"], d["node_id"], d["host"], f"[{STATE_STYLES.get(n.state, 'white')}]{state}[/]",
                       os.path.basename(d["model"].rstrip("/")) or "-", _num(d["running"]), _num(d["waiting"]), kv,
                       _num(d["tokens_per_s"], "{:.1f}"), d["device_kind"] or "-",

@@ -78,6 +78,10 @@ _CONFIG = typer.Option(None, "--config", help="YAML or TOML config file; every f
 def _router(config: Optional[Path] = _CONFIG, **flags: Any) -> None:
     """Run the OpenAI-compatible router against the nodes registered in etcd."""
     cfg = _load("router", config, flags)
+    if cfg.workers > 1:
+        from pdcluster.router.workers import serve_workers
+
+        raise typer.Exit(serve_workers(cfg))
     from pdcluster.router.server import run_router
 
     run_router(cfg)

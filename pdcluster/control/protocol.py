@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Generate/Prefill carry timeout_s (time left), not a wall-clock deadline
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a prompt of 1M token ids fits; anything bigger is hostile
 
 
@@ -30,6 +30,11 @@ class Message:
         """Range checks beyond the field types, for values a receiver computes with; ProtocolError if off."""
 
 
+def check_timeout(kind: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ProtocolError(f"{kind}.timeout_s: must be finite, got {value}")
+
+
 @dataclass
 class Generate(Message):
     """router -> decode: run this request; stream Tokens back to `router`."""
@@ -39,10 +44,15 @@ class Generate(Message):
     prompt_ids: list[int]
     sampling: dict[str, Any]  # engine.SamplingParams.to_dict()
     prefill_node: str | None  # node id of the chosen prefill node; None = prefill locally
-    deadline: float  # unix seconds; past it the request is aborted
+    # Seconds left when sent (0: none). Never an absolute time: hosts' clocks differ; the receiver adds it
+    # to its own monotonic clock.
+    timeout_s: float
     router: str = ""
     # Tokens already streamed to the client (request migration): the new decode node resumes after them.
     resume_ids: list[int] = field(default_factory=list)
+
+    def check(self) -> None:
+        check_timeout("generate", self.timeout_s)
 
 
 @dataclass
@@ -66,6 +76,30 @@ class Tokens(Message):
     def check(self) -> None:
         if self.pos < -1:
             raise ProtocolError(f"tokens.pos: must be >= -1, got {self.pos}")
+
+
+@dataclass
+class TokenBatch(Message):
+    """decode -> router, once per engine step per router: the `Tokens` of every request of that router that
+    got tokens this step, in one frame (each item a `Tokens` map without its defaults). Per item the
+    semantics are those of `Tokens` (pos, finish, logprobs); items of one request keep their order."""
+
+    TYPE: ClassVar[str] = "token_batch"
+    items: list[Any]  # after decode: list[Tokens]
+
+    def check(self) -> None:
+        self.items = [item if isinstance(item, Tokens) else _token_item(item) for item in self.items]
+
+
+def _token_item(item: Any) -> Tokens:
+    """A TokenBatch item. The usual one (`rid`, `ids`, `pos`: a streaming step) is checked inline, the
+    rest through the generic path; both refuse exactly what a `Tokens` frame would refuse."""
+    if type(item) is dict and len(item) == 3:
+        rid, ids, pos = item.get("rid"), item.get("ids"), item.get("pos")
+        if (type(rid) is str and type(ids) is list and type(pos) is int and pos >= -1
+                and all(type(x) is int for x in ids)):
+            return Tokens(rid, ids, pos=pos)
+    return _build(Tokens, item, "token_batch.items")
 
 
 PROGRESS_STATES = ("queued", "prefilling", "waiting_kv")
@@ -117,11 +151,14 @@ class Prefill(Message):
     rid: str
     prompt_ids: list[int]
     sampling: dict[str, Any]
-    dst: dict[str, Any]  # kv_transfer destination (address, block ids, token, deadline, layout)
+    dst: dict[str, Any]  # kv_transfer destination (address, block ids, token, timeout_s, layout)
     decode_node: str
-    deadline: float
+    timeout_s: float  # seconds left when sent (<= 0: already late); the receiver counts on its monotonic clock
     # Leading prompt blocks the decode node already holds from its own prefix cache: not sent.
     skip_blocks: int = 0
+
+    def check(self) -> None:
+        check_timeout("prefill", self.timeout_s)
 
 
 @dataclass
@@ -157,12 +194,16 @@ class Load(Message):
     # Short hashes of the node's cached full blocks (prefix-aware routing); may be truncated.
     cached_block_hashes: list[int] = field(default_factory=list)
     timestamp: float = 0.0
+    # Routers (role "router", running = requests in flight): open token streams, failed requests since start.
+    streams: int = 0
+    errors: int = 0
 
     def check(self) -> None:
         if self.block_size < 1:
             raise ProtocolError(f"load.block_size: must be >= 1, got {self.block_size}")
         counts = {"running": self.running, "waiting": self.waiting, "free_blocks": self.free_blocks,
-                  "total_blocks": self.total_blocks, "queued_prefill_tokens": self.queued_prefill_tokens}
+                  "total_blocks": self.total_blocks, "queued_prefill_tokens": self.queued_prefill_tokens,
+                  "streams": self.streams, "errors": self.errors}
         for name, value in counts.items():
             if value < 0:
                 raise ProtocolError(f"load.{name}: must be >= 0, got {value}")
@@ -185,15 +226,25 @@ class Pong(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Generate, Tokens, Progress, Reject, Abort, Prefill, PrefillDone, Load, Ping, Pong)
+    cls.TYPE: cls for cls in (Generate, Tokens, TokenBatch, Progress, Reject, Abort, Prefill, PrefillDone, Load,
+                              Ping, Pong)
 }
+_TOKENS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Tokens) if f.default is not dataclasses.MISSING}
 
 
 def encode(msg: Message) -> bytes:
-    body = dataclasses.asdict(msg)
+    # Fields are plain values (no nested dataclasses): a shallow copy is what asdict would make, faster.
+    body = dict(msg.__dict__)
+    if isinstance(msg, TokenBatch):
+        body["items"] = [_tokens_item(item) for item in msg.items]
     body["v"] = PROTOCOL_VERSION
     body["t"] = msg.TYPE
     return msgpack.packb(body, use_bin_type=True)
+
+
+def _tokens_item(tokens: Tokens) -> dict[str, Any]:
+    """A Tokens as a TokenBatch item: only the fields that differ from their defaults."""
+    return {k: v for k, v in tokens.__dict__.items() if k not in _TOKENS_DEFAULTS or v != _TOKENS_DEFAULTS[k]}
 
 
 def decode(frame: bytes) -> Message:
@@ -223,42 +274,57 @@ def _decode(frame: bytes) -> Message:
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError("unknown message type in frame")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(body) - names
-    if unknown:
-        raise ProtocolError(f"{cls.TYPE}: unknown fields {sorted(unknown)}")
+    return _build(cls, body, cls.TYPE)
+
+
+def _build(cls: type[Message], body: Any, where: str) -> Message:
+    """`cls` from a decoded map, type- and range-checked (ProtocolError naming `where` if not)."""
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
+    checks = _checks(cls)
+    for name, value in body.items():   # fields left out keep their defaults, valid by construction
+        check = checks.get(name) if isinstance(name, str) else None
+        if check is None:
+            raise ProtocolError(f"{where}: unknown fields {sorted(map(str, set(body) - set(checks)))}")
+        if not check[0](value):
+            raise ProtocolError(f"{cls.TYPE}.{name}: expected {check[1]}, got {type(value).__name__}")
     try:
         msg = cls(**body)
     except TypeError as exc:
-        raise ProtocolError(f"{cls.TYPE}: {exc}") from None
-    _check_types(msg)
+        raise ProtocolError(f"{where}: {exc}") from None
     msg.check()
     return msg
 
 
-_SCALAR_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}
+_CHECKS: dict[type, dict[str, tuple[Any, str]]] = {}
 
 
-def _check_types(msg: Message) -> None:
-    """Reject frames whose fields have the wrong shape, so handlers can trust them."""
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        annotation = str(f.type)
-        if value is None and "None" in annotation:
-            continue
-        base = annotation.split("|")[0].strip()
-        expected = _SCALAR_TYPES.get(base)
-        if expected is not None:
-            if not isinstance(value, expected) or (base == "int" and isinstance(value, bool)):
-                raise ProtocolError(f"{msg.TYPE}.{f.name}: expected {base}, got {type(value).__name__}")
-        elif base == "list[int]":
-            if not isinstance(value, list) or not all(
-                isinstance(x, int) and not isinstance(x, bool) for x in value
-            ):
-                raise ProtocolError(f"{msg.TYPE}.{f.name}: expected a list of ints")
-        elif base.startswith("list"):
-            if not isinstance(value, list):
-                raise ProtocolError(f"{msg.TYPE}.{f.name}: expected a list")
-        elif base.startswith("dict"):
-            if not isinstance(value, dict):
-                raise ProtocolError(f"{msg.TYPE}.{f.name}: expected a map")
+def _checks(cls: type[Message]) -> dict[str, tuple[Any, str]]:
+    """Per field: (does a wire value fit it, its type as written), built once per class (decode is a hot path)."""
+    checks = _CHECKS.get(cls)
+    if checks is None:
+        checks = _CHECKS[cls] = {f.name: _check_for(str(f.type)) for f in dataclasses.fields(cls)}
+    return checks
+
+
+def _check_for(annotation: str) -> tuple[Any, str]:
+    base, nullable = annotation.split("|")[0].strip(), "None" in annotation
+    if base == "str":
+        fits = lambda v: type(v) is str  # noqa: E731
+    elif base == "int":
+        fits = lambda v: type(v) is int  # noqa: E731  (not bool)
+    elif base == "float":
+        fits = lambda v: type(v) is float or type(v) is int  # noqa: E731
+    elif base == "bool":
+        fits = lambda v: type(v) is bool  # noqa: E731
+    elif base == "list[int]":
+        fits, base = (lambda v: type(v) is list and all(type(x) is int for x in v)), "a list of ints"
+    elif base.startswith("list"):
+        fits, base = (lambda v: type(v) is list), "a list"
+    elif base.startswith("dict"):
+        fits, base = (lambda v: type(v) is dict), "a map"
+    else:
+        fits = lambda v: True  # noqa: E731  (Any)
+    if nullable:
+        return (lambda v: v is None or fits(v)), base
+    return fits, base

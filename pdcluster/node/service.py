@@ -23,7 +23,7 @@ from pdcluster.control.keys import keys_from_config
 from pdcluster.control.metrics import DroppedFramesCollector, new_registry, serve_metrics
 from pdcluster.control.protocol import Load, Message, Ping, Pong
 from pdcluster.control.records import Capacity, NodeInfo
-from pdcluster.control.registration import Registration
+from pdcluster.control.registration import NodeIdTaken, Registration
 from pdcluster.control.transport import LoadPublisher, RouterServer
 from pdcluster.engine.engine_thread import EngineThread
 from pdcluster.engine.stats import EngineStats
@@ -167,8 +167,17 @@ class NodeService:
         self.registration = Registration(self.config.etcd, self.config.cluster, self.node_info(),
                                          ttl=self.config.lease_ttl, registry=self.registry,
                                          credentials=EtcdCredentials.from_config(self.config))
-        if not await self.registration.start(wait=10.0):
+        try:
+            registered = await self.registration.start(wait=10.0)
+        except NodeIdTaken as exc:  # a second process with this id: leave without touching the holder's record
+            log.error("%s: %s", self.node_id, exc)
+            self.registration = None
+            self.exit_code = 2
+            await self._shutdown()
+            return
+        if not registered:
             log.warning("%s: not registered in etcd yet (%s); serving and retrying", self.node_id, self.config.etcd)
+        self.registration.task.add_done_callback(self._on_task_done)  # ends only if the id was taken over
         self._tasks = [self.supervised(self._recv_loop(), "control"),
                        self.supervised(self.load_pub.run(self._load_snapshot, LOAD_INTERVAL), "load")]
         log.info("%s node %s serving: control %s, load %s, metrics :%d", self.role, self.node_id,

@@ -1,0 +1,146 @@
+"""N "hosts" on one machine for multi-host tests: network namespaces on a bridge, each with its own address
+(10.231.<k>.0/24, a private test range), its own loopback, and its own /dev/shm (every process runs in a
+private mount namespace with a fresh tmpfs there). Real pdcluster processes run in them.
+
+Root only (`ip netns`, mounts): the `hosts` fixture skips with the reason otherwise. Everything it made,
+processes, namespaces, veths and the bridge, is removed at teardown, also when the test failed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+# Run `cmd` with a private /dev/shm: a new mount namespace (unshare), a tmpfs mounted over /dev/shm in it.
+SHM_WRAPPER = "mount -t tmpfs -o size=512m,mode=1777 tmpfs /dev/shm && exec \"$@\""
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def unavailable() -> str | None:
+    """Why the harness cannot run here (None: it can)."""
+    if os.geteuid() != 0:
+        return "multi-host tests need root (network namespaces, mounts); run them as root (CI does)"
+    for tool in ("ip", "unshare", "mount"):
+        if shutil.which(tool) is None:
+            return f"multi-host tests need `{tool}` (apt-get install -y iproute2 util-linux mount)"
+    probe = f"pdt{uuid.uuid4().hex[:6]}"
+    made = _ip("netns", "add", probe, check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {made.stderr.strip()}"
+    _ip("netns", "del", probe, check=False)
+    return None
+
+
+@dataclass
+class Host:
+    name: str  # its network namespace
+    address: str
+    work_dir: Path
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def popen(self, cmd: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start `cmd` on this host (own netns, own /dev/shm); output to work_dir/log_name."""
+        wrapped = ["ip", "netns", "exec", self.name, "unshare", "--mount", "--propagation", "private",
+                   "sh", "-c", SHM_WRAPPER, "sh", *cmd]
+        with open(self.work_dir / log_name, "ab") as out:
+            proc = subprocess.Popen(wrapped, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env={**os.environ, **(env or {})}, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, cmd: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
+        wrapped = ["ip", "netns", "exec", self.name, "unshare", "--mount", "--propagation", "private",
+                   "sh", "-c", SHM_WRAPPER, "sh", *cmd]
+        return subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM each process group, SIGKILL what is left after `timeout`."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait(5)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+class Hosts:
+    """Makes hosts on one bridge; `close()` removes all of it."""
+
+    def __init__(self, work_dir: Path) -> None:
+        tag = uuid.uuid4().hex[:5]
+        self.tag = tag
+        self.bridge = f"pdbr{tag}"
+        self.subnet = 231  # 10.231.<subnet>.0/24
+        self.work_dir = work_dir
+        self.hosts: list[Host] = []
+        _ip("link", "add", self.bridge, "type", "bridge")
+        _ip("addr", "add", f"10.{self.subnet}.0.254/16", "dev", self.bridge)  # the machine itself, for the test
+        _ip("link", "set", self.bridge, "up")
+
+    def add(self) -> Host:
+        i = len(self.hosts) + 1
+        name, veth, peer = f"pd{self.tag}h{i}", f"pd{self.tag}v{i}", f"pd{self.tag}p{i}"
+        _ip("netns", "add", name)
+        host = Host(name, f"10.{self.subnet}.0.{i}", self.work_dir / name)
+        self.hosts.append(host)
+        host.work_dir.mkdir(parents=True, exist_ok=True)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
+        _ip("link", "set", veth, "master", self.bridge)
+        _ip("link", "set", veth, "up")
+        _ip("link", "set", peer, "netns", name)
+        ns = ("-n", name)
+        _ip(*ns, "link", "set", peer, "name", "eth0")
+        _ip(*ns, "addr", "add", f"{host.address}/16", "dev", "eth0")
+        _ip(*ns, "link", "set", "eth0", "up")
+        _ip(*ns, "link", "set", "lo", "up")
+        return host
+
+    def close(self) -> None:
+        for host in self.hosts:
+            host.stop()
+        for i, host in enumerate(self.hosts, 1):
+            _ip("link", "del", f"pd{self.tag}v{i}", check=False)
+            _ip("netns", "del", host.name, check=False)
+        _ip("link", "del", self.bridge, check=False)
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    """Factory: `hosts(n)` -> n fresh Host objects on one bridge; torn down after the test."""
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    made: list[Hosts] = []
+
+    def make(n: int) -> list[Host]:
+        net = Hosts(tmp_path / f"net{len(made)}")
+        made.append(net)
+        for _ in range(n):
+            net.add()
+        return net.hosts
+
+    try:
+        yield make
+    finally:
+        for net in made:
+            net.close()
