@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint install clean
+.PHONY: run test test-deps lint install clean gpu-check
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,8 +32,22 @@ lint: $(STAMP)
 	$(PY) -m pip install -q --no-deps --no-build-isolation --target build/lint . 2>&1 | grep -v "^WARNING: Location" || true
 	cd build/lint && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
 
-test: lint
+# Debian tools of the root-only multi-host tests (tests/netns.py): iproute2 for namespaces, nftables for the
+# partition drills' packet filter. Installed only when missing, as root with apt-get; the tests skip otherwise.
+test-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! (command -v ip && command -v nft) >/dev/null; then \
+		apt-get install -y -q iproute2 nftables >/dev/null || \
+		(apt-get update -q && apt-get install -y -q iproute2 nftables >/dev/null); fi
+
+test: lint test-deps
 	$(PY) -m pytest tests
+
+# Issue #15's CUDA checks on a machine with one CUDA GPU (benchmarks/gpu_check.py, ~3-8 min): its own venv
+# (reusing a CUDA torch already there), parity tests on cuda, offline benchmark bf16 vs transformers on the GPU,
+# KV device-to-device between two processes; one JSON summary. No GPU: stops at once, exit 3 (make: "Error 3").
+# Without a package index: make gpu-check GPU_CHECK_ARGS=--offline
+gpu-check:
+	$(PYTHON) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

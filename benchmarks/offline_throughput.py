@@ -13,6 +13,7 @@ timed in the same dtype in the same run.
 
     .venv/bin/python benchmarks/offline_throughput.py            # full (~10 min on 2 cores)
     .venv/bin/python benchmarks/offline_throughput.py --quick    # < 2 min
+    .venv/bin/python benchmarks/offline_throughput.py --device cuda --dtypes bf16   # both sides on the GPU
 """
 from __future__ import annotations
 
@@ -76,16 +77,26 @@ def count_params(model_dir: str) -> tuple[int, int]:
     return matmul, total
 
 
-def matmul_gflops(dtype: torch.dtype, m: int = 2048, k: int = 1024, n: int = 2816, repeats: int = 5) -> float:
-    a = torch.randn(m, k).to(dtype)
-    b = torch.randn(k, n).to(dtype)
+def matmul_gflops(dtype: torch.dtype, device: str = "cpu", m: int = 2048, k: int = 1024, n: int = 2816,
+                  repeats: int = 5) -> float:
+    a = torch.randn(m, k).to(device, dtype)
+    b = torch.randn(k, n).to(device, dtype)
+    inner = 20 if device.startswith("cuda") else 1    # one GPU product takes microseconds: time several
     torch.matmul(a, b)
+    _sync(device)
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t)
+        for _ in range(inner):
+            torch.matmul(a, b)
+        _sync(device)
+        best = min(best, (time.perf_counter() - t) / inner)
     return 2 * m * k * n / best / 1e9
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def attention_flops(reqs: list[Request], hidden: int, layers: int) -> float:
@@ -102,7 +113,8 @@ def engine_llm(model_dir: str, dtype: torch.dtype, args):
     from pdcluster.engine import LLM
 
     return LLM(model=model_dir, dtype=dtype, kv_cache_memory=int(args.kv_cache_gib * (1 << 30)),
-               max_num_seqs=args.max_num_seqs)
+               max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
+               device=args.device.split(":")[0])
 
 
 def engine_generate(llm, reqs: list[Request]) -> tuple[float, list[list[int]]]:
@@ -120,10 +132,10 @@ def engine_generate(llm, reqs: list[Request]) -> tuple[float, list[list[int]]]:
 
 
 # ---------------------------------------------------------------- transformers
-def hf_model(model_dir: str, dtype: torch.dtype):
+def hf_model(model_dir: str, dtype: torch.dtype, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 @torch.inference_mode()
@@ -136,6 +148,7 @@ def hf_generate_batch(model, reqs: list[Request], pad_id: int = 0) -> list[list[
         ids[i, width - len(r.prompt):] = torch.tensor(r.prompt)
         mask[i, width - len(r.prompt):] = 1
     new = max(r.max_tokens for r in reqs)
+    ids, mask = ids.to(model.device), mask.to(model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                          do_sample=False, pad_token_id=pad_id)
     return [out[i, width:width + r.max_tokens].tolist() for i, r in enumerate(reqs)]
@@ -178,7 +191,7 @@ def bench_dtype(name: str, dtype: torch.dtype, model_dir: str, reqs: list[Reques
     decode_prompt = reqs[0].prompt[:16]
     warm = [Request(reqs[0].prompt[:16], 4)]
 
-    gflops = matmul_gflops(dtype)
+    gflops = matmul_gflops(dtype, args.device)
     res["matmul_gflops"] = round(gflops, 1)
     log(f"[{name}] matmul 2048x1024x2816: {gflops:.0f} GFLOP/s")
 
@@ -207,11 +220,12 @@ def bench_dtype(name: str, dtype: torch.dtype, model_dir: str, reqs: list[Reques
             res["engine_decode_ms"] = round(decode_ms_per_token(lambda r: engine_generate(llm, [r]), decode_prompt,
                                                                  args.decode_short, args.decode_long), 2)
             log(f"[{name}] engine batch-1 decode: {res['engine_decode_ms']} ms/token")
+            llm.engine.shutdown()   # tensor-parallel ranks stop before the next engine forms its group
             del llm
             gc.collect()
 
     if not args.skip_hf:
-        model = hf_model(model_dir, dtype)
+        model = hf_model(model_dir, dtype, args.device)
         hf_generate_batch(model, warm)
         hf_generate_batch(model, warmup[:args.static_batch])   # same courtesy: one static batch first
         elapsed, hf_tokens = hf_one_at_a_time(model, base)
@@ -274,6 +288,10 @@ def parse_args(argv=None):
     p.add_argument("--decode-long", type=int, default=136)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="engine ranks (CPU: processes sharing the cores; each gets threads / N)")
+    p.add_argument("--device", help="cpu, cuda or npu, for the engine and transformers alike (default: the "
+                   "engine's choice, npu > cuda > cpu)")
     p.add_argument("--model-dir", help="reuse a model directory instead of writing one to a temp dir")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
@@ -300,6 +318,9 @@ ARGS = None
 def main(argv=None) -> dict:
     global ARGS
     ARGS = args = parse_args(argv)
+    from pdcluster.engine.device import resolve_device
+
+    args.device = str(resolve_device(args.device))
     with tempfile.TemporaryDirectory(prefix="pdcluster-bench-") as tmp:
         model_dir = args.model_dir or make_model(tmp)
         matmul_params, total_params = count_params(model_dir)
@@ -313,6 +334,8 @@ def main(argv=None) -> dict:
             "prompt_tokens": sum(len(r.prompt) for r in reqs),
             "output_tokens": sum(r.max_tokens for r in reqs),
             "torch_threads": torch.get_num_threads(),
+            "device": args.device,
+            "device_name": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
             "quick": args.quick,
             "results": [],
         }

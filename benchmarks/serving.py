@@ -24,6 +24,8 @@ import asyncio
 import json
 import os
 import random
+import shutil
+import ssl
 import statistics
 import subprocess
 import sys
@@ -99,7 +101,8 @@ async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: i
                     res.output_len = usage["completion_tokens"]
                     res.prompt_len = usage["prompt_tokens"]
     except httpx.HTTPError as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
+        cause = exc.__cause__ or exc.__context__   # e.g. ReadError(BrokenResourceError()): a reset connection
+        res.error = f"{type(exc).__name__}: {exc}" + (f" ({cause!r})" if cause is not None else "")
     res.e2e = time.perf_counter() - start
     return res
 
@@ -116,14 +119,27 @@ async def run(args, url: str, model: str, vocab: int) -> dict:
     requests = make_requests(args, vocab)
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0),
-                                 limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000)) as http:
-        await one_request(http, model, requests[0][0], 2)  # warm-up (connections, tokenizer, caches)
+    # One client (one connection) per concurrent stream, not one client with a pool of them all: httpcore's pool
+    # rescans every connection per queued request (O(connections x queued), encode/httpcore#1035), which at 256
+    # streams made this process, not the server, the bottleneck (seconds before a request was even sent).
+    ssl_context = ssl.create_default_context()   # shared: each client would otherwise load the CA bundle
+    clients: list[httpx.AsyncClient] = []
+    idle: list[httpx.AsyncClient] = []
 
-        async def limited(prompt, n):
-            async with limit:
+    async def limited(prompt, n):
+        async with limit:
+            http = idle.pop() if idle else None
+            if http is None:
+                http = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), verify=ssl_context,
+                                         limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
+                clients.append(http)
+            try:
                 return await one_request(http, model, prompt, n)
+            finally:
+                idle.append(http)   # most recently used first: its connection is the warmest
 
+    try:
+        await limited(requests[0][0], 2)  # warm-up (connection, tokenizer, caches)
         tasks = []
         start = time.perf_counter()
         for prompt, n in requests:
@@ -132,6 +148,8 @@ async def run(args, url: str, model: str, vocab: int) -> dict:
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results: list[Result] = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+    finally:
+        await asyncio.gather(*(http.aclose() for http in clients))
     ok = [r for r in results if not r.error]
     out_tokens = sum(r.output_len for r in ok)
     good = [r for r in ok if (not args.slo_ttft or r.ttft * 1000 <= args.slo_ttft)
@@ -156,11 +174,13 @@ async def run(args, url: str, model: str, vocab: int) -> dict:
 async def main_async(args) -> dict:
     cluster = None
     fake = None
+    own_dir = None   # the tokenizer dir made for --start fake without --model
     try:
         if args.start == "fake":
             from router_fake import FakeSetup
 
             model_dir = args.model or fake_model_dir()
+            own_dir = None if args.model else model_dir
             fake = FakeSetup(model_dir, args.fake_step_ms / 1000, args.profile)
             await asyncio.to_thread(fake.wait_ready)
             url = fake.url
@@ -189,15 +209,20 @@ async def main_async(args) -> dict:
             size = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json")).get_vocab_size()
             vocab = min(config.get("vocab_size", size), size, 32000)
         cpu = fake.cpu_seconds() if fake is not None else 0.0
+        own = time.process_time()
         summary = await run(args, url, model, vocab)
         summary["setup"] = args.start or "external"
+        out = summary["output_tokens_per_s"] * summary["duration_s"]
+        # The load generator's own CPU per streamed token: on shared cores it competes with what it measures.
+        summary["client_cpu_us_per_token"] = (time.process_time() - own) / max(out, 1) * 1e6
         if fake is not None:   # the router's CPU per streamed token: robust where other work shares the cores
-            out = summary["output_tokens_per_s"] * summary["duration_s"]
             summary["router_cpu_us_per_token"] = (fake.cpu_seconds() - cpu) / max(out, 1) * 1e6
         return summary
     finally:
         if fake is not None:
             await asyncio.to_thread(fake.stop)
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
         if cluster is not None:
             await asyncio.to_thread(cluster.stop)
 
@@ -232,8 +257,26 @@ def code_tree(checkout: str, into: str) -> str:
 
 def compare(args) -> None:
     """Rounds of (baseline, this tree) in alternating order, each run a fresh router + fake node + load."""
-    model_dir = args.model or fake_model_dir()
+    model_dir = args.model or fake_model_dir()   # shared by every run
     base = code_tree(args.compare, tempfile.mkdtemp(prefix="pdcluster-bench-base-"))
+    try:
+        results = compare_rounds(args, model_dir, base)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        if not args.model:
+            shutil.rmtree(model_dir, ignore_errors=True)
+    print(f"medians of {args.rounds} rounds (load average now {os.getloadavg()[0]:.1f}):")
+    for name, by_label in results.items():
+        cells = []
+        for label in ("before", "after"):
+            rows = by_label[label]
+            cells.append(f"{label} {statistics.median(x['output_tokens_per_s'] for x in rows):8.0f} tok/s "
+                         f"{statistics.median(x['router_cpu_us_per_token'] for x in rows):6.1f} us/token "
+                         f"TTFT p50 {statistics.median(x['ttft_ms']['p50'] for x in rows):6.1f} ms")
+        print(f"  {name:6s} " + " | ".join(cells))
+
+
+def compare_rounds(args, model_dir: str, base: str) -> dict[str, dict[str, list[dict]]]:
     runs = [(f"c{c}", ["--num-prompts", str(4 * c), "--max-concurrency", str(c)])
             for c in map(int, args.concurrencies.split(","))]
     runs.append(("light", ["--num-prompts", "40", "--max-concurrency", "1", "--output-len", "8"]))
@@ -251,18 +294,10 @@ def compare(args) -> None:
                 summary = json.loads(out.stdout.strip().splitlines()[-1])
                 results.setdefault(name, {}).setdefault(label, []).append(summary)
                 print(f"round {r} {name:6s} {label:6s}: {summary['output_tokens_per_s']:8.0f} tok/s, router CPU "
-                      f"{summary['router_cpu_us_per_token']:6.1f} us/token, "
-                      f"TTFT p50 {summary['ttft_ms']['p50']:.1f} ms, "
+                      f"{summary['router_cpu_us_per_token']:6.1f} us/token (client "
+                      f"{summary['client_cpu_us_per_token']:.1f}), TTFT p50 {summary['ttft_ms']['p50']:.1f} ms, "
                       f"failed {summary['failed']}, load {os.getloadavg()[0]:.1f}", flush=True)
-    print(f"medians of {args.rounds} rounds (load average now {os.getloadavg()[0]:.1f}):")
-    for name, by_label in results.items():
-        cells = []
-        for label in ("before", "after"):
-            rows = by_label[label]
-            cells.append(f"{label} {statistics.median(x['output_tokens_per_s'] for x in rows):8.0f} tok/s "
-                         f"{statistics.median(x['router_cpu_us_per_token'] for x in rows):6.1f} us/token "
-                         f"TTFT p50 {statistics.median(x['ttft_ms']['p50'] for x in rows):6.1f} ms")
-        print(f"  {name:6s} " + " | ".join(cells))
+    return results
 
 
 def main() -> None:

@@ -108,7 +108,8 @@ class DecodeNode(NodeService):
         self.peers: PeerDealers | None = None
 
     def _make_shared_pool(self, shape: tuple[int, ...], dtype) -> Any:
-        """KV pool in POSIX shm (CPU), so a same-host prefill node copies straight into it."""
+        """KV pool in POSIX shm (CPU), so a same-host prefill node copies straight into it (and the engine's
+        tensor-parallel ranks map it too)."""
         if self.config.device not in ("auto", "cpu"):
             return None
         from pdcluster.engine.device import resolve_device
@@ -118,7 +119,7 @@ class DecodeNode(NodeService):
         for name in sweep_dead_pools():   # pools of nodes that died here before (SIGKILL, OOM kill)
             log.warning("removed the shared-memory KV pool /dev/shm/%s of a node process that is gone", name)
         self.shm = SharedKVPool.create(shape, dtype)
-        return self.shm.tensor
+        return self.shm
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -401,6 +402,7 @@ class DecodeNode(NodeService):
             for req in list(self.requests.values()):
                 self.control.send(req.router, Tokens(rid=req.rid, ids=[], finish="error", error="engine failure"))
                 self._forget(req, "error")
+            self.exit_code = 1   # a failed engine: exit non-zero, so systemd restarts the node
             self.begin_drain("engine failure")
             return
         batches: dict[bytes, list[tuple[DecodeRequest, Tokens]]] = {}

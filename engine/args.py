@@ -52,11 +52,21 @@ class EngineArgs:
                                                    "and KV (CPU: available RAM, capped)")
     num_gpu_blocks_override: int | None = knob(None, help="exact KV pool size in blocks; unset (0): derived")
     max_num_seqs: int = knob(256, help="max concurrently running sequences")
-    max_num_batched_tokens: int = knob(2048, help="token budget of one engine step")
+    max_num_batched_tokens: str | int = knob(2048, help="token budget of one engine step (the prefill chunk); "
+                                                        "auto: a quarter of max_model_len within [2048, 4096]")
     max_model_len: int | None = knob(None, help="context limit; unset (0): the model's max_position_embeddings")
+    max_context_len_to_capture: int | None = knob(None, help="vLLM: longest context run in a captured CUDA graph; "
+                                                             "accepted, no effect (no graph capture here)")
+    attention_sinks: int = knob(0, help="StreamingLLM: first tokens every sequence keeps (rounded up to whole "
+                                        "blocks); needs streaming_window")
+    streaming_window: int = knob(0, help="StreamingLLM: recent tokens kept besides the sinks; > 0: constant KV per "
+                                         "sequence and generation past max_model_len (0: off)")
     enable_chunked_prefill: bool = knob(True, help="split long prompts over several steps")
     enable_prefix_caching: bool = knob(True, help="reuse cached full KV blocks of earlier prompts")
-    tensor_parallel_size: int = knob(1, help="must be 1 (tensor parallelism is not implemented yet)")
+    tensor_parallel_size: int = knob(1, help="devices (processes) one engine spans; heads and intermediate size "
+                                             "must split evenly (gloo on CPU, nccl on CUDA, hccl on NPU)")
+    collective_timeout: float = knob(60.0, help="seconds a tensor-parallel collective (or a rank joining) may "
+                                                "take before the engine fails naming the rank")
     attention_backend: str | None = knob(None, help="attention backend name; unset: chosen by device")
     seed: int = knob(0, help="base seed of the sampler")
     # In code also a SharedWeightPool object; a config names one as NAME:SIZE (engine/weight_pool.py).
@@ -64,21 +74,25 @@ class EngineArgs:
         None, help="share read-only weights with the engines on this host naming the same pool: NAME[:SIZE] "
                    "(e.g. models:8GiB; no SIZE: what /dev/shm holds; CPU only); unset: private weights")
     # Only code passes these two: an externally allocated pool tensor (e.g. shm-backed, block-major), or a
-    # factory (shape, torch dtype) -> tensor that allocates it.
+    # factory (shape, torch dtype) -> tensor (or an object holding it as `.tensor`, picklable into a view of the
+    # same memory, as kv_transfer's SharedKVPool: tensor-parallel ranks on CPU share the pool) that allocates it.
     kv_pool_tensor: Any = knob(None, setting=False)
     kv_pool_factory: Callable[[tuple[int, ...], Any], Any] | None = knob(None, setting=False)
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size: tensor parallelism is not implemented yet (use 1)")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
+        if self.collective_timeout <= 0:
+            raise ValueError(f"collective_timeout: must be > 0, got {self.collective_timeout}")
+        if isinstance(self.max_num_batched_tokens, str):   # a number from a config or flag, or "auto"
+            text = self.max_num_batched_tokens.strip().lower()
+            self.max_num_batched_tokens = text if text == "auto" else int(text)
+        for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                      "num_gpu_blocks_override", "max_model_len"):
             value = getattr(self, name)
-            if value is not None and value < 1:
+            if value is not None and value != "auto" and value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        if (not self.enable_chunked_prefill and self.max_model_len is not None
+        if (not self.enable_chunked_prefill and self.max_model_len is not None and self.max_num_batched_tokens != "auto"
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len "
                              f"({self.max_model_len}) needs enable_chunked_prefill")

@@ -5,6 +5,10 @@ the same stable hash the router uses for prefix-aware routing). Later requests w
 same blocks share them (ref count). A block whose ref count drops to zero keeps its hash and stays reusable
 until it is evicted, least recently freed first, when fresh blocks run out. Free-block counts include these
 cached blocks.
+
+Sliding-window models (`ModelConfig.kv_window`): blocks that fell out of every layer's window are released
+while the request runs (`free_outside_window`). Their block-table entries become `FREED_BLOCK`, so entries
+stay positional (entry i holds tokens i*block_size..); the first `seq.num_freed_blocks` entries are freed.
 """
 
 from __future__ import annotations
@@ -13,6 +17,10 @@ import itertools
 from collections import OrderedDict, deque
 
 from pdcluster.engine.sequence import Sequence
+
+# What a freed block-table entry holds: a valid id (attention may index it) that is never read, because the
+# window mask hides those positions and the paged kernels start at the window.
+FREED_BLOCK = 0
 
 
 class BlockManager:
@@ -78,17 +86,38 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references to its blocks; blocks that were published stay in the prefix cache."""
         # Reverse order: a sequence's tail blocks become the least recently used, so they go first.
-        for b in reversed(seq.block_table):
-            if self.ref_counts[b] <= 0:
-                raise RuntimeError(f"block {b} freed more often than allocated")
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                if self.block_hash[b] is not None:
-                    self.cached_free[b] = None
-                else:
-                    self.free_ids.append(b)
+        for b in reversed(seq.block_table[seq.num_freed_blocks:]):
+            self._release(b)
         seq.block_table = []
         seq.num_cached_blocks = 0
+        seq.num_freed_blocks = 0
+
+    def free_outside_window(self, seq: Sequence, window: int) -> int:
+        """Release `seq`'s leading blocks that no later token can attend to: the next token computed sits at
+        position `num_computed_tokens` and sees positions above it minus `window`. Returns how many were
+        released. Call after `cache_full_blocks`, so released full blocks stay in the prefix cache."""
+        first_needed = seq.num_computed_tokens - window + 1
+        end = min(max(first_needed, 0) // self.block_size, len(seq.block_table))
+        start = seq.num_freed_blocks
+        for i in range(start, end):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = FREED_BLOCK
+        seq.num_freed_blocks = max(start, end)
+        return max(0, end - start)
+
+    def drop_block(self, seq: Sequence, index: int) -> None:
+        """Release entry `index` of `seq`'s block table and remove it (later entries move down; StreamingLLM)."""
+        self._release(seq.block_table.pop(index))
+
+    def _release(self, b: int) -> None:
+        if self.ref_counts[b] <= 0:
+            raise RuntimeError(f"block {b} freed more often than allocated")
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] == 0:
+            if self.block_hash[b] is not None:
+                self.cached_free[b] = None
+            else:
+                self.free_ids.append(b)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Publish `seq`'s blocks that became full and computed since the last call in the prefix cache."""
@@ -96,7 +125,7 @@ class BlockManager:
         if not self.enable_prefix_caching or full <= seq.num_cached_blocks:
             return
         hashes = seq.block_hashes(self.block_size)
-        for i in range(seq.num_cached_blocks, full):
+        for i in range(max(seq.num_cached_blocks, seq.num_freed_blocks), full):
             b, h = seq.block_table[i], hashes[i]
             if h not in self.hash_to_block and self.block_hash[b] is None:   # else that content is cached already
                 self.block_hash[b] = h

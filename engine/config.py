@@ -61,6 +61,13 @@ class ModelConfig:
     def layer_window(self, index: int) -> int:
         return self.layer_windows[index] if self.layer_windows else 0
 
+    @property
+    def kv_window(self) -> int:
+        """The window bounding what every layer reads (its largest window), or 0 when a layer attends to
+        everything: KV older than this is dead for all layers and its blocks can be released."""
+        windows = self.layer_windows
+        return max(windows) if windows and all(w > 0 for w in windows) else 0
+
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         archs = cfg.get("architectures") or []
@@ -79,9 +86,15 @@ class ModelConfig:
         theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         scaling = None if rope_type in (None, "default") else {**rope, "rope_type": rope_type}
-        if scaling is not None and rope_type not in ("llama3", "linear"):
-            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: llama3, linear")
+        if scaling is not None and rope_type not in ("llama3", "yarn", "linear"):
+            raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: llama3, yarn, linear")
         max_len = cfg.get("max_position_embeddings", 2048)
+        if rope_type == "yarn":   # transformers' defaults, resolved here: max_model_len may be lowered later
+            if "original_max_position_embeddings" in cfg:   # a top-level key wins, as in transformers
+                scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+            scaling.setdefault("original_max_position_embeddings", max_len)
+            if scaling.get("factor") is None:
+                scaling["factor"] = max_len / scaling["original_max_position_embeddings"]
         eos = cfg.get("eos_token_id")
         return cls(
             architecture=arch,

@@ -70,14 +70,15 @@ class EngineThread:
         engine = self.engine
         while not self._stop.is_set():
             self._run_commands(block=not engine.has_unfinished_requests())
-            if self._stop.is_set() or not engine.has_unfinished_requests():
-                self.stats = engine.get_stats()
-                continue
             try:
+                if self._stop.is_set() or not engine.has_unfinished_requests():
+                    self.stats = engine.get_stats()
+                    engine.check_health()   # e.g. a tensor-parallel rank died while idle
+                    continue
                 outputs = engine.step()
             except Exception as exc:
                 self.stats = engine.get_stats()
-                if self.stop_on_error:
+                if self.stop_on_error or getattr(exc, "fatal", False):
                     log.exception("engine step failed; the engine thread stops")
                     self.error = exc
                     self.on_outputs(exc)

@@ -8,6 +8,8 @@ import time
 from collections import deque
 from dataclasses import fields
 
+import torch
+
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import EngineArgs
 from pdcluster.engine.block_manager import BlockManager
@@ -18,9 +20,12 @@ from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.engine.loader import load_eos_token_ids, load_tokenizer
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
-from pdcluster.engine.scheduler import ScheduledBatch, Scheduler
+from pdcluster.engine.parallel import check_tensor_parallel
+from pdcluster.engine.scheduler import ScheduledBatch, Scheduler, resolve_batched_tokens
 from pdcluster.engine.sequence import Sequence
 from pdcluster.engine.stats import EngineStats
+from pdcluster.engine.tp_executor import TPWorkers
+from pdcluster.engine.tp_shards import local_kv_heads
 from pdcluster.engine.weight_pool import SharedWeightPool
 
 log = logging.getLogger(__name__)
@@ -42,11 +47,26 @@ class LLMEngine:
             if args.max_model_len > cfg.max_model_len:
                 raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context {cfg.max_model_len}")
             cfg.max_model_len = args.max_model_len
+        self.tp_size = args.tensor_parallel_size
+        check_tensor_parallel(cfg, self.tp_size, self.device, args.weight_pool)
         pool = args.weight_pool
         self.weight_pool = SharedWeightPool.from_spec(pool) if isinstance(pool, str) else pool
-        self.runner = ModelRunner(args.model, cfg, self.dtype, self.device, args.attention_backend, args.seed,
-                                  self.weight_pool)
-        self.kv_pool = self._make_pool()
+        workers = None
+        if self.tp_size > 1:
+            workers = TPWorkers(args.model, cfg, self.dtype, self.device, args.attention_backend, self.tp_size,
+                                args.collective_timeout)
+        try:
+            self.runner = ModelRunner(args.model, cfg, self.dtype, self.device, args.attention_backend, args.seed,
+                                      self.weight_pool, tp=workers.group if workers else None, workers=workers)
+            if workers is not None:
+                workers.wait_ready()
+            self.kv_pool, handle = self._make_pool()
+            if workers is not None:
+                workers.bind_pool(handle)
+        except BaseException:
+            if workers is not None:
+                workers.close()
+            raise
         self.runner.bind_kv_pool(self.kv_pool)
         self.block_size = self.kv_pool.block_size
         pool_tokens = self.kv_pool.num_blocks * self.block_size
@@ -55,8 +75,12 @@ class LLMEngine:
                         cfg.max_model_len)
             cfg.max_model_len = pool_tokens
         self.block_manager = BlockManager(self.kv_pool.num_blocks, self.block_size, args.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, args.max_num_batched_tokens,
-                                   args.enable_chunked_prefill)
+        budget = resolve_batched_tokens(args.max_num_batched_tokens, cfg.max_model_len, args.enable_chunked_prefill)
+        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, budget,
+                                   args.enable_chunked_prefill, sliding_window=cfg.kv_window)
+        if args.streaming_window or args.attention_sinks:
+            self.scheduler.enable_streaming(args.attention_sinks, args.streaming_window, self.kv_pool, cfg,
+                                            self.tp_size)
         self._arrivals = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
@@ -77,14 +101,43 @@ class LLMEngine:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
         return cls(EngineArgs(model=model, **kwargs))
 
-    def _make_pool(self) -> KVCachePool:
-        a, cfg = self.args, self.model_config
+    def _make_pool(self) -> tuple[KVCachePool, dict | None]:
+        """The KV pool, and for tensor-parallel workers what they need to bind theirs: on CPU the pool holds
+        every rank's heads in shared memory (the handle shares it), on a device each rank allocates its own
+        slice of the same number of blocks."""
+        a, cfg, tp = self.args, self.model_config, self.tp_size
+        shared = tp > 1 and self.device.type == "cpu"
+        pool_tp = tp if shared else 1
+        kv_heads = local_kv_heads(cfg, tp)
         kv_dtype = resolve_kv_dtype(a.kv_cache_dtype, self.dtype)
-        per_block = KVCachePool.bytes_per_block(cfg, a.block_size, kv_dtype)
+        per_block = KVCachePool.bytes_per_block(cfg, a.block_size, kv_dtype, pool_tp)
         if a.kv_pool_tensor is not None:
-            t = a.kv_pool_tensor
-            return KVCachePool(t.shape[0], cfg.num_layers, a.block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
-                               t.device, tensor=t)
+            num_blocks, made = a.kv_pool_tensor.shape[0], a.kv_pool_tensor
+        else:
+            num_blocks, made = self._num_blocks(per_block), None
+            if a.kv_pool_factory is not None:
+                made = a.kv_pool_factory(KVCachePool.shape_for(cfg, num_blocks, a.block_size, kv_dtype, pool_tp),
+                                         kv_dtype)
+        tensor = made.tensor if made is not None and not isinstance(made, torch.Tensor) else made
+        if shared:
+            if tensor is None:
+                made = tensor = torch.zeros(KVCachePool.shape_for(cfg, num_blocks, a.block_size, kv_dtype, tp),
+                                            dtype=kv_dtype).share_memory_()
+            elif isinstance(made, torch.Tensor) and not made.is_shared():
+                raise ValueError("kv_pool_tensor / kv_pool_factory: with tensor_parallel_size > 1 on CPU the pool "
+                                 "must be shared memory the worker ranks can map (tensor.share_memory_() or a "
+                                 "SharedKVPool)")
+        pool = KVCachePool(num_blocks, cfg.num_layers, a.block_size, kv_heads, cfg.head_dim, kv_dtype,
+                           self.device, tensor=tensor, tp=pool_tp)
+        if tp == 1:
+            return pool, None
+        if shared:
+            return pool, {"kind": "shared", "tensor": made, "block_size": a.block_size, "kv_heads": kv_heads}
+        return pool, {"kind": "alloc", "num_blocks": num_blocks, "block_size": a.block_size, "kv_heads": kv_heads,
+                      "dtype": str(kv_dtype).removeprefix("torch.")}
+
+    def _num_blocks(self, per_block: int) -> int:
+        a = self.args
         if a.num_gpu_blocks_override is not None:
             num_blocks = a.num_gpu_blocks_override
         else:
@@ -103,10 +156,7 @@ class LLMEngine:
             num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: room for no KV block (one block needs {per_block} bytes)")
-        shape = KVCachePool.shape_for(cfg, num_blocks, a.block_size, kv_dtype)
-        tensor = a.kv_pool_factory(shape, kv_dtype) if a.kv_pool_factory is not None else None
-        return KVCachePool(num_blocks, cfg.num_layers, a.block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
-                           self.device, tensor=tensor)
+        return num_blocks
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -152,6 +202,17 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
+
+    def check_health(self) -> None:
+        """Raise if the engine cannot step any more (a tensor-parallel rank died)."""
+        workers = self.runner.workers
+        if workers is not None and workers.dead is not None:
+            raise workers.dead
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (also done at interpreter exit); the engine is unusable after."""
+        if self.runner.workers is not None:
+            self.runner.workers.close()
 
     # ---- the step -------------------------------------------------------------------------------
 

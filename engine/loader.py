@@ -11,16 +11,26 @@ from safetensors import safe_open
 
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.models import get_model_class
+from pdcluster.engine.parallel import TPGroup
+from pdcluster.engine.tp_shards import rank_file, shard_slice
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 
 
-def checkpoint_files(model_dir: str) -> list[str]:
+def checkpoint_files(model_dir: str, rank: int = 0, tp: int = 1) -> list[str]:
+    """The files rank `rank` of `tp` reads: its own file of a pre-sharded conversion (engine/convert.py), else
+    every file of the checkpoint (the rank then reads only its slices of them)."""
     converted = _converted_tp(model_dir)
-    if converted > 1:   # a pre-sharded conversion (engine/convert.py): each rank reads only its own file
-        raise ValueError(f"model: {model_dir} is converted for tensor_parallel_size={converted} (one file per "
-                         "rank); this engine runs tensor_parallel_size=1: convert with --tensor-parallel-size 1")
+    if converted > 1:
+        if converted != tp:
+            raise ValueError(f"model: {model_dir} is converted for tensor_parallel_size={converted} (one file per "
+                             f"rank); this engine runs tensor_parallel_size={tp}: convert with "
+                             f"--tensor-parallel-size {tp} (or 1, which every tensor_parallel_size can read)")
+        path = os.path.join(model_dir, rank_file(rank, tp))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"model: {path} (rank {rank}'s shard) is missing")
+        return [path]
     index = os.path.join(model_dir, _INDEX)
     if os.path.isfile(index):
         with open(index) as f:
@@ -51,35 +61,54 @@ def _converted_tp(model_dir: str) -> int:
         raise ValueError(f"{path}: not a valid manifest ({exc})") from exc
 
 
-def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Tensors straight from memory-mapped safetensors files."""
-    for path in checkpoint_files(model_dir):
+def iter_weights(model_dir: str, config: ModelConfig | None = None,
+                 tp: TPGroup | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors straight from memory-mapped safetensors files; under tensor parallelism (`tp`, `config`), only
+    this rank's slice of each (read as a slice: the rest of the tensor is never read)."""
+    rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
+    presharded = _converted_tp(model_dir) > 1
+    for path in checkpoint_files(model_dir, rank, size):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if size == 1 or presharded:
+                    yield name, f.get_tensor(name)
+                    continue
+                part = f.get_slice(name)
+                cut = shard_slice(name, tuple(part.get_shape()), config, rank, size)
+                if cut is None:
+                    yield name, part[:]
+                else:
+                    dim, start, length = cut
+                    index = [slice(None)] * len(part.get_shape())
+                    index[dim] = slice(start, start + length)
+                    yield name, part[tuple(index)]
 
 
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,
-               weight_pool=None):
+               weight_pool=None, tp: TPGroup | None = None):
     """`weight_pool` (a `SharedWeightPool`, CPU only): the parameters become read-only views of the pool's copy
-    (engine/weight_pool.py), loaded from the checkpoint only if the pool has none yet, and never prepacked."""
+    (engine/weight_pool.py), loaded from the checkpoint only if the pool has none yet, and never prepacked.
+    `tp`: this process's tensor-parallel rank; it loads only its shards."""
+    tp = tp or TPGroup()
     if weight_pool is not None and device.type != "cpu":
         raise ValueError(f"weight_pool: shared weights are CPU-only for now (device is {device.type})")
-    files = checkpoint_files(model_dir)  # fail on missing weights before allocating anything
+    if weight_pool is not None and tp.size > 1:
+        raise ValueError("weight_pool: not supported with tensor_parallel_size > 1 (each rank holds other shards)")
+    files = checkpoint_files(model_dir, tp.rank, tp.size)  # fail on missing weights before allocating anything
     del files
     cls = get_model_class(config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = cls(config, backend, dtype)
+            model = cls(config, backend, dtype, tp)
     finally:
         torch.set_default_dtype(previous)
     with torch.no_grad():
         if weight_pool is not None:
             weight_pool.load(model, model_dir, dtype, lambda: model.load_weights(iter_weights(model_dir)))
             return model.eval().requires_grad_(False)
-        model.load_weights(iter_weights(model_dir))
+        model.load_weights(iter_weights(model_dir, config, tp))
         for module in model.modules():   # weights are final now: device-specific packed copies
             if hasattr(module, "prepack"):
                 module.prepack()

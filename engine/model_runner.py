@@ -1,5 +1,9 @@
 """Runs one scheduled batch: builds flattened step inputs with a few tensor ops, runs the model over
-the paged KV pool, computes logits only where a token is sampled, and samples."""
+the paged KV pool, computes logits only where a token is sampled, and samples.
+
+Under tensor parallelism this is rank 0's runner: it hands each step's inputs to the other ranks
+(engine/tp_executor.py), runs its own shard of the model with them (the layers' collectives keep the ranks in
+step), and samples alone. The other ranks run `execute` with the same inputs (engine/tp_worker.py)."""
 
 from __future__ import annotations
 
@@ -12,32 +16,45 @@ from pdcluster.engine.attention import AttentionMetadata, PrefillChunk, get_back
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.kv_cache import KVCachePool
 from pdcluster.engine.loader import load_model
+from pdcluster.engine.parallel import TPGroup
 from pdcluster.engine.sampler import Sampler, SampleRequest
 from pdcluster.engine.scheduler import ScheduledBatch
 from pdcluster.engine.sequence import Sequence
+from pdcluster.engine.step_inputs import StepInputs
+from pdcluster.engine.tp_shards import local_kv_heads
 
 
 class ModelRunner:
     def __init__(self, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 attention_backend: str | None = None, seed: int = 0, weight_pool=None) -> None:
+                 attention_backend: str | None = None, seed: int = 0, weight_pool=None, tp: TPGroup | None = None,
+                 workers=None) -> None:
+        """`tp`: this process's tensor-parallel rank; `workers` (rank 0 of a group: a `TPWorkers`): the other
+        ranks, which get every step's inputs from here."""
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.tp = tp or TPGroup()
+        self.workers = workers
         backend_cls = get_backend_class(attention_backend, device.type)
-        self.attn_backend = backend_cls(config.num_heads, config.num_kv_heads, config.head_dim)
-        self.model = load_model(model_dir, config, dtype, device, self.attn_backend, weight_pool)
+        self.attn_backend = backend_cls(config.num_heads // self.tp.size, local_kv_heads(config, self.tp.size),
+                                        config.head_dim)
+        self.model = load_model(model_dir, config, dtype, device, self.attn_backend, weight_pool, self.tp)
         self.sampler = Sampler(seed=seed)
         self.kv_pool: KVCachePool | None = None
         self.block_size = 0
 
     def bind_kv_pool(self, pool: KVCachePool) -> None:
+        """`pool` holds this rank's slice (pool.tp == 1) or every rank's (CPU: shared with the workers, which
+        bind the same pool's other slices)."""
         self.kv_pool = pool
         self.block_size = pool.block_size
+        rank = self.tp.rank if pool.tp > 1 else 0
         for i, attn in enumerate(self.model.attention_layers()):
-            attn.k_cache, attn.v_cache = pool.layer_views(i)
+            attn.k_cache, attn.v_cache = pool.layer_views(i, rank)
 
-    def _prepare(self, batch: ScheduledBatch):
-        """Flattened inputs; decodes (one new token) first, then prefill chunks."""
+    def _prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
+        """Flattened inputs (on CPU); decodes (one new token) first, then prefill chunks. Also the sequences
+        that get a token this step, in the order of `sample_rows`."""
         bs = self.block_size
         # Decodes sorted by context length, so that rows of similar length are neighbours (the torch backend
         # gathers decode K/V in groups of rows: TorchAttentionMetadata.decode_groups).
@@ -79,41 +96,47 @@ class ModelRunner:
         for row, start, end, c in prefills:
             nblocks = -(-(c + end - start) // bs)
             meta.prefills.append(PrefillChunk(start, end, c, tables[row, :nblocks]))
-        ids_t = torch.tensor(ids, dtype=torch.long)
-        if self.device.type != "cpu":
-            ids_t = ids_t.to(self.device, non_blocking=True)
-            positions_t = positions_t.to(self.device, non_blocking=True)
-            meta = _to_device(meta, self.device)
-        return ids_t, positions_t, meta, sample_rows, sample_seqs
+        return StepInputs(torch.tensor(ids, dtype=torch.long), positions_t, meta, sample_rows), sample_seqs
 
     @torch.inference_mode()
+    def execute(self, inputs: StepInputs,
+                layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """One forward pass; the logits of `inputs.sample_rows` (None if there are none). Every rank runs it
+        with the same inputs."""
+        inputs = inputs.to(self.device)
+        hidden = self.model(inputs.ids, inputs.positions, self.attn_backend.prepare(inputs.meta),
+                            layer_done_callback)
+        if not inputs.sample_rows:
+            return None
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
+
+    def _execute_everywhere(self, inputs: StepInputs,
+                            layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        if self.workers is None:
+            return self.execute(inputs, layer_done_callback)
+        self.workers.broadcast(inputs)
+        try:
+            return self.execute(inputs, layer_done_callback)
+        except Exception as exc:   # a collective failed or timed out: name the rank behind it
+            raise self.workers.failure(exc) from exc
+
     def run(self, batch: ScheduledBatch, layer_done_callback: Callable[[int], None] | None = None):
         """Returns (sequences that got a token, tokens, logprobs)."""
-        ids, positions, meta, sample_rows, sample_seqs = self._prepare(batch)
-        hidden = self.model(ids, positions, self.attn_backend.prepare(meta), layer_done_callback)
-        if not sample_seqs:
+        inputs, sample_seqs = self._prepare(batch)
+        logits = self._execute_everywhere(inputs, layer_done_callback)
+        if logits is None:
             return [], [], []
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
         requests = [SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids)
                     for s in sample_seqs]
-        tokens, logprobs = self.sampler(logits, requests)
+        with torch.inference_mode():
+            tokens, logprobs = self.sampler(logits, requests)
         return sample_seqs, tokens, logprobs
 
-    @torch.inference_mode()
     def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
         """Logits for every position of one prompt computed from scratch into `block_table` (testing aid)."""
         seq = Sequence("_logits", token_ids, SamplingParams(max_tokens=1), [], len(token_ids) + 1, 0)
         seq.block_table = list(block_table)
-        ids, positions, meta, _, _ = self._prepare(ScheduledBatch([seq], [len(token_ids)]))
-        return self.model.compute_logits(self.model(ids, positions, self.attn_backend.prepare(meta))).float()
-
-
-def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    def mv(t):
-        return None if t is None else t.to(device, non_blocking=True)
-
-    return AttentionMetadata(
-        slot_blocks=mv(meta.slot_blocks), slot_offsets=mv(meta.slot_offsets), num_decode_tokens=meta.num_decode_tokens,
-        decode_block_tables=mv(meta.decode_block_tables), decode_context_lens=mv(meta.decode_context_lens),
-        prefills=[PrefillChunk(p.start, p.end, p.num_cached, mv(p.block_table)) for p in meta.prefills])
+        inputs, _ = self._prepare(ScheduledBatch([seq], [len(token_ids)]))
+        inputs.sample_rows = list(range(len(token_ids)))
+        return self._execute_everywhere(inputs).float()

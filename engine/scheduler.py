@@ -6,15 +6,41 @@ waiting ones join while the token budget, `max_num_seqs` and free blocks allow; 
 to fit the budget when chunked prefill is on. When blocks run out, the newest running sequence is
 preempted (its blocks freed, recomputed later) instead of failing. A sequence waiting for remote KV
 holds its blocks but is never scheduled until `add_prefilled` moves it to the running set.
+
+With `sliding_window` (the window that bounds every layer, `ModelConfig.kv_window`) a running sequence's
+blocks that fell out of it are released after each step, so its block count stays bounded by the window plus
+one step's tokens. Not for `hold_blocks` sequences: a prefill node sends (and its caller reads) whole block
+tables.
+
+StreamingLLM (`attention_sinks` k, `streaming_window` w; arXiv 2309.17453): after each step a running sequence
+keeps its first k tokens (rounded up to whole blocks: the sinks) and its last >= w tokens; whole blocks in
+between are dropped and everything after them moves down, so positions are cache positions: the sequence's
+`token_ids` view and `num_computed_tokens` shrink by the dropped tokens, and `on_evict(blocks, -dropped)`
+re-rotates the stored keys of the moved blocks (`layers.rotary.key_rerotator`). Its KV stays bounded and it
+generates past `max_model_len`. Prefix caching is off then (moved blocks change content).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.sequence import Sequence, SequenceStatus
+
+AUTO_BATCHED_TOKENS = (2048, 4096)   # bounds of max_num_batched_tokens="auto" (docs/benchmarks.md#chunk-size-policy)
+
+
+def resolve_batched_tokens(value: int | str, max_model_len: int, enable_chunked_prefill: bool = True) -> int:
+    """The step token budget: `value`, or for "auto" a quarter of the context within AUTO_BATCHED_TOKENS (the
+    whole context when prompts cannot be chunked)."""
+    if value != "auto":
+        return int(value)
+    if not enable_chunked_prefill:
+        return max_model_len
+    low, high = AUTO_BATCHED_TOKENS
+    return min(max(max_model_len // 4, low), high)
 
 
 @dataclass
@@ -28,12 +54,16 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool) -> None:
+                 enable_chunked_prefill: bool, sliding_window: int = 0) -> None:
         self.bm = block_manager
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.sliding_window = sliding_window
+        self.sink_tokens = 0
+        self.streaming_window = 0
+        self.on_evict: Callable[[list[int], int], None] | None = None   # moves the keys of blocks by a delta
         self.requests: dict[str, Sequence] = {}   # every request not yet gone, finished hold_blocks ones included
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -104,6 +134,25 @@ class Scheduler:
         self.bm.prefix_query_tokens += seq.num_tokens
         self.bm.prefix_hit_tokens += num_cached
 
+    def enable_streaming(self, attention_sinks: int, streaming_window: int, pool, config, tp_size: int = 1) -> None:
+        """StreamingLLM for every sequence of this engine (module docstring); `pool` and `config` give the keys
+        to move and their rotary frequencies."""
+        from pdcluster.engine.layers.rotary import key_rerotator
+
+        if attention_sinks < 0 or streaming_window <= 0:
+            raise ValueError(f"attention_sinks ({attention_sinks}) needs streaming_window > 0 (got "
+                             f"{streaming_window}); attention_sinks must be >= 0")
+        sink_tokens = -(-attention_sinks // self.block_size) * self.block_size
+        longest = sink_tokens + streaming_window + self.block_size
+        if longest > config.max_model_len:
+            raise ValueError(f"attention_sinks + streaming_window: a sequence's KV reaches {longest} positions "
+                             f"(sinks rounded up to whole blocks, one block of slack), beyond max_model_len "
+                             f"{config.max_model_len}")
+        self.on_evict = key_rerotator(pool, config.head_dim, config.rope_theta, config.rope_scaling, tp_size)
+        self.sink_tokens, self.streaming_window = sink_tokens, streaming_window
+        self.sliding_window = 0                   # the stream bounds the KV already: one positional scheme
+        self.bm.enable_prefix_caching = False     # moved blocks change content
+
     # ---- results --------------------------------------------------------------------------------
 
     def update_from_output(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
@@ -113,9 +162,27 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.bm.cache_full_blocks(seq)
+            if self.sliding_window and not seq.hold_blocks:
+                self.bm.free_outside_window(seq, self.sliding_window)
+            if self.streaming_window and not seq.hold_blocks:
+                self._evict_streaming(seq)
         for seq, token, lp in zip(sampled, tokens, logprobs):
             self._append(seq, token, lp)
         return sampled
+
+    def _evict_streaming(self, seq: Sequence) -> None:
+        """Drop whole blocks after the sinks while at least `streaming_window` computed tokens stay after them."""
+        sink, bs = self.sink_tokens, self.block_size
+        dropped = 0
+        while seq.num_computed_tokens - sink - bs >= self.streaming_window:
+            self.bm.drop_block(seq, sink // bs)
+            del seq.token_ids[sink:sink + bs]
+            seq.num_computed_tokens -= bs
+            dropped += bs
+        if dropped:
+            seq.num_evicted_tokens += dropped
+            if self.on_evict is not None:
+                self.on_evict(seq.block_table[sink // bs:], -dropped)
 
     def _append(self, seq: Sequence, token: int, logprob) -> None:
         seq.append_token(token, logprob)

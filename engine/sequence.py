@@ -33,6 +33,8 @@ class Sequence:
         self.num_computed_tokens = 0                # tokens whose KV is in the cache
         self.num_cached_tokens = 0                  # prompt tokens served by the prefix cache
         self.num_cached_blocks = 0                  # leading blocks of block_table published in the prefix cache
+        self.num_freed_blocks = 0                   # leading entries released (out of the sliding window)
+        self.num_evicted_tokens = 0                 # StreamingLLM: tokens dropped between the sinks and the window
         self._block_hashes: list[int] = []          # stable hashes of the full blocks of token_ids, grown lazily
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None

@@ -44,13 +44,32 @@ def split_dim(name: str) -> int | None:
     return None
 
 
-def shard(name: str, tensor: Any, config: ModelConfig, rank: int, tp: int) -> Any:
-    """This rank's part of one full tensor (a view; `.contiguous()` before saving)."""
+def split_range(length: int, rank: int, tp: int) -> tuple[int, int]:
+    """(start, size) of rank's part when `length` splits over `tp` ranks as torch.tensor_split does: the
+    first `length % tp` ranks get one more."""
+    base, extra = divmod(length, tp)
+    return rank * base + min(rank, extra), base + (rank < extra)
+
+
+def local_kv_heads(config: ModelConfig, tp: int) -> int:
+    """KV heads each rank holds: a share of them, or one replicated head when there are fewer than ranks."""
+    return max(1, config.num_kv_heads // tp)
+
+
+def shard_slice(name: str, shape: tuple[int, ...], config: ModelConfig, rank: int,
+                tp: int) -> tuple[int, int, int] | None:
+    """(dim, start, size) of rank's part of the full tensor `name` of `shape`; None: the whole tensor."""
     dim = split_dim(name)
     if tp == 1 or dim is None:
-        return tensor
+        return None
     module = name.rsplit(".", 2)[-2]
     if module in ("k_proj", "v_proj") and config.num_kv_heads < tp:
         head = rank * config.num_kv_heads // tp
-        return tensor.narrow(0, head * config.head_dim, config.head_dim)
-    return tensor.tensor_split(tp, dim)[rank]   # vocab rows may split unevenly: the first ranks get one more
+        return 0, head * config.head_dim, config.head_dim
+    return (dim, *split_range(shape[dim], rank, tp))
+
+
+def shard(name: str, tensor: Any, config: ModelConfig, rank: int, tp: int) -> Any:
+    """This rank's part of one full tensor (a view; `.contiguous()` before saving)."""
+    part = shard_slice(name, tuple(tensor.shape), config, rank, tp)
+    return tensor if part is None else tensor.narrow(*part)

@@ -36,14 +36,14 @@ class Int8Channel(TcpChannel):
 
     def wire_bytes(self, nblocks: int, l0: int, l1: int) -> int:
         lay = self.pool.layout
-        return quant.wire_bytes(nblocks, l1 - l0, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        return quant.wire_bytes(nblocks, l1 - l0, lay.block_size, lay.kv_planes // 2 * lay.num_kv_heads, lay.head_dim)
 
     def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
         pool, lay = self.pool.tensor, self.pool.layout
         nblocks = sum(n for _, n in runs)
         staging = torch.empty(self.wire_bytes(nblocks, l0, l1), dtype=torch.uint8)
         recv_into_views(self.wire.sock, [memoryview(staging.numpy())])
-        shape = (nblocks, l1 - l0, 2, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        shape = (nblocks, l1 - l0, lay.kv_planes, lay.block_size, lay.num_kv_heads, lay.head_dim)
         kv = quant.dequantize(staging, shape, pool.dtype)
         i = 0
         for s, n in runs:

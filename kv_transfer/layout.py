@@ -1,10 +1,13 @@
 """The KV pool layout both sides must agree on, and byte views of a pool.
 
 Pool shape: [num_blocks, num_layers, 2(k,v), block_size, num_kv_heads, row], block-major, so
-block b restricted to layers [l0, l1) is one contiguous byte range. row = head_dim for a float pool; an
-int8 pool (the engine's `kv_cache_dtype="int8"`) stores each (token, KV head) row as head_dim int8 values
-followed by its fp16 scale (`scale_bytes` = 2, row = head_dim + 2): the scales travel inside the blocks,
-and the handshake refuses a peer whose dtype or scale bytes differ.
+block b restricted to layers [l0, l1) is one contiguous byte range. The pool of a tensor-parallel engine
+(CPU) holds every rank's heads: [num_blocks, num_layers, 2 * tp, block_size, kv_heads_per_rank, row] (k and v
+of rank 0, then of rank 1, ...), so a block still moves as one range and lands rank by rank in the same
+slices: both ends must have the same tensor_parallel_size (checked like the other fields).
+row = head_dim for a float pool; an int8 pool (the engine's `kv_cache_dtype="int8"`) stores each (token, KV
+head) row as head_dim int8 values followed by its fp16 scale (`scale_bytes` = 2, row = head_dim + 2): the
+scales travel inside the blocks, and the handshake refuses a peer whose dtype or scale bytes differ.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 from pdcluster.kv_transfer.errors import LayoutMismatchError
 
 LAYOUT_VERSION = 1
-_CHECKED_FIELDS = ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "scale_bytes")
+_CHECKED_FIELDS = ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "tensor_parallel_size",
+                   "scale_bytes")
 INT8_SCALE_BYTES = 2   # the fp16 scale after each int8 row (engine/kv_cache.py)
 
 
@@ -30,22 +34,24 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     version: int = LAYOUT_VERSION
+    tensor_parallel_size: int = 1   # ranks whose heads the pool holds; num_kv_heads is per rank
     scale_bytes: int = 0   # per (token, KV head) row, after its head_dim values: 2 for an int8 pool
 
     @classmethod
     def of(cls, pool: torch.Tensor) -> "KVLayout":
-        if pool.dim() != 6 or pool.shape[2] != 2:
+        if pool.dim() != 6 or pool.shape[2] % 2:
             raise ValueError(
-                f"pool: expected shape [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], "
+                f"pool: expected shape [num_blocks, num_layers, 2 * tp, block_size, num_kv_heads, head_dim], "
                 f"got {list(pool.shape)}"
             )
         if not pool.is_contiguous():
             raise ValueError("pool: must be contiguous (block-major)")
-        nb, nl, _, bs, nh, row = pool.shape
+        nb, nl, kv, bs, nh, row = pool.shape
         scale = INT8_SCALE_BYTES if pool.dtype == torch.int8 else 0
         if row <= scale:
             raise ValueError(f"pool: an int8 pool's last dim is head_dim + {scale} scale bytes, got {row}")
-        return cls(str(pool.dtype).removeprefix("torch."), nb, nl, bs, nh, row - scale, scale_bytes=scale)
+        return cls(str(pool.dtype).removeprefix("torch."), nb, nl, bs, nh, row - scale, tensor_parallel_size=kv // 2,
+                   scale_bytes=scale)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -58,7 +64,12 @@ class KVLayout:
     @property
     def layer_bytes(self) -> int:
         """Bytes of one layer (k and v) of one block, scales included."""
-        return 2 * self.block_size * self.num_kv_heads * self.row * self.element_size
+        return self.kv_planes * self.block_size * self.num_kv_heads * self.row * self.element_size
+
+    @property
+    def kv_planes(self) -> int:
+        """The pool's third dim: k and v of each tensor-parallel rank."""
+        return 2 * self.tensor_parallel_size
 
     @property
     def row(self) -> int:
@@ -71,7 +82,7 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.row)
+        return (self.num_blocks, self.num_layers, self.kv_planes, self.block_size, self.num_kv_heads, self.row)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -81,8 +92,10 @@ class KVLayout:
         if not isinstance(d, dict):
             raise ValueError("layout: expected a map")
         try:
-            fields = {k: d[k] for k in (*_CHECKED_FIELDS[:-1], "num_blocks")}
-            layout = cls(**fields, scale_bytes=d.get("scale_bytes", 0))   # absent from older peers: a float pool
+            fields = {k: d[k] for k in (*_CHECKED_FIELDS[:-2], "num_blocks")}
+            # absent from older peers: a float pool of one rank
+            layout = cls(**fields, tensor_parallel_size=d.get("tensor_parallel_size", 1),
+                         scale_bytes=d.get("scale_bytes", 0))
         except KeyError as exc:
             raise ValueError(f"layout: missing field {exc.args[0]!r}") from None
         if not isinstance(layout.scale_bytes, int) or isinstance(layout.scale_bytes, bool) or layout.scale_bytes < 0:

@@ -16,7 +16,7 @@ def wire_bytes(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: 
 
 
 def quantize(kv: torch.Tensor) -> torch.Tensor:
-    """kv [n, layers, 2, block_size, heads, head_dim] → flat uint8 payload."""
+    """kv [n, layers, 2 (* tp), block_size, heads, head_dim] → flat uint8 payload."""
     x = kv.float()
     amax = x.abs().amax(dim=(3, 5))  # [n, layers, 2, heads]
     scale = (amax / 127.0).clamp_min(1e-12)

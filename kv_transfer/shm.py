@@ -50,6 +50,7 @@ class SharedKVPool:
             raise ValueError(f"shm name: expected a plain file name, got {name!r}")
         self.name = name
         self.owner = owner
+        self.shape, self.dtype = tuple(shape), dtype
         self._mmap = _map(name, nbytes, owner)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8).view(dtype).view(shape)
         self.tags = block_tags(name, shape[0], owner)
@@ -72,6 +73,10 @@ class SharedKVPool:
     def attach(cls, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> "SharedKVPool":
         nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         return cls(name, nbytes, tuple(shape), dtype, owner=False)
+
+    def __reduce__(self):
+        """Pickled into another process (a tensor-parallel rank of the same engine): a mapping of the same pool."""
+        return SharedKVPool.attach, (self.name, self.shape, self.dtype)
 
     def close(self) -> None:
         """Unlink the files (owner only). The mappings stay valid while tensors still reference them."""

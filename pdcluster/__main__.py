@@ -2,4 +2,5 @@
 
 from pdcluster.cli.main import main
 
-main()
+if __name__ == "__main__":   # not when a spawned child (a tensor-parallel rank) imports it
+    main()

@@ -219,6 +219,7 @@ class PrefillNode(NodeService):
     def _on_engine_failure(self) -> None:
         for job in list(self.jobs.values()):
             self._answer(job, error="prefill engine failure")
+        self.exit_code = 1   # a failed engine: exit non-zero, so systemd restarts the node
         self.begin_drain("engine failure")
 
     # ---- engine thread -------------------------------------------------------------------------------

@@ -22,10 +22,17 @@ from pdcluster.control.transport import LoadSubscriber
 log = logging.getLogger(__name__)
 
 ACTIVE = "active"
+# A node missing from a source's full reload (`resynced_at`, after an etcd outage) while its Load reports still
+# arrive (within LIVE_REPORT_S; nodes report every 0.5 s) lost its lease while etcd was away and is registering
+# again: it stays routable for up to RESYNC_GRACE_S instead of dropping out (and failing requests) for the
+# second or two that takes.
+RESYNC_GRACE_S = 10.0
+LIVE_REPORT_S = 2.0
 
 
 class NodeSource(Protocol):
-    """What the router needs from membership; `pdcluster.control.cluster_view.ClusterView` is one."""
+    """What the router needs from membership; `pdcluster.control.cluster_view.ClusterView` is one. A source
+    may also have `resynced_at` (monotonic time of its last full reload; see RESYNC_GRACE_S)."""
 
     def nodes_by_role(self, role: str) -> list[NodeInfo]: ...
 
@@ -114,6 +121,7 @@ class RouterCluster:
         self._nodes: dict[str, NodeState] = {}
         self._subscriber: LoadSubscriber | None = None
         self._tasks: list[asyncio.Task] = []
+        self._resubscribed: dict[str, float] = {}  # node id -> monotonic time its Load subscription was renewed
         self.on_removed: list[Callable[[str], None]] = []
 
     async def start(self) -> None:
@@ -147,8 +155,12 @@ class RouterCluster:
                     if self._subscriber is not None and info.load_addr:
                         self._subscriber.connect(info.load_addr)
                 state.admin = self.source.admin_state(info.node_id) or ACTIVE
+        now, resynced = time.monotonic(), getattr(self.source, "resynced_at", 0.0)
         for node_id in [i for i in self._nodes if i not in seen]:
+            if now - resynced < RESYNC_GRACE_S and now - self._nodes[node_id].load_time < LIVE_REPORT_S:
+                continue
             gone = self._nodes.pop(node_id)
+            self._resubscribed.pop(node_id, None)
             if self._subscriber is not None and gone.info.load_addr:
                 self._subscriber.disconnect(gone.info.load_addr)
             log.info("node %s left the cluster view", node_id)
@@ -160,8 +172,23 @@ class RouterCluster:
             await asyncio.sleep(self.sync_interval)
             try:
                 self.sync()
+                self.resubscribe_stale()
             except Exception:  # a flaky source must not stop routing on the last known view
                 log.exception("cluster sync failed")
+
+    def resubscribe_stale(self) -> None:
+        """A fresh Load connection, once per `load_stale_s`, to each node whose reports stopped. After a silent
+        partition heals, the old TCP connection sits in retransmission backoff about as long again as the cut
+        lasted (no heartbeat on PUB/SUB), so the node would stay ranked last that long."""
+        now = time.monotonic()
+        for state in self._nodes.values():
+            addr = state.info.load_addr
+            if (self._subscriber is None or not addr or state.load is None or now - state.load_time <= self.load_stale_s
+                    or now - self._resubscribed.get(state.id, 0.0) < self.load_stale_s):
+                continue
+            self._resubscribed[state.id] = now
+            self._subscriber.disconnect(addr)
+            self._subscriber.connect(addr)
 
     async def _load_loop(self) -> None:
         assert self._subscriber is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from typing import Any
 
 import uvicorn
@@ -17,8 +18,11 @@ log = logging.getLogger(__name__)
 
 
 def uvicorn_config(app: Any, host: str, port: int, log_level: str = "warning") -> uvicorn.Config:
+    """How the router's app is served (`create_app`'s app: its settings hold the HTTP knobs)."""
+    settings: RouterSettings = app.state.router.settings
     return uvicorn.Config(app, host=host, port=port, loop="uvloop", http="httptools", log_level=log_level,
-                          access_log=False, timeout_graceful_shutdown=5)
+                          access_log=False, timeout_graceful_shutdown=5,
+                          timeout_keep_alive=settings.keep_alive_timeout)
 
 
 def bind_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
@@ -79,6 +83,12 @@ class _StartedOnLifespan:
 
     def __init__(self, view: Any) -> None:
         self.view = view
+        self.resynced_at = 0.0   # monotonic time of the view's last full reload (RouterCluster.sync reads it)
+        view.add_listener(self._on_view_event)
+
+    def _on_view_event(self, event: str, node_id: str | None) -> None:
+        if event == "resync":
+            self.resynced_at = time.monotonic()
 
     async def start(self) -> None:
         await self.view.start(wait=5.0)

@@ -51,6 +51,9 @@ class RouterSettings:
     max_stop_chars: int = knob(256, f"longest stop string (engines refuse > {MAX_STOP_STRING_CHARS})")
     max_stop_token_ids: int = knob(64, f"most stop_token_ids per request (engines refuse > {MAX_STOP_TOKEN_IDS})")
     tokenizer_threads: int = knob(4, "threads that tokenize and render chat templates off the event loop")
+    keep_alive_timeout: float = knob(75.0, "seconds an idle client connection is kept open; longer than clients' "
+                                           "and load balancers' idle expiry (httpx/openai: 5 s), or a reused "
+                                           "connection can meet the router's close: the client reads a reset")
     workers: int = knob(1, "router processes sharing the port (SO_REUSEPORT), each with its own etcd view, "
                            "connections and limits (max_in_flight is per process)")
 
@@ -105,7 +108,7 @@ class RouterSettings:
         for name in ("max_n", "max_in_flight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        for name in ("request_timeout", "stall_timeout", "load_stale_s"):
+        for name in ("request_timeout", "stall_timeout", "load_stale_s", "keep_alive_timeout"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name}: must be > 0 seconds and finite, got {getattr(self, name)}")
         if not 0 <= self.retry_after < math.inf:

@@ -45,7 +45,10 @@ def checked_engine(model: str, **kwargs):
     kwargs.setdefault("num_gpu_blocks_override", 256)
     engine = LLMEngine.from_args(model, **kwargs)
     start = engine.get_stats().num_free_blocks
-    yield engine
+    try:
+        yield engine
+    finally:
+        engine.shutdown()   # tensor-parallel workers stop; the next engine may form its own group
     assert not engine.has_unfinished_requests(), "requests left unfinished"
     assert not engine.scheduler.requests, f"requests left in the engine: {sorted(engine.scheduler.requests)}"
     stats = engine.get_stats()

@@ -2,8 +2,13 @@
 (10.231.<k>.0/24, a private test range), its own loopback, and its own /dev/shm (every process runs in a
 private mount namespace with a fresh tmpfs there). Real pdcluster processes run in them.
 
-Root only (`ip netns`, mounts): the `hosts` fixture skips with the reason otherwise. Everything it made,
-processes, namespaces, veths and the bridge, is removed at teardown, also when the test failed.
+Root only (`ip netns`, mounts): the `hosts` fixture (and `module_hosts`, one set for a test module) skips with
+the reason otherwise. Everything it made, processes, namespaces, veths and the bridge, is removed at teardown,
+also when the test failed.
+
+Partitions: `Host.link_down()` / `link_up()` pull and plug a host's cable (its veth on the bridge);
+`Host.drop_from(addr, ...)` silently drops, in this host's input, every packet from those addresses (nft; a
+one-way cut), `cut(a, b)` does it on both ends, `Host.heal()` removes the rules and plugs the cable back.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,12 +47,47 @@ def unavailable() -> str | None:
     return None
 
 
+def nft_missing() -> str | None:
+    """Why packet-filter partitions cannot run here (None: they can)."""
+    if shutil.which("nft") is None:
+        return "partition drills need `nft` (apt-get install -y nftables; `make test-deps` does it as root)"
+    return None
+
+
+NFT_TABLE = "pdpartition"
+
+
 @dataclass
 class Host:
     name: str  # its network namespace
     address: str
     work_dir: Path
+    veth: str = ""  # its cable: the veth end on the bridge
     procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def link_down(self) -> None:
+        """Unplug: nothing in or out (packets are lost silently, as with a pulled cable)."""
+        _ip("link", "set", self.veth, "down")
+
+    def link_up(self) -> None:
+        _ip("link", "set", self.veth, "up")
+
+    def drop_from(self, *addresses: str) -> None:
+        """Silently drop every packet from `addresses` arriving at this host (a one-way cut: what this host
+        sends still leaves). Rules add up until `heal()`."""
+        self._nft(f"add table inet {NFT_TABLE}")
+        self._nft(f"add chain inet {NFT_TABLE} input {{ type filter hook input priority 0 ; policy accept ; }}")
+        for address in addresses:
+            self._nft(f"add rule inet {NFT_TABLE} input ip saddr {address} drop")
+
+    def heal(self) -> None:
+        """Remove this host's drop rules and plug its cable back in."""
+        self._nft(f"delete table inet {NFT_TABLE}", check=False)
+        self.link_up()
+
+    def _nft(self, command: str, check: bool = True) -> None:
+        subprocess.run(["ip", "netns", "exec", self.name, "nft", *command.split()], capture_output=True, text=True,
+                       check=check)
 
     def popen(self, cmd: list[str], log_name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start `cmd` on this host (own netns, own /dev/shm); output to work_dir/log_name."""
@@ -62,6 +103,11 @@ class Host:
         wrapped = ["ip", "netns", "exec", self.name, "unshare", "--mount", "--propagation", "private",
                    "sh", "-c", SHM_WRAPPER, "sh", *cmd]
         return subprocess.run(wrapped, capture_output=True, text=True, timeout=timeout)
+
+    def exec(self, cmd: list[str], timeout: float = 10.0) -> subprocess.CompletedProcess:
+        """Run `cmd` in this host's network namespace only (cheap: no private /dev/shm), e.g. `ss`."""
+        return subprocess.run(["ip", "netns", "exec", self.name, *cmd], capture_output=True, text=True,
+                              timeout=timeout)
 
     def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM each process group, SIGKILL what is left after `timeout`."""
@@ -101,7 +147,7 @@ class Hosts:
         i = len(self.hosts) + 1
         name, veth, peer = f"pd{self.tag}h{i}", f"pd{self.tag}v{i}", f"pd{self.tag}p{i}"
         _ip("netns", "add", name)
-        host = Host(name, f"10.{self.subnet}.0.{i}", self.work_dir / name)
+        host = Host(name, f"10.{self.subnet}.0.{i}", self.work_dir / name, veth)
         self.hosts.append(host)
         host.work_dir.mkdir(parents=True, exist_ok=True)
         _ip("link", "add", veth, "type", "veth", "peer", "name", peer)
@@ -124,16 +170,22 @@ class Hosts:
         _ip("link", "del", self.bridge, check=False)
 
 
-@pytest.fixture
-def hosts(tmp_path):
-    """Factory: `hosts(n)` -> n fresh Host objects on one bridge; torn down after the test."""
+def cut(a: Host, b: Host) -> None:
+    """A two-way partition between two hosts (each drops the other's packets); both keep every other link."""
+    a.drop_from(b.address)
+    b.drop_from(a.address)
+
+
+@contextmanager
+def host_factory(work_dir: Path):
+    """`make(n)` -> n fresh Host objects on one bridge; all of it torn down on exit. Skips without root."""
     why = unavailable()
     if why:
         pytest.skip(why)
     made: list[Hosts] = []
 
     def make(n: int) -> list[Host]:
-        net = Hosts(tmp_path / f"net{len(made)}")
+        net = Hosts(work_dir / f"net{len(made)}")
         made.append(net)
         for _ in range(n):
             net.add()
@@ -144,3 +196,17 @@ def hosts(tmp_path):
     finally:
         for net in made:
             net.close()
+
+
+@pytest.fixture
+def hosts(tmp_path):
+    """Factory: `hosts(n)` -> n fresh Host objects on one bridge; torn down after the test."""
+    with host_factory(tmp_path) as make:
+        yield make
+
+
+@pytest.fixture(scope="module")
+def module_hosts(tmp_path_factory):
+    """`hosts` for a whole test module (drills sharing one cluster)."""
+    with host_factory(tmp_path_factory.mktemp("hosts")) as make:
+        yield make

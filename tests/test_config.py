@@ -29,6 +29,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 YAML = """
 cluster: prod
 etcd: [10.0.0.1:2379, 10.0.0.2:2379]
+host: 10.0.0.7        # with a remote etcd, a routable address (a loopback one is refused)
 model: /models/qwen2-0.5b
 block_size: 128
 port: 9000            # router-only key at top level: fine for node kinds, used by the router
@@ -44,6 +45,7 @@ router:
 TOML = """
 cluster = "prod"
 etcd = ["10.0.0.1:2379"]
+host = "10.0.0.7"
 model = "/models/qwen2-0.5b"
 [decode]
 max_num_seqs = 32
@@ -116,7 +118,7 @@ def test_bad_files(tmp_path, text, match):
 
 def test_bad_values_are_named():
     cases = [
-        ({"tensor_parallel_size": 2}, "tensor parallelism is not implemented yet"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size: must be >= 1"),
         ({"kv_backend": "rdma"}, "kv_backend: 'rdma'"),
         ({"device": "tpu"}, "device: 'tpu'"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
@@ -142,6 +144,59 @@ def test_bad_values_are_named():
         load_config("worker", env={})
     with pytest.raises(ValueError, match=r"\.yaml, \.yml or \.toml"):
         load_config("router", "/etc/hosts", env={})
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_loopback_host_with_a_remote_etcd_is_refused_naming_both(kind):
+    base = {} if kind == "router" else {"model": "/m"}
+    for host, etcd in (("127.0.0.1", "10.0.0.1:2379"), ("localhost", "http://etcd-1:2379"),
+                       ("::1", "10.0.0.1:2379")):
+        with pytest.raises(ValueError, match=f"host: {re.escape(host)} is a loopback address but etcd endpoint "
+                                             f"{re.escape(etcd)} is not"):
+            load_config(kind, overrides={**base, "host": host, "etcd": f"127.0.0.1:2379,{etcd}"}, env={})
+    # one host (loopback on both sides, `pdcluster up`) and a routable host with a remote etcd are fine
+    for host, etcd in (("127.0.0.1", "localhost:2379"), ("127.0.0.1", "[::1]:2379"), ("10.0.0.7", "10.0.0.1:2379"),
+                       ("node-3.example", "etcd-1:2379"), ("10.0.0.7", "127.0.0.1:2379")):
+        assert load_config(kind, overrides={**base, "host": host, "etcd": etcd}, env={}).host == host
+    assert load_config(kind, overrides=base, env={}).etcd == ["127.0.0.1:2379"]
+
+
+def test_node_self_check_wants_an_address_of_this_host():
+    from pdcluster.node.config import check_host_is_here
+
+    here = {"127.0.0.1", "10.0.0.7"}
+    check_host_is_here("10.0.0.7", ["10.0.0.1:2379"], here)
+    check_host_is_here("127.0.0.1", ["127.0.0.1:2379"], here)
+    check_host_is_here("localhost", ["localhost:2379"], here)
+    with pytest.raises(ValueError, match=r"host: 10\.0\.0\.8 \(10\.0\.0\.8\) is not an address of this host "
+                                         r"\(its interfaces: 10\.0\.0\.7, 127\.0\.0\.1\)"):
+        check_host_is_here("10.0.0.8", ["10.0.0.1:2379"], here)
+    with pytest.raises(ValueError, match="host: 0.0.0.0 is a wildcard"):
+        check_host_is_here("0.0.0.0", ["127.0.0.1:2379"], here)
+    with pytest.raises(ValueError, match="is a loopback address but etcd endpoint 10.0.0.1:2379 is not"):
+        check_host_is_here("127.0.0.1", ["10.0.0.1:2379"], here)
+    check_host_is_here("127.0.0.1", ["127.0.0.1:2379"])   # psutil's list of this machine's interfaces
+
+
+def test_node_command_refuses_a_loopback_host_with_a_remote_etcd_before_starting():
+    from typer.testing import CliRunner
+
+    result = CliRunner().invoke(app, ["decode", "--model", "/m", "--host", "127.0.0.1", "--etcd", "10.0.0.1:2379"])
+    assert result.exit_code == 2
+    assert "host: 127.0.0.1 is a loopback address but etcd endpoint 10.0.0.1:2379 is not" in result.output
+
+
+@pytest.mark.slow
+def test_node_that_would_advertise_a_wildcard_exits_at_start(tiny_llama, tmp_path):
+    """The self-check runs in the node process after it bound its sockets: exit 2, the reason in the log."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "pdcluster", "prefill", "--model", tiny_llama, "--device", "cpu",
+                           "--kv-cache-memory", "8MiB", "--host", "0.0.0.0", "--etcd", "127.0.0.1:1"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "host: 0.0.0.0 is a wildcard" in proc.stdout + proc.stderr
 
 
 def test_env_defaults_to_process_environment(monkeypatch):
@@ -199,6 +254,8 @@ def _sample(f: dataclasses.Field):
     default, choices = _default(f), f.metadata["choices"]
     if choices:
         return next(c for c in choices if c != default)
+    if f.name in SAMPLES:
+        return SAMPLES[f.name]
     return {"bool": lambda: not default, "int": lambda: (default or 0) + 3, "float": lambda: default / 2,
             "str": lambda: f"x-{f.name}", "list[str]": lambda: ["h1:1", "h2:2"]}[base]()
 
@@ -215,12 +272,15 @@ def _flags(kind: str, argv: list[str]) -> dict:
     return params
 
 
+# Knobs whose text form is a keyword, not free text (`str | int`: a number or "auto").
+SAMPLES = {"max_num_batched_tokens": "auto"}
 # Knobs whose only valid value is the default: setting another must fail with this (and not "unknown key").
-ONLY_DEFAULT = {"tensor_parallel_size": "tensor parallelism is not implemented yet"}
+ONLY_DEFAULT: dict[str, str] = {}
 # Knobs naming a file that must exist when the config is validated, and knobs valid only with others set.
 FILE_KNOBS = {"etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file", "api_key_file", "cluster_secret"}
 NEEDS = {"etcd_cert": ("etcd_key", "etcd_ca"), "etcd_key": ("etcd_cert", "etcd_ca"),
-         "etcd_user": ("etcd_password_file",), "etcd_password_file": ("etcd_user",)}
+         "etcd_user": ("etcd_password_file",), "etcd_password_file": ("etcd_user",),
+         "etcd": ("host",)}   # a remote etcd needs a host that is not loopback
 
 
 def _a_file(tmp_path: Path, name: str) -> str:

@@ -4,7 +4,8 @@ pdcluster config loader, and the etcd binary started from the rendered etcd unit
 
 Two inventory hosts, both local: `cpuhost` (etcd + router + prefill + decode, device cpu) and
 `npuhost` (prefill + decode on two NPUs, device npu) with a fake CANN set_env.sh and hccn.conf, so
-the Ascend path (captured CANN environment, HCCL settings, per-device instances) is rendered too.
+the Ascend path (captured CANN environment, HCCL settings, per-device instances) is rendered too. A second
+deployment runs with tensor_parallel_size 2 and four NPUs: two node processes per role on npuhost.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ PDCLUSTER = VENV_BIN / "pdcluster"
 CLUSTER = "deploytest"
 DRAIN_TIMEOUT = 42
 NPU_DEVICES = [0, 1]
+TP_NPU_DEVICES = [0, 1, 2, 3]   # the tensor-parallel deployment: tensor_parallel_size 2 -> groups [0, 1], [2, 3]
 ROUTER_KEYS = ["team-a-0123456789", "team-b-9876543210"]
 TLS_FILES = {"ca.crt": 0o644, "client.crt": 0o644, "client.key": 0o600, "etcd.password": 0o600,
              "cluster.secret": 0o600}
@@ -101,8 +103,10 @@ def unit_environment(unit: dict[str, list[str]], instance: str) -> dict[str, str
 class Deployment:
     """The result of one site.yml run: host prefixes and the values the test chose."""
 
-    def __init__(self, base: Path):
+    def __init__(self, base: Path, npu_devices: list[int] = NPU_DEVICES, host_vars: dict[str, dict] | None = None):
         self.base = base
+        self.npu_devices = npu_devices
+        self.host_vars = host_vars or {}
         self.cpu = base / "cpu"
         self.npu = base / "npu"
         self.model = base / "models" / "tiny"
@@ -124,8 +128,8 @@ class Deployment:
     def write_inputs(self) -> list[str]:
         (self.base / "cann").mkdir()
         (self.base / "cann" / "set_env.sh").write_text(FAKE_SET_ENV)
-        (self.base / "hccn.conf").write_text("address_0=192.168.100.10\nnetmask_0=255.255.255.0\n"
-                                             "address_1=192.168.100.11\nnetmask_1=255.255.255.0\n")
+        (self.base / "hccn.conf").write_text("".join(
+            f"address_{dev}=192.168.100.{10 + dev}\nnetmask_{dev}=255.255.255.0\n" for dev in self.npu_devices))
         local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable,
                  "pdcluster_advertise_host": "127.0.0.1"}
         inventory = {"all": {
@@ -134,7 +138,8 @@ class Deployment:
                 "npuhost": {**local, "pdcluster_prefix": str(self.npu), "pdcluster_device": "npu",
                             "pdcluster_cann_set_env_scripts": [str(self.base / "cann" / "set_env.sh")],
                             "pdcluster_hccn_conf": str(self.base / "hccn.conf"),
-                            "pdcluster_prefill_devices": NPU_DEVICES, "pdcluster_decode_devices": NPU_DEVICES},
+                            "pdcluster_prefill_devices": self.npu_devices,
+                            "pdcluster_decode_devices": self.npu_devices},
             },
             "children": {
                 "etcd": {"hosts": {"cpuhost": None}},
@@ -143,6 +148,8 @@ class Deployment:
                 "decode": {"hosts": {"cpuhost": None, "npuhost": None}},
             },
         }}
+        for host, values in self.host_vars.items():
+            inventory["all"]["hosts"][host].update(values)
         (self.base / "inventory.yml").write_text(yaml.safe_dump(inventory))
         p = self.ports
         extra = {
@@ -164,15 +171,31 @@ class Deployment:
         return ["-i", str(self.base / "inventory.yml"), "-e", f"@{self.base / 'extra.json'}"]
 
 
-@pytest.fixture(scope="module")
-def deployed(tmp_path_factory) -> Deployment:
-    d = Deployment(tmp_path_factory.mktemp("deploy"))
+def deploy(d: Deployment) -> Deployment:
     args = d.write_inputs()
     result = run_ansible(*args, "site.yml")
     d.output = result.stdout + result.stderr
     assert result.returncode == 0, d.output[-6000:]
     d.args = args
     return d
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory) -> Deployment:
+    return deploy(Deployment(tmp_path_factory.mktemp("deploy")))
+
+
+@pytest.fixture(scope="module")
+def deployed_tp(tmp_path_factory) -> Deployment:
+    """tensor_parallel_size 2 on both hosts (host variables); npuhost lists four NPUs per role. It held
+    instances of tensor_parallel_size 1 before (their files are there): the run must remove them."""
+    tp = {"pdcluster_tensor_parallel_size": 2}
+    d = Deployment(tmp_path_factory.mktemp("deploy_tp"), TP_NPU_DEVICES, {"cpuhost": tp, "npuhost": tp})
+    d.config_dir("npuhost").mkdir(parents=True)
+    for name in ("prefill-0", "prefill-3", "decode-1"):
+        for ext in ("yaml", "env"):
+            (d.config_dir("npuhost") / f"{name}.{ext}").write_text("# from tensor_parallel_size 1\n")
+    return deploy(d)
 
 
 def recap(output: str) -> dict[str, dict[str, int]]:
@@ -204,20 +227,41 @@ def test_ansible_lint_production_profile_passes():
 
 def test_bad_settings_fail_before_touching_the_host(tmp_path):
     d = Deployment(tmp_path)
-    args = d.write_inputs()
-    # An NPU without an address in hccn.conf cannot do cross-host HCCL: the run stops and names it.
-    result = run_ansible(*args, "site.yml", "--limit", "npuhost", "-e", '{"pdcluster_decode_devices": [0, 1, 7]}')
+    d.args = d.write_inputs()
+    # An NPU without an address in hccn.conf cannot do cross-host HCCL: the run stops and names it (every
+    # device of a tensor-parallel group is checked, not only the group's first).
+    result = run_ansible(*d.args, "site.yml", "--limit", "npuhost", "-e",
+                         '{"pdcluster_tensor_parallel_size": 2, "pdcluster_decode_devices": [0, 1, 6, 7]}')
     out = result.stdout + result.stderr
     assert result.returncode != 0
-    assert "has no address_<id> for NPU(s) ['7']" in out, out[-3000:]
+    assert "has no address_<id> for NPU(s) ['6', '7']" in out, out[-3000:]
     assert not (d.npu / "etc" / "pdcluster" / "ascend.env").exists()
 
     # Settings are checked first: nothing is written on any host.
-    result = run_ansible(*args, "site.yml", "-e", "pdcluster_tensor_parallel_size=2", "--tags", "checks")
-    out = result.stdout + result.stderr
-    assert result.returncode != 0
-    assert "pdcluster_tensor_parallel_size=2: tensor parallelism is not implemented" in out, out[-3000:]
-    assert not (d.cpu / "etc").exists(), "files written despite a failed check"
+    def refused(*extra: str, deployment: Deployment = d) -> str:
+        result = run_ansible(*deployment.args, "site.yml", *extra, "--tags", "checks")
+        out = result.stdout + result.stderr
+        assert result.returncode != 0, out[-3000:]
+        assert not (deployment.cpu / "etc").exists(), "files written despite a failed check"
+        return " ".join(out.split())   # fail_msg folds lines: compare with single spaces
+
+    out = refused("-e", "pdcluster_tensor_parallel_size=0")
+    assert "pdcluster_tensor_parallel_size=0: must be an integer >= 1" in out, out[-3000:]
+    # With tensor_parallel_size 2 each node process owns two devices: three NPUs cannot be split.
+    out = refused("-e", '{"pdcluster_tensor_parallel_size": 2, "pdcluster_decode_devices": [0, 1, 2]}')
+    assert ("npuhost: pdcluster_decode_devices=[0, 1, 2] lists 3 device(s), not a multiple of "
+            "pdcluster_tensor_parallel_size=2") in out, out[-3000:]
+    assert "cpuhost: pdcluster_decode_devices" not in out   # on CPU each listed id is one process of 2 ranks
+
+    # Prefill and decode hosts must agree (KV moves rank to rank); per-role overrides are refused too.
+    mixed = Deployment(tmp_path / "mixed", host_vars={"npuhost": {"pdcluster_tensor_parallel_size": 2}})
+    mixed.base.mkdir()
+    mixed.args = mixed.write_inputs()
+    out = refused(deployment=mixed)
+    assert not (mixed.npu / "etc").exists()
+    assert "differs between the prefill and decode hosts (cpuhost=1, npuhost=2)" in out, out[-3000:]
+    out = refused("-e", '{"pdcluster_decode_config": {"tensor_parallel_size": 2}}')
+    assert "pdcluster_decode_config sets tensor_parallel_size" in out, out[-3000:]
 
 
 # --- what site.yml renders -----------------------------------------------------------------------------
@@ -302,6 +346,12 @@ def group_vars(name: str) -> dict:
 @pytest.mark.parametrize("host,devices", [("cpuhost", [0]), ("npuhost", NPU_DEVICES)])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_node_unit_runs_pdcluster_with_its_rendered_config(deployed, host, devices, role):
+    check_node_instances(deployed, host, role, [[device] for device in devices], tensor_parallel_size=1)
+
+
+def check_node_instances(deployed: Deployment, host: str, role: str, groups: list[list[int]],
+                         tensor_parallel_size: int) -> None:
+    """The role's unit and the instances it runs on `host`: one per device group, with its config and env."""
     unit = read_unit(deployed.unit_dir(host) / f"pdcluster-{role}@.service")
     config_dir = deployed.config_dir(host)
     overrides = group_vars(role)[f"pdcluster_{role}_config"]
@@ -316,12 +366,12 @@ def test_node_unit_runs_pdcluster_with_its_rendered_config(deployed, host, devic
     ascend_env = str(config_dir / "ascend.env")
     assert (ascend_env in unit["Service.EnvironmentFile"]) == (host == "npuhost")
 
-    for index, device in enumerate(devices):
-        instance = str(device)
+    for index, group in enumerate(groups):
+        instance = "-".join(map(str, group))   # "3", or "0-1" with tensor_parallel_size 2
         argv = shlex.split(unit["Service.ExecStart"][0].replace("%i", instance))
         assert argv[:3] == [str(PDCLUSTER), role, "--config"] and len(argv) == 4
         config_path = Path(argv[3])
-        assert config_path == config_dir / f"{role}-{device}.yaml"
+        assert config_path == config_dir / f"{role}-{instance}.yaml"
         raw = yaml.safe_load(config_path.read_text())
         for key, value in overrides.items():
             assert raw[key] == value, f"{key}: group_vars/{role}.yml says {value}, config has {raw[key]}"
@@ -331,12 +381,13 @@ def test_node_unit_runs_pdcluster_with_its_rendered_config(deployed, host, devic
         # The real loader accepts the file (unknown keys or bad values would raise here).
         config = load_config(role, config_path, env={})
         assert config.role == role and config.cluster == CLUSTER
-        assert config.node_id == f"{host}-{role}-{device}"
+        assert config.node_id == f"{host}-{role}-{instance}"
         assert config.etcd == [f"127.0.0.1:{deployed.etcd_port}"]
         assert config.host == "127.0.0.1" and config.model == str(deployed.model)
         assert config.device == ("npu" if host == "npuhost" else "cpu")
         assert config.block_size == (128 if host == "npuhost" else 16)
-        assert config.tensor_parallel_size == 1
+        assert config.tensor_parallel_size == tensor_parallel_size
+        assert config.collective_timeout == everywhere["pdcluster_collective_timeout"]
         tls = config_dir / "tls"
         assert (config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_password_file) == (
             str(tls / "ca.crt"), str(tls / "client.crt"), str(tls / "client.key"), str(tls / "etcd.password"))
@@ -347,10 +398,26 @@ def test_node_unit_runs_pdcluster_with_its_rendered_config(deployed, host, devic
         env = unit_environment(unit, instance)
         assert env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
         if host == "npuhost":
-            assert env["ASCEND_RT_VISIBLE_DEVICES"] == instance
-            assert env["HCCL_IF_BASE_PORT"] == str(60000 + 16 * index)
+            # Rank r of the node runs on the r-th listed device; npuhost's decode processes follow its
+            # prefill processes in the HCCL port range (a host in both groups).
+            assert env["ASCEND_RT_VISIBLE_DEVICES"] == ",".join(map(str, group))
+            assert env["HCCL_IF_BASE_PORT"] == str(60000 + 16 * ((len(groups) if role == "decode" else 0) + index))
+            assert env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
         else:
-            assert "ASCEND_RT_VISIBLE_DEVICES" not in env and "HCCL_IF_BASE_PORT" not in env
+            assert not {"ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "HCCL_IF_BASE_PORT"} & env.keys()
+
+
+def test_tensor_parallel_nodes_own_consecutive_device_groups(deployed_tp):
+    # npuhost: four NPUs per role, tensor_parallel_size 2 -> two node processes per role, two devices each.
+    groups = [TP_NPU_DEVICES[:2], TP_NPU_DEVICES[2:]]
+    for role in ("prefill", "decode"):
+        check_node_instances(deployed_tp, "npuhost", role, groups, tensor_parallel_size=2)
+        # A CPU host has no devices to split: its one listed id is one process whose 2 ranks share the cores.
+        check_node_instances(deployed_tp, "cpuhost", role, [[0]], tensor_parallel_size=2)
+    # Exactly len(devices) / 2 instances per role; those of tensor_parallel_size 1 were removed.
+    configs = sorted(p.name for p in deployed_tp.config_dir("npuhost").glob("*-*.*"))
+    assert configs == sorted(f"{role}-{instance}.{ext}" for role in ("prefill", "decode")
+                             for instance in ("0-1", "2-3") for ext in ("yaml", "env"))
 
 
 def test_router_unit_and_config(deployed):

@@ -120,6 +120,28 @@ def test_engine_greedy_equals_transformers(converted, ref_tokenizer, reference):
     assert any(len(ids) == MAX_TOKENS for ids in reference.values())   # some run the full 64 tokens
 
 
+def test_tensor_parallel_3_greedy_equals_transformers(converted, ref_tokenizer, reference):
+    """9 query heads and 3 KV heads split over 3 ranks (gloo; 3 processes on this machine's cores): the same
+    greedy output (4 questions x 32 tokens keep it short)."""
+    from pdcluster import SamplingParams
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(converted, dtype="float32", device="cpu", kv_cache_memory=64 << 20,
+                                 tensor_parallel_size=3)
+    try:
+        for i, q in enumerate(QUESTIONS[:4]):
+            engine.add_request(str(i), _template_ids(ref_tokenizer, _chat(q)),
+                               SamplingParams(temperature=0, max_tokens=32))
+        got: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[QUESTIONS[int(out.request_id)]] = list(out.outputs[0].token_ids)
+    finally:
+        engine.shutdown()
+    assert got == {q: reference[q][:32] for q in QUESTIONS[:4]}
+
+
 @pytest.mark.cluster
 async def test_cluster_greedy_equals_transformers(converted, ref_tokenizer, reference, tmp_path):
     """1 prefill + 1 decode node, every request through the prefill node; the official openai client."""

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from router_fakes import make_tokenizer_dir
 
 from pdcluster.cli.config import load_config
-from pdcluster.router import app as app_module
+from pdcluster.router import auth
 from pdcluster.router.app import create_app
 from pdcluster.router.cluster import StaticNodeSource
 from pdcluster.router.settings import RouterSettings
@@ -74,7 +74,7 @@ def test_the_presented_key_is_compared_with_every_key(model_dir, key_file, monke
         compared.append(b)
         return real(a, b)
 
-    monkeypatch.setattr(app_module.hmac, "compare_digest", spy)
+    monkeypatch.setattr(auth.hmac, "compare_digest", spy)
     with client_for(model_dir, api_key="flag-key", api_key_file=key_file) as client:
         assert client.get("/v1/models", headers=bearer("flag-key")).status_code == 200  # the first key matches...
     assert len(compared) == 3 and compared[0] == b"flag-key"  # ...and the other two are compared all the same

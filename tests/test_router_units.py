@@ -271,6 +271,6 @@ def test_served_models_and_their_validation() -> None:
         RouterSettings(model="/a/qwen2", models=["/b/qwen2"]).validate()
     for key, value in [("max_stop_strings", 65), ("max_stop_chars", 4097), ("max_stop_token_ids", -1),
                        ("max_body_bytes", 0), ("tokenizer_threads", 0), ("request_timeout", float("inf")),
-                       ("stall_timeout", float("nan")), ("retry_after", float("inf"))]:
+                       ("stall_timeout", float("nan")), ("retry_after", float("inf")), ("keep_alive_timeout", 0)]:
         with pytest.raises(ValueError, match=key):
             RouterSettings(**{key: value}).validate()

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdcluster.engine.attention.metadata import AttentionMetadata
+from pdcluster.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from pdcluster.engine.kv_cache import dequantize_rows, quantize_rows
 
 
@@ -70,6 +70,7 @@ def decode_groups(blocks: list[int], overhead: int = 8) -> list[tuple[int, int, 
 class TorchAttentionBackend:
     name = "torch"
     cpu_decode_chunk_bytes = 4 << 20   # gathered K+V per decode attention call on CPU (see _decode)
+    prefill_tile_tokens = 2048         # query rows and keys per attention call of a long prefill chunk
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
@@ -109,27 +110,84 @@ class TorchAttentionBackend:
         if nd:
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, window)
         for chunk in meta.prefills:
-            # [1, H, n, D]: with a batch dimension CPU SDPA takes its flash kernel (faster than the math path
-            # 3-D inputs get, measured in docs/benchmarks.md, and no [H, n, n] score matrix).
-            qs = q[chunk.start:chunk.end].transpose(0, 1)[None]
-            n = chunk.end - chunk.start
-            if chunk.num_cached == 0:
-                ks = _readable(k[chunk.start:chunk.end], q.dtype).transpose(0, 1)[None]
-                vs = _readable(v[chunk.start:chunk.end], q.dtype).transpose(0, 1)[None]
+            out[chunk.start:chunk.end] = self._prefill(q[chunk.start:chunk.end], k[chunk.start:chunk.end],
+                                                       v[chunk.start:chunk.end], k_cache, v_cache, chunk, window)
+        return out
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, chunk: PrefillChunk, window: int) -> torch.Tensor:
+        """One prefill chunk: q, k, v [n, H, D] (k, v as stored). Keys it attends to are read from the cache
+        only from the first position its window can see. Up to `prefill_tile_tokens` keys: one SDPA call;
+        beyond, `_prefill_tiled` (bounded memory, whatever the context length)."""
+        n, c, bs = q.shape[0], chunk.num_cached, k_cache.shape[1]
+        first = max(0, c - window + 1) if window else 0    # the first key position any row of the chunk sees
+        if c + n - first > self.prefill_tile_tokens:
+            return self._prefill_tiled(q, k_cache, v_cache, chunk.block_table, c, window)
+        # [1, H, n, D]: with a batch dimension CPU SDPA takes its flash kernel (faster than the math path
+        # 3-D inputs get, measured in docs/benchmarks.md, and no [H, n, n] score matrix).
+        qs = q.transpose(0, 1)[None]
+        if c == 0:
+            ks = _readable(k, q.dtype).transpose(0, 1)[None]
+            vs = _readable(v, q.dtype).transpose(0, 1)[None]
+            base = 0
+        else:
+            base = first // bs * bs
+            blocks = chunk.block_table[first // bs:]
+            ks = _readable(k_cache[blocks].flatten(0, 1)[:c + n - base], q.dtype).transpose(0, 1)[None]
+            vs = _readable(v_cache[blocks].flatten(0, 1)[:c + n - base], q.dtype).transpose(0, 1)[None]
+        if c == 0 and (not window or n <= window):
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=self.gqa)
+        else:
+            mask = _visible(c, n, base, ks.shape[2], window, q.device)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=self.gqa)
+        return o[0].transpose(0, 1)
+
+    def _prefill_tiled(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                       c: int, window: int) -> torch.Tensor:
+        """Attention of a long chunk (rows at positions c.., keys in the cache through its block `table`) in
+        tiles of at most `prefill_tile_tokens` query rows x keys, merged with an online softmax on each tile's
+        log-sum-exp: memory is bounded by the tile, never by the context or the chunk. Per query tile: first
+        its diagonal (its own keys, causal), then the context before it, tile by tile back to the first
+        position its window sees (so window-released blocks are never read)."""
+        n, hq, d = q.shape
+        hkv = self.num_kv_heads
+        g, tile = hq // hkv, self.prefill_tile_tokens
+        out = torch.empty_like(q)
+        for qs in range(0, n, tile):
+            m = min(n, qs + tile) - qs
+            q_lo, q_hi = c + qs, c + qs + m                 # positions of this query tile
+            qt = q[qs:qs + m]
+            qh = qt.transpose(0, 1)[None]                   # [1, Hq, m, D]
+            kt, vt = _gather(k_cache, table, q_lo, q_hi, q.dtype), _gather(v_cache, table, q_lo, q_hi, q.dtype)
+            kt, vt = (kt.repeat_interleave(g, dim=1), vt.repeat_interleave(g, dim=1)) if g > 1 else (kt, vt)
+            if not window or m <= window:
+                acc, lse = _attend_lse(qh, kt.transpose(0, 1)[None], vt.transpose(0, 1)[None], None, causal=True)
             else:
-                total = chunk.num_cached + n
-                ks = _readable(k_cache[chunk.block_table].flatten(0, 1)[:total], q.dtype).transpose(0, 1)[None]
-                vs = _readable(v_cache[chunk.block_table].flatten(0, 1)[:total], q.dtype).transpose(0, 1)[None]
-            if chunk.num_cached == 0 and (not window or n <= window):
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=self.gqa)
-            else:
-                q_pos = torch.arange(chunk.num_cached, chunk.num_cached + n, device=q.device)[:, None]
-                k_pos = torch.arange(ks.shape[2], device=q.device)[None, :]
-                mask = k_pos <= q_pos
-                if window:
-                    mask &= k_pos > q_pos - window
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=self.gqa)
-            out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+                bias = _bias(_visible(q_lo, m, q_lo, m, window, q.device), q.dtype)
+                acc, lse = _attend_lse(qh, kt.transpose(0, 1)[None], vt.transpose(0, 1)[None], bias)
+            acc, lse = acc[0].float(), lse[0]
+            first = max(0, q_lo - window + 1) if window else 0
+            q_grouped = None
+            for k_hi in range(q_lo, first, -tile):
+                k_lo = max(first, k_hi - tile)
+                kt, vt = _gather(k_cache, table, k_lo, k_hi, q.dtype), _gather(v_cache, table, k_lo, k_hi, q.dtype)
+                if not window or k_lo > q_hi - 1 - window:
+                    # Every row sees every key: the query heads sharing a KV head become its rows, no mask.
+                    if q_grouped is None:
+                        q_grouped = qt.reshape(m, hkv, g, d).permute(1, 2, 0, 3).reshape(1, hkv, g * m, d)
+                    o, tile_lse = _attend_lse(q_grouped, kt.transpose(0, 1)[None], vt.transpose(0, 1)[None], None)
+                    o, tile_lse = o.reshape(hq, m, d), tile_lse.reshape(hq, m)
+                else:
+                    visible = _visible(q_lo, m, k_lo, k_hi - k_lo, window, q.device)
+                    if g > 1:
+                        kt, vt = kt.repeat_interleave(g, dim=1), vt.repeat_interleave(g, dim=1)
+                    o, tile_lse = _attend_lse(qh, kt.transpose(0, 1)[None], vt.transpose(0, 1)[None],
+                                              _bias(visible, q.dtype))
+                    o, tile_lse = o[0], tile_lse[0].masked_fill(~visible.any(-1), float("-inf"))
+                total = torch.logaddexp(lse, tile_lse)       # finite: every row saw its own key on the diagonal
+                acc = acc * torch.exp(lse - total)[..., None] + o.float() * torch.exp(tile_lse - total)[..., None]
+                lse = total
+            out[qs:qs + m] = acc.transpose(0, 1).to(q.dtype)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -145,12 +203,17 @@ class TorchAttentionBackend:
         for start, end, m in groups:
             rows = max(1, self.cpu_decode_chunk_bytes // (m * block_bytes)) if chunked else end - start
             calls += [(s, min(end, s + rows), m) for s in range(start, end, rows)]
-        if len(calls) == 1:
-            return self._decode_group(q, tables[:, :calls[0][2]], bias[..., :calls[0][2] * bs], k_cache, v_cache)
-        out = torch.empty_like(q)
+        # With a window, a call starts at the first block its rows can see: O(window) reads however long the
+        # context, and blocks released out of the window (FREED_BLOCK entries) are mostly not even gathered.
+        lens = meta.decode_context_lens.tolist() if window else None
+        out = None if len(calls) == 1 else torch.empty_like(q)
         for start, end, m in calls:
-            out[start:end] = self._decode_group(q[start:end], tables[start:end, :m],
-                                                bias[start:end, ..., :m * bs], k_cache, v_cache)
+            lo = max(0, min(lens[start:end]) - window) // bs if window else 0
+            o = self._decode_group(q[start:end], tables[start:end, lo:m], bias[start:end, ..., lo * bs:m * bs],
+                                   k_cache, v_cache)
+            if out is None:
+                return o
+            out[start:end] = o
         return out
 
     def _decode_group(self, q: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor, k_cache: torch.Tensor,
@@ -174,6 +237,52 @@ class TorchAttentionBackend:
         qg = q.reshape(b, hkv, self.num_heads // hkv, d)
         o = F.scaled_dot_product_attention(qg, ks, vs, attn_mask=bias)
         return o.reshape(b, self.num_heads, d)
+
+
+def _visible(q_first: int, rows: int, k_first: int, keys: int, window: int, device: torch.device) -> torch.Tensor:
+    """[rows, keys] bool: which keys (positions k_first..) each query (positions q_first..) attends to."""
+    q_pos = torch.arange(q_first, q_first + rows, device=device)[:, None]
+    k_pos = torch.arange(k_first, k_first + keys, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    """K or V rows of positions lo..hi-1 ([hi - lo, Hkv, D], readable) from the blocks of `table` holding them."""
+    bs = cache.shape[1]
+    rows = torch.index_select(cache.flatten(1), 0, table[lo // bs:-(-hi // bs)]).view(-1, *cache.shape[2:])
+    return _readable(rows[lo % bs:lo % bs + hi - lo], dtype)
+
+
+def _bias(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _attend_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention [1, H, m, D] x [1, H, L, D] (+ an additive [m, L] bias, or causal with m == L) and each
+    row's log-sum-exp of the scaled scores [1, H, m] (fp32). CPU: the flash kernel SDPA uses, which returns it;
+    elsewhere explicit fp32 matmuls (an [H, m, L] score tile). A row that sees no key gets 0 and any lse."""
+    if q.device.type == "cpu":
+        return _cpu_flash(q, k, v, is_causal=causal, attn_mask=bias)
+    return _attend_lse_matmul(q, k, v, bias, causal)
+
+
+def _attend_lse_matmul(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None,
+                       causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    if bias is not None:
+        s = s + bias.float()
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None]).nan_to_num_(0.0)
+    return torch.matmul(p, v.float()), lse
+
+
+_cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _readable(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,20 +6,26 @@ import torch
 from torch import nn
 
 from pdcluster.engine.attention import AttentionMetadata
-from pdcluster.engine.layers.linear import Linear, MergedLinear
+from pdcluster.engine.layers.linear import MergedLinear, RowParallelLinear
 from pdcluster.engine.layers.rotary import apply_rotary
+from pdcluster.engine.parallel import TPGroup
 
 
 class SelfAttention(nn.Module):
+    """Under tensor parallelism (`tp`) a rank holds num_heads / tp query heads and num_kv_heads / tp KV heads
+    (one replicated KV head when there are fewer KV heads than ranks): column-parallel QKV, row-parallel o_proj."""
+
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool, backend,
-                 window: int = 0) -> None:
+                 window: int = 0, tp: TPGroup | None = None) -> None:
         super().__init__()
+        tp = tp or TPGroup()
+        num_heads, num_kv_heads = num_heads // tp.size, max(1, num_kv_heads // tp.size)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.window = window   # > 0: sliding-window attention over the last `window` positions
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
                                      bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, hidden_size)
+        self.o_proj = RowParallelLinear(self.q_size * tp.size, hidden_size, tp)
         self.backend = backend
         # Per-layer strided views into the engine's KV pool, bound by the model runner.
         self.k_cache: torch.Tensor | None = None

@@ -1,4 +1,5 @@
-"""Token embedding and the LM head (which may share the embedding weight)."""
+"""Token embedding and the LM head (which may share the embedding weight), both split over the vocabulary
+across tensor-parallel ranks (rank r holds rows `split_range(vocab, r, tp)`)."""
 
 from __future__ import annotations
 
@@ -6,25 +7,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.engine.layers.linear import Linear, linear
+from pdcluster.engine.layers.linear import Linear, linear, onednn_packed
+from pdcluster.engine.parallel import TPGroup
+from pdcluster.engine.tp_shards import split_range
 
 
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.tp = tp or TPGroup()
+        self.start, size = split_range(vocab_size, self.tp.rank, self.tp.size)
+        self.weight = nn.Parameter(torch.empty(size, hidden_size))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        # Each rank looks up the ids in its rows (zeros for the others); the all-reduce assembles them.
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0.0))
 
 
 class LMHead(Linear):
-    """Set `packable = False` when it shares the embedding's weight: no packed copy of a vocab-sized matrix."""
+    """Set `tied = True` when it shares the embedding's weight: the packed copy (CPU) then comes in addition to
+    the dense weight the embedding looks rows up in (vocab x hidden more bytes, for a bf16 LM head GEMM ~1.6x
+    faster than over the dense weight; docs/benchmarks.md).
+    Under tensor parallelism each rank computes the logits of its vocab rows; rank 0, which samples, gathers
+    them (the other ranks get None)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__(hidden_size, vocab_size)
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup | None = None) -> None:
+        self.tp = tp or TPGroup()
+        self.sizes = [split_range(vocab_size, r, self.tp.size)[1] for r in range(self.tp.size)]
+        super().__init__(hidden_size, self.sizes[self.tp.rank])
+        self.tied = False
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def prepack(self) -> None:
+        if not self.tied:
+            return super().prepack()
+        self.packed = onednn_packed(self.weight)   # the dense weight stays: the embedding reads it
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return self.tp.gather_last_dim(self._local_logits(hidden), self.sizes)
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return linear(hidden, self.weight, None, self.packed)
         if self.weight.dtype != torch.float32 or self.weight.device.type != "cpu" or hidden.shape[0] == 1:

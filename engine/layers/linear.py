@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcluster.engine.parallel import TPGroup
+
 
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in oneDNN's blocked layout for CPU matmuls; None on other devices (their own BLAS).
@@ -18,7 +20,10 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
             or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 128)   # hint: a typical decode batch
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 128)   # hint: a typical decode batch
+    except RuntimeError:   # e.g. fp16 on a CPU without avx512_fp16 / avx_ne_convert: plain F.linear then
+        return None
 
 
 def release(weight: nn.Parameter) -> None:
@@ -67,3 +72,15 @@ class MergedLinear(Linear):
         if loaded.shape[0] != size:
             raise ValueError(f"shard {shard}: checkpoint has {loaded.shape[0]} rows, model expects {size}")
         param.data[start:start + size].copy_(loaded)
+
+
+class RowParallelLinear(Linear):
+    """Input features split across the tensor-parallel ranks (o_proj, down_proj): each rank multiplies its
+    slice of the activations by its columns of the weight, one all-reduce sums the parts."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup) -> None:
+        super().__init__(in_features // tp.size, out_features)
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))

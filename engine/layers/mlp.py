@@ -6,15 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.engine.layers.linear import Linear, MergedLinear, linear, onednn_packed, release
+from pdcluster.engine.layers.linear import MergedLinear, RowParallelLinear, linear, onednn_packed, release
+from pdcluster.engine.parallel import TPGroup
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """Under tensor parallelism a rank holds intermediate_size / tp rows of gate and up (column-parallel) and the
+    matching columns of down_proj (row-parallel, one all-reduce)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup | None = None) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        tp = tp or TPGroup()
+        self.intermediate_size = intermediate_size // tp.size
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": self.intermediate_size, "up": self.intermediate_size})
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp)
         self.gate_up_proj.packable = False   # forward uses its halves, packed separately below
         self.packed_halves: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -17,6 +17,7 @@ from pdcluster.engine.layers.layernorm import RMSNorm
 from pdcluster.engine.layers.linear import MergedLinear
 from pdcluster.engine.layers.mlp import GatedMLP
 from pdcluster.engine.layers.rotary import RotaryEmbedding
+from pdcluster.engine.parallel import TPGroup
 
 # checkpoint name fragment -> (our fused module name fragment, shard)
 _FUSED = {
@@ -26,13 +27,13 @@ _FUSED = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend, index: int) -> None:
+    def __init__(self, config: ModelConfig, backend, index: int, tp: TPGroup) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = SelfAttention(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                                       config.qkv_bias, backend, config.layer_window(index))
+                                       config.qkv_bias, backend, config.layer_window(index), tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,12 +48,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
                                       dtype)
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -69,14 +70,18 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype) -> None:
+    """`tp`: this process's tensor-parallel rank; the parameters are its shards (engine/tp_shards.py) and
+    `load_weights` expects tensors already cut to them (engine/loader.py)."""
+
+    def __init__(self, config: ModelConfig, backend, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend, dtype)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        tp = tp or TPGroup()
+        self.model = LlamaModel(config, backend, dtype, tp)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-            self.lm_head.packable = False
+            self.lm_head.tied = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor:

@@ -26,11 +26,11 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
-from pdcluster.control.config import parse_bytes, parse_endpoint
+from pdcluster.control.config import check_advertised_host, parse_bytes, parse_endpoint
 from pdcluster.control.etcd_server import EtcdServer, free_port, is_reachable
 from pdcluster.control.process import pid_alive, with_parent
 
@@ -73,6 +73,27 @@ class Service:
             return "(no log)"
 
 
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def node_device_env(device: str | None, tp: int, index: int, nodes: int,
+                    count: Callable[[str], int] | None = None) -> dict[str, str]:
+    """The visible-device variable of node `index` (of `nodes`) on an accelerator host: its own `tp` devices
+    when the host has enough for every node, else none set (every node sees every device; a warning)."""
+    if device not in VISIBLE_DEVICES:
+        return {}
+    if count is None:
+        from pdcluster.engine.parallel import visible_devices
+
+        count = visible_devices
+    have = count(device)
+    if have < tp * nodes:
+        log.warning("%d %s device(s) for %d nodes x tensor_parallel_size %d: the nodes share devices", have,
+                    device, nodes, tp)
+        return {}
+    return {VISIBLE_DEVICES[device]: ",".join(str(d) for d in range(index * tp, (index + 1) * tp))}
+
+
 @dataclass
 class LocalCluster:
     model: str | None = None  # HF model dir; None: a tiny random Llama in the work dir
@@ -91,6 +112,7 @@ class LocalCluster:
     etcd_server: EtcdServer | None = None
     services: list[Service] = field(default_factory=list)
     _own_dir: bool = False
+    _node_env: dict[str, dict[str, str]] = field(default_factory=dict)  # node id -> its visible devices
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -120,6 +142,8 @@ class LocalCluster:
         if self.node_config.get("device", "auto") in ("auto", "cpu"):
             self._size_kv_pools()
         self._start_etcd()
+        for config in (self.router_config, self.node_config):   # refused before any child starts
+            check_advertised_host(config.get("host", "127.0.0.1"), [self.etcd])
         if self.port == 0:
             self.port = free_port()
         deadline = time.monotonic() + timeout
@@ -203,6 +227,9 @@ class LocalCluster:
                   "metrics_port": metrics_port, "lease_ttl": self.lease_ttl, "log_level": self.log_level,
                   "cluster_secret": self.cluster_secret,
                   **self.node_config, **overrides}
+        index = sum(1 for s in self.services if s.kind != "router")
+        self._node_env[node_id] = node_device_env(config.get("device"), int(config.get("tensor_parallel_size") or 1),
+                                                  index, self.num_prefill + self.num_decode)
         return self._spawn(kind, node_id, config, metrics_port=metrics_port)
 
     def _spawn(self, kind: str, node_id: str, config: dict[str, Any], **extra: Any) -> Service:
@@ -215,7 +242,7 @@ class LocalCluster:
         return service
 
     def _launch(self, kind: str, config_path: Path, log_path: Path) -> subprocess.Popen:
-        env = dict(os.environ)
+        env = {**os.environ, **self._node_env.get(config_path.stem, {})}
         if kind != "router" and self.threads_per_node:
             env["OMP_NUM_THREADS"] = str(self.threads_per_node)
         cmd = with_parent([sys.executable, "-m", "pdcluster", kind, "--config", str(config_path)])

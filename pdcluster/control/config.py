@@ -16,6 +16,7 @@ A key that no kind knows is an error naming the key.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import socket
@@ -91,6 +92,7 @@ class CommonConfig:
             raise ValueError("etcd: at least one host:port endpoint is required")
         for endpoint in self.etcd:
             parse_endpoint(endpoint)
+        check_advertised_host(self.host, self.etcd)
         if not re.fullmatch(r"[A-Za-z0-9_.:-]+", self.node_id):
             raise ValueError(f"node_id: {self.node_id!r} must be letters, digits, '_', '.', ':' or '-'")
         check_port("metrics_port", self.metrics_port)
@@ -179,6 +181,29 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"etcd endpoint {endpoint!r} is not host:port")
     return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """A loopback address or the name localhost (other names are not resolved: config checks stay offline)."""
+    name = host.strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def check_advertised_host(host: str, etcd: list[str]) -> None:
+    """`host` is where peers dial this process: a loopback one is only good when etcd, and so the cluster it
+    announces this process to, is on loopback too."""
+    if not is_loopback(host):
+        return
+    remote = [e for e in etcd if not is_loopback(parse_endpoint(e)[0])]
+    if remote:
+        raise ValueError(f"host: {host} is a loopback address but etcd endpoint {remote[0]} is not; processes on "
+                         f"other hosts would dial their own {host}. Set host to an address they reach this host by "
+                         "(or run etcd on loopback for a one-host cluster)")
 
 
 def parse_bytes(value: str | int) -> int:

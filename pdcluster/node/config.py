@@ -8,10 +8,12 @@ with the node-side defaults in `NODE_DEFAULTS`; `engine_args_from_config` turns 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import socket
 from dataclasses import dataclass
 from typing import Any
 
-from pdcluster.control.config import CommonConfig, check_port, knob, settings
+from pdcluster.control.config import CommonConfig, check_advertised_host, check_port, knob, settings
 from pdcluster.engine.args import EngineArgs
 
 KV_BACKENDS = ("auto", "shm", "tcp", "gloo", "nccl", "hccl")
@@ -83,3 +85,31 @@ def engine_args_from_config(config: Any, **extra: Any) -> EngineArgs:
     """`EngineArgs` for a node config (the engine knobs map one to one); `extra` adds code-only fields
     such as `kv_pool_factory`."""
     return EngineArgs(**{name: getattr(config, name) for name in ENGINE_KNOBS}, **extra)
+
+
+def check_host_is_here(host: str, etcd: list[str], addresses: set[str] | None = None) -> None:
+    """The node's self-check at start: peers dial `host`, so it must be an address of one of this host's
+    interfaces (`addresses`; default: psutil's list), or loopback with etcd on loopback. ValueError saying why
+    not."""
+    try:
+        resolved = {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except socket.gaierror as exc:
+        raise ValueError(f"host: {host} does not resolve ({exc})") from None
+    ips = [ipaddress.ip_address(a) for a in resolved]
+    if any(ip.is_unspecified for ip in ips):
+        raise ValueError(f"host: {host} is a wildcard: it binds every interface, but peers cannot dial it; set "
+                         "host to the address other hosts reach this one by")
+    if all(ip.is_loopback for ip in ips):
+        check_advertised_host(str(ips[0]), etcd)
+        return
+    here = _interface_addresses() if addresses is None else addresses
+    if not resolved & here:
+        raise ValueError(f"host: {host} ({', '.join(sorted(resolved))}) is not an address of this host (its "
+                         f"interfaces: {', '.join(sorted(here))}); peers dialing it would not reach this node")
+
+
+def _interface_addresses() -> set[str]:
+    import psutil
+
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}

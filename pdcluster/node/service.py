@@ -28,7 +28,7 @@ from pdcluster.control.transport import LoadPublisher, RouterServer
 from pdcluster.engine.engine_thread import EngineThread
 from pdcluster.engine.stats import EngineStats
 from pdcluster.monitor import DeviceUsageCollector
-from pdcluster.node.config import NodeConfig
+from pdcluster.node.config import NodeConfig, check_host_is_here
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,8 @@ class NodeService:
         engine = getattr(self, "engine", None)
         return Capacity(num_blocks=self.engine_stats().num_total_blocks, block_size=self.config.block_size,
                         max_num_seqs=self.config.max_num_seqs,
-                        max_model_len=engine.model_config.max_model_len if engine is not None else 0)
+                        max_model_len=engine.model_config.max_model_len if engine is not None else 0,
+                        tensor_parallel_size=self.config.tensor_parallel_size)
 
     def served_model_name(self) -> str:
         """The model name requests for this node carry: the knob, or the model dir's name."""
@@ -139,6 +140,19 @@ class NodeService:
                         host=self.config.host, control_addr=self.control.address, load_addr=self.load_pub.address,
                         metrics_addr=f"http://{self.config.host}:{self.metrics_server.port}/metrics",
                         capacity=self.capacity(), started_at=self.started_at)
+
+    def _tensor_parallel_mismatch(self) -> str:
+        """Why this node may not join (KV moves between prefill and decode engines of the same model only when
+        their tensor_parallel_size is equal: each rank's heads land in the same rank's slice), or ""."""
+        other = {"prefill": "decode", "decode": "prefill"}.get(self.role)
+        mine = self.config.tensor_parallel_size
+        for peer in self.view.nodes_by_role(other) if other else []:
+            theirs = peer.capacity.tensor_parallel_size
+            if peer.model == self.served_model_name() and theirs and theirs != mine:
+                return (f"tensor_parallel_size {mine} differs from {other} node {peer.node_id}'s {theirs} for model "
+                        f"{peer.model!r}: prefill and decode nodes of one model must use the same "
+                        "tensor_parallel_size (KV heads move rank to rank); refusing to register")
+        return ""
 
     async def on_start(self) -> None:
         """Subclass setup that needs the running loop (before registration)."""
@@ -162,8 +176,21 @@ class NodeService:
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
         await self.on_start()
+        try:   # peers will dial the advertised host: fail now, not with every peer timing out later
+            check_host_is_here(host, self.config.etcd)
+        except ValueError as exc:
+            log.error("%s: %s", self.node_id, exc)
+            self.exit_code = 2
+            await self._shutdown()
+            return
         self.view.add_listener(self._on_view_change)
         await self.view.start(wait=5.0)
+        mismatch = self._tensor_parallel_mismatch()
+        if mismatch:
+            log.error("%s: %s", self.node_id, mismatch)
+            self.exit_code = 2
+            await self._shutdown()
+            return
         self.registration = Registration(self.config.etcd, self.config.cluster, self.node_info(),
                                          ttl=self.config.lease_ttl, registry=self.registry,
                                          credentials=EtcdCredentials.from_config(self.config))

@@ -1,0 +1,67 @@
+"""What one model step needs, built by the model runner on rank 0, and its wire form for the other
+tensor-parallel ranks: a msgpack map holding the raw bytes of a few int tensors (no pickling)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from pdcluster.engine.attention import AttentionMetadata, PrefillChunk
+
+
+@dataclass
+class StepInputs:
+    ids: torch.Tensor          # [T] long
+    positions: torch.Tensor    # [T] long
+    meta: AttentionMetadata
+    sample_rows: list[int]     # rows of the flattened batch whose logits are computed
+
+    def to(self, device: torch.device) -> "StepInputs":
+        if device.type == "cpu":
+            return self
+
+        def mv(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        m = self.meta
+        meta = AttentionMetadata(
+            slot_blocks=mv(m.slot_blocks), slot_offsets=mv(m.slot_offsets), num_decode_tokens=m.num_decode_tokens,
+            decode_block_tables=mv(m.decode_block_tables), decode_context_lens=mv(m.decode_context_lens),
+            prefills=[PrefillChunk(p.start, p.end, p.num_cached, mv(p.block_table)) for p in m.prefills])
+        return StepInputs(mv(self.ids), mv(self.positions), meta, self.sample_rows)
+
+
+def _pack(t: torch.Tensor | None):
+    if t is None:
+        return None
+    t = t.contiguous()
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), t.numpy().tobytes()]
+
+
+def _unpack(v) -> torch.Tensor | None:
+    if v is None:
+        return None
+    dtype, shape, data = v
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+
+
+def encode(inputs: StepInputs) -> bytes:
+    m = inputs.meta
+    return msgpack.packb({
+        "t": [_pack(t) for t in (inputs.ids, inputs.positions, m.slot_blocks, m.slot_offsets,
+                                 m.decode_block_tables, m.decode_context_lens)],
+        "nd": m.num_decode_tokens,
+        "pf": [[p.start, p.end, p.num_cached, _pack(p.block_table)] for p in m.prefills],
+        "rows": inputs.sample_rows,
+    })
+
+
+def decode(data: bytes) -> StepInputs:
+    d = msgpack.unpackb(data)
+    ids, positions, slot_blocks, slot_offsets, tables, lens = (_unpack(v) for v in d["t"])
+    meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets, num_decode_tokens=d["nd"],
+                             decode_block_tables=tables, decode_context_lens=lens,
+                             prefills=[PrefillChunk(s, e, c, _unpack(t)) for s, e, c, t in d["pf"]])
+    return StepInputs(ids, positions, meta, d["rows"])

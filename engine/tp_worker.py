@@ -1,0 +1,102 @@
+"""A tensor-parallel rank other than 0: its own process and device, its shard of the model, its slice of the
+KV pool. It runs every step rank 0 hands it (engine/shm_ring.py) and nothing else; rank 0 schedules and
+samples. Started by `TPWorkers` (engine/tp_executor.py) with the spawn method."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+from pdcluster.engine.config import ModelConfig
+
+log = logging.getLogger(__name__)
+IDLE_POLL_S = 1.0   # how often an idle worker checks that rank 0 is still there
+
+
+@dataclass
+class WorkerSpec:
+    model_dir: str
+    config: ModelConfig
+    dtype: str                 # torch dtype name
+    device: str                # device type: cpu | cuda | npu
+    attention_backend: str | None
+    rank: int
+    size: int
+    store_port: int            # rank 0's TCPStore on 127.0.0.1: the group's rendezvous
+    ring: tuple                # BroadcastRing.attach arguments
+    threads: int               # CPU threads for this rank's ops
+    timeout_s: float           # every collective's
+
+
+def reply(conn: Connection, *message) -> None:
+    conn.send_bytes(pickle.dumps(message))
+
+
+def main(spec: WorkerSpec, conn: Connection) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C goes to the whole group; rank 0 stops us
+    import torch
+
+    from pdcluster.engine.kv_cache import KVCachePool
+    from pdcluster.engine.model_runner import ModelRunner
+    from pdcluster.engine.parallel import init_group, leave_group, rank_device, set_device
+    from pdcluster.engine.shm_ring import BroadcastRing
+    from pdcluster.engine.step_inputs import decode
+
+    parent = os.getppid()
+    reader = spec.rank - 1
+    torch.set_num_threads(spec.threads)
+    torch.set_grad_enabled(False)
+    try:
+        device = rank_device(torch.device(spec.device), spec.rank)
+        set_device(device)
+        store = torch.distributed.TCPStore("127.0.0.1", spec.store_port, spec.size, False,
+                                           timeout=datetime.timedelta(seconds=spec.timeout_s))
+        tp = init_group(spec.rank, spec.size, device, store, spec.timeout_s)
+        ring = BroadcastRing.attach(*spec.ring)
+        runner = ModelRunner(spec.model_dir, spec.config, getattr(torch, spec.dtype), device,
+                             spec.attention_backend, tp=tp)
+    except BaseException:
+        reply(conn, "error", f"rank {spec.rank}: {traceback.format_exc()}")
+        return 1
+    reply(conn, "ready")
+    try:
+        while True:
+            msg = ring.read(reader, conn, IDLE_POLL_S)
+            if msg is None:
+                if os.getppid() != parent:   # rank 0 died without a word (SIGKILL): do not linger
+                    return 1
+                continue
+            kind, body = msg
+            if kind == "step":
+                runner.execute(decode(body))
+                ring.mark_done(reader)
+            elif body[0] == "pool":
+                runner.bind_kv_pool(_pool(body[1], spec, device, KVCachePool, torch))
+                reply(conn, "bound")
+            elif body[0] == "stop":
+                return 0
+    except (EOFError, OSError):   # rank 0 is gone
+        return 1
+    except BaseException:
+        log.exception("tensor-parallel rank %d failed", spec.rank)
+        return 1
+    finally:
+        leave_group()
+
+
+def _pool(handle, spec: WorkerSpec, device, KVCachePool, torch):
+    """The pool rank 0 shared (CPU: every rank's slices in shared memory), or this rank's own slice on its
+    device, of the size rank 0 chose."""
+    if handle["kind"] == "shared":
+        t = handle["tensor"]
+        t = t if isinstance(t, torch.Tensor) else t.tensor
+        return KVCachePool(t.shape[0], spec.config.num_layers, handle["block_size"], handle["kv_heads"],
+                           spec.config.head_dim, t.dtype, device, tensor=t, tp=spec.size)
+    return KVCachePool(handle["num_blocks"], spec.config.num_layers, handle["block_size"], handle["kv_heads"],
+                       spec.config.head_dim, getattr(torch, handle["dtype"]), device)

@@ -1,0 +1,118 @@
+"""OpenAI response shapes: logprobs, whole (non-streamed) bodies, SSE chunks and the SSE response."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import orjson
+from fastapi.responses import StreamingResponse
+
+from pdcluster.router.generation import ChoiceDelta, TokenLogprob
+from pdcluster.router.tokenizer import Tokenizer
+from pdcluster.router.validation import Prepared
+
+DONE = b"data: [DONE]\n\n"
+
+
+def completion_logprobs(tokenizer: Tokenizer, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """/v1/completions' `choice.logprobs`; `offset`: where this text starts in the choice's whole text."""
+    tokens = [tokenizer.token_text(lp.token_id) for lp in lps]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{tokenizer.token_text(t): v for t, v in lp.top} for lp in lps],
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Tokenizer, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    """/v1/chat/completions' `choice.logprobs.content`."""
+    tt, tb = tokenizer.token_text, tokenizer.token_bytes
+    return [{"token": tt(lp.token_id), "logprob": lp.logprob, "bytes": tb(lp.token_id),
+             "top_logprobs": [{"token": tt(t), "logprob": v, "bytes": tb(t)} for t, v in lp.top]}
+            for lp in lps]
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def full_body(prep: Prepared, chat: bool, want_logprobs: bool, texts: list[str],
+              logprobs: list[list[TokenLogprob]], finish: list[str | None], usage: dict[str, int]) -> dict[str, Any]:
+    """A whole completion (chat or not) from each choice's text, logprobs and finish reason."""
+    created = int(time.time())
+    tok = prep.model.tokenizer
+    if chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": {"content": chat_logprobs(tok, logprobs[i]), "refusal": None}
+                    if want_logprobs else None,
+                    "finish_reason": finish[i]} for i in range(len(texts))]
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": created,
+                "model": prep.model.name, "choices": choices, "usage": usage}
+    choices = [{"index": i, "text": texts[i],
+                "logprobs": completion_logprobs(tok, logprobs[i], 0) if want_logprobs else None,
+                "finish_reason": finish[i]} for i in range(len(texts))]
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": created,
+            "model": prep.model.name, "choices": choices, "usage": usage}
+
+
+class ChunkWriter:
+    """The SSE chunks of one streamed response: a common head (id, object, created, model), per-choice
+    text offsets (completions' logprobs count them over the whole text)."""
+
+    def __init__(self, prep: Prepared, num_choices: int, chat: bool, want_logprobs: bool) -> None:
+        self.chat = chat
+        self.want_logprobs = want_logprobs
+        self.include_usage = prep.include_usage
+        self.tokenizer = prep.model.tokenizer
+        rid = f"chatcmpl-{uuid.uuid4().hex}" if chat else f"cmpl-{uuid.uuid4().hex}"
+        self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                     "created": int(time.time()), "model": prep.model.name}
+        self.offsets = [0] * num_choices
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> bytes:
+        body = dict(self.head, choices=choices)
+        if self.include_usage:
+            body["usage"] = usage
+        return sse(body)
+
+    def roles(self) -> bytes:
+        """Chat's first chunk: every choice's assistant role."""
+        return self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None} for i in range(len(self.offsets))])
+
+    def delta(self, delta: ChoiceDelta) -> bytes:
+        return self.chunk([self._choice(delta)])
+
+    def usage(self, usage: dict[str, int]) -> bytes:
+        return self.chunk([], usage)
+
+    def _choice(self, delta: ChoiceDelta) -> dict[str, Any]:
+        if self.chat:
+            lp = ({"content": chat_logprobs(self.tokenizer, delta.logprobs), "refusal": None}
+                  if self.want_logprobs and delta.logprobs else None)
+            content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+            return {"index": delta.index, "delta": content, "logprobs": lp, "finish_reason": delta.finish_reason}
+        lp = (completion_logprobs(self.tokenizer, delta.logprobs, self.offsets[delta.index])
+              if self.want_logprobs else None)
+        self.offsets[delta.index] += len(delta.text)
+        return {"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": delta.finish_reason}
+
+
+class SSEResponse(StreamingResponse):
+    """An SSE response that releases its request even when the body generator never started
+    (the client left before the first byte): `cleanup` runs exactly once, however it ends."""
+
+    def __init__(self, body: AsyncIterator[bytes], cleanup: Any) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
