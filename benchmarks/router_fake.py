@@ -66,13 +66,14 @@ async def _fake_decode_node(conn: Any, secret: str, step_s: float) -> None:
             task.result()
 
 
-def router_process(model: str, secret: str, node_addr: str, port_conn: Any, profile: str) -> None:
+def router_process(model: str, secret: str, node_addr: str, port_conn: Any, profile: str, index: int = 0,
+                   reuse_port: bool = False) -> None:
     from pdcluster.control.records import NodeInfo
     from pdcluster.router.cluster import StaticNodeSource
     from pdcluster.router.server import run_router
     from pdcluster.router.settings import RouterSettings
 
-    settings = RouterSettings(model=model, host="127.0.0.1", port=port_conn, node_id="bench-router",
+    settings = RouterSettings(model=model, host="127.0.0.1", port=port_conn, node_id=f"bench-router-w{index}",
                               disagg_min_tokens=0, max_in_flight=100000)
     settings.cluster_secret = secret   # read by the router as RouterConfig's common knob
     source = StaticNodeSource([NodeInfo(node_id="fake-decode", role="decode", model=settings.served_models()[0][0],
@@ -81,7 +82,7 @@ def router_process(model: str, secret: str, node_addr: str, port_conn: Any, prof
     if prof is not None:
         prof.enable()
     try:
-        run_router(settings, source)
+        run_router(settings, source, reuse_port) if reuse_port else run_router(settings, source)   # older trees
     except KeyboardInterrupt:   # the benchmark's stop
         pass
     finally:
@@ -91,9 +92,10 @@ def router_process(model: str, secret: str, node_addr: str, port_conn: Any, prof
 
 
 class FakeSetup:
-    """Starts the fake decode node and a router serving `model`; `url` once started."""
+    """Starts the fake decode node and `workers` router processes serving `model` on one port (SO_REUSEPORT,
+    as `pdcluster router --workers N`); `url` once started."""
 
-    def __init__(self, model: str, step_s: float, profile: str = "") -> None:
+    def __init__(self, model: str, step_s: float, profile: str = "", workers: int = 1) -> None:
         from pdcluster.control.keys import generate_secret
 
         self.dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdcluster-bench-{os.getpid()}"
@@ -109,8 +111,11 @@ class FakeSetup:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.router = ctx.Process(target=router_process, args=(model, self.secret, node_addr, port, profile))
-        self.router.start()
+        self.routers = [ctx.Process(target=router_process, args=(model, self.secret, node_addr, port,
+                                                                 profile if i == 0 else "", i, workers > 1))
+                        for i in range(workers)]
+        for router in self.routers:
+            router.start()
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         import httpx
@@ -126,17 +131,18 @@ class FakeSetup:
         raise RuntimeError("the benchmark's router did not become ready")
 
     def cpu_seconds(self) -> float:
-        """CPU time the router process used so far (user + system): what a token costs on a shared machine."""
+        """CPU time the router processes used so far (user + system): what a token costs on a shared machine."""
         import psutil
 
-        times = psutil.Process(self.router.pid).cpu_times()
-        return times.user + times.system
+        return sum(sum(psutil.Process(r.pid).cpu_times()[:2]) for r in self.routers)
 
     def stop(self) -> None:
-        if self.router.is_alive():
-            os.kill(self.router.pid, 2)   # SIGINT: uvicorn shuts down, re-raises it; the profile is written
-            self.router.join(15)
-        for proc in (self.router, self.node):
+        for router in self.routers:
+            if router.is_alive():
+                os.kill(router.pid, 2)   # SIGINT: uvicorn shuts down, re-raises it; the profile is written
+        for router in self.routers:
+            router.join(15)
+        for proc in (*self.routers, self.node):
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)

@@ -181,7 +181,7 @@ async def main_async(args) -> dict:
 
             model_dir = args.model or fake_model_dir()
             own_dir = None if args.model else model_dir
-            fake = FakeSetup(model_dir, args.fake_step_ms / 1000, args.profile)
+            fake = FakeSetup(model_dir, args.fake_step_ms / 1000, args.profile, args.router_workers)
             await asyncio.to_thread(fake.wait_ready)
             url = fake.url
         elif args.start:
@@ -320,6 +320,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--fake-step-ms", type=float, default=5.0, help="--start fake: the fake node's step interval")
+    p.add_argument("--router-workers", type=int, default=1,
+                   help="--start fake: router processes on the one port (SO_REUSEPORT, as `router --workers N`)")
     p.add_argument("--profile", default="", help="--start fake: write the router process's cProfile stats here")
     p.add_argument("--compare", default="", metavar="CHECKOUT",
                    help="router alone (fake node), this tree against CHECKOUT side by side: streamed tokens/s at "

@@ -7,8 +7,9 @@ For each dtype:
                `LLM(tensor_parallel_size=N)` (threads / N per rank: on CPU the ranks share the cores)
   decode step  --batch sequences decoding together under TP = N: mean step time, rank 0's time inside
                collectives per step (waits for the slower rank included), and a pure all-reduce of one
-               layer's [batch, hidden] activations between N fresh processes, times the step's
-               2 x layers + 1 all-reduces (+ 1 logits all-gather, timed too): the share of the step.
+               layer's [batch, hidden] activations between N fresh processes, through gloo and through
+               the shared-memory collectives the engine uses on CPU (engine/shm_collectives.py), times
+               the step's 2 x layers + 1 all-reduces (+ 1 logits gather, timed too): the share of the step.
 
     .venv/bin/python benchmarks/tensor_parallel.py --quick        # ~3 min on 2 cores
 """
@@ -26,46 +27,65 @@ import torch.multiprocessing as mp
 from offline_throughput import DTYPES, MODEL, engine_generate, make_model, make_requests  # noqa: E402
 
 
-def allreduce_us(rank: int, size: int, port: int, shape: tuple[int, ...], dtype: torch.dtype, iters: int,
-                 out) -> None:
+def allreduce_us(rank: int, size: int, port: int, shm_args: tuple, shape: tuple[int, ...], dtype: torch.dtype,
+                 iters: int, out) -> None:
+    """Rank `rank`'s timings: gloo all-reduce, gloo logits all-gather, shared-memory all-reduce and gather."""
+    from pdcluster.engine.shm_collectives import ShmCollectives
+
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     store = torch.distributed.TCPStore("127.0.0.1", port, size, rank == 0, timeout=datetime.timedelta(seconds=60))
     torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=size)
+    shm = ShmCollectives.attach(*shm_args[:2], rank, shm_args[3])
     x = torch.randn(shape).to(dtype)
     gathered = torch.empty((size * shape[0], MODEL["vocab_size"] // size), dtype=dtype)
     logits = torch.randn(shape[0], MODEL["vocab_size"] // size).to(dtype)
-    for _ in range(10):
-        torch.distributed.all_reduce(x)
-    t = time.perf_counter()
-    for _ in range(iters):
-        torch.distributed.all_reduce(x)
-    reduce_s = (time.perf_counter() - t) / iters
-    t = time.perf_counter()
-    for _ in range(iters // 4 or 1):
-        torch.distributed.all_gather_into_tensor(gathered, logits)
-    gather_s = (time.perf_counter() - t) / (iters // 4 or 1)
+
+    def timed(fn, n: int) -> float:
+        for _ in range(10):
+            fn()
+        torch.distributed.barrier()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n * 1e6
+
+    result = (timed(lambda: torch.distributed.all_reduce(x), iters),
+              timed(lambda: torch.distributed.all_gather_into_tensor(gathered, logits), iters // 4 or 1),
+              timed(lambda: shm.all_reduce(x, 60.0), iters),
+              timed(lambda: shm.gather(logits, 60.0), iters // 4 or 1))
     if rank == 0:
-        out.put((reduce_s * 1e6, gather_s * 1e6))
+        out.put(result)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def pure_collectives(size: int, batch: int, dtype: torch.dtype, iters: int = 200) -> tuple[float, float]:
-    """(all-reduce µs of [batch, hidden], logits all-gather µs) between `size` fresh processes."""
+def pure_collectives(size: int, batch: int, dtype: torch.dtype, iters: int = 200) -> tuple[float, ...]:
+    """(gloo all-reduce µs of [batch, hidden], gloo logits all-gather µs, the same two through shared memory)
+    between `size` fresh processes."""
     import socket
+
+    from pdcluster.engine.shm_collectives import ShmCollectives
+    from pdcluster.engine.tp_executor import SHM_SLOT_BYTES
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    shm = ShmCollectives.create(size, SHM_SLOT_BYTES)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=allreduce_us, args=(r, size, port, (batch, MODEL["hidden_size"]), dtype, iters, out))
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    result = out.get(timeout=300)
-    for p in procs:
-        p.join(60)
+    try:
+        procs = [ctx.Process(target=allreduce_us, args=(r, size, port, shm.attach_args(r),
+                                                       (batch, MODEL["hidden_size"]), dtype, iters, out))
+                 for r in range(size)]
+        for p in procs:
+            p.start()
+        result = out.get(timeout=300)
+        for p in procs:
+            p.join(60)
+    finally:
+        shm.unlink()
+        shm.close()
     return result
 
 
@@ -130,22 +150,25 @@ def main() -> None:
                 llm.engine.shutdown()
                 del llm
             torch.set_num_threads(threads)
-            reduce_us, gather_us = pure_collectives(args.tensor_parallel_size, args.batch, DTYPES[name])
-            pure_ms = ((2 * MODEL["num_hidden_layers"] + 1) * reduce_us + gather_us) / 1e3
-            row.update(allreduce_us=round(reduce_us, 1), gather_us=round(gather_us, 1),
-                       pure_collective_ms=round(pure_ms, 2),
-                       pure_collective_share=round(pure_ms / row["decode_step_ms"], 3),
+            timings = pure_collectives(args.tensor_parallel_size, args.batch, DTYPES[name])
+            per_step = 2 * MODEL["num_hidden_layers"] + 1   # all-reduces per step, then one logits gather
+            for label, (reduce_us, gather_us) in (("gloo", timings[:2]), ("shm", timings[2:])):
+                pure_ms = (per_step * reduce_us + gather_us) / 1e3
+                row.update({f"{label}_allreduce_us": round(reduce_us, 1), f"{label}_gather_us": round(gather_us, 1),
+                            f"{label}_pure_share": round(pure_ms / row["decode_step_ms"], 3)})
+            row.update(
                        tp_vs_tp1=round(row[f"tp{args.tensor_parallel_size}_tok_s"] / row["tp1_tok_s"], 2))
             results.append(row)
             print(row, flush=True)
     n = args.tensor_parallel_size
     print(f"\ntorch threads {threads}; TP={n}: {max(1, threads // n)} thread(s) per rank")
     print(f"{'dtype':6} {'TP1 tok/s':>10} {f'TP{n} tok/s':>10} {'ratio':>6} {'step ms':>8} {'coll ms (r0)':>12} "
-          f"{'share':>6} {'allreduce us':>12} {'pure share':>10}")
+          f"{'share':>6} {'gloo/shm allreduce us':>22} {'gloo/shm pure share':>20}")
     for r in results:
         print(f"{r['dtype']:6} {r['tp1_tok_s']:>10} {r[f'tp{n}_tok_s']:>10} {r['tp_vs_tp1']:>6} "
               f"{r['decode_step_ms']:>8} {r['rank0_collective_ms']:>12} {r['rank0_collective_share']:>6} "
-              f"{r['allreduce_us']:>12} {r['pure_collective_share']:>10}")
+              f"{str(r['gloo_allreduce_us']) + ' / ' + str(r['shm_allreduce_us']):>22} "
+              f"{str(r['gloo_pure_share']) + ' / ' + str(r['shm_pure_share']):>20}")
     if args.json:
         print(json.dumps(results))
 

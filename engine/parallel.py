@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pdcluster.engine.config import ModelConfig
+from pdcluster.engine.shm_collectives import ShmCollectives
 from pdcluster.engine.tp_shards import check_divisible
 
 BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
@@ -27,6 +28,13 @@ class TPGroup:
     size: int = 1
     backend: str = ""
     collective_seconds: float = 0.0   # time this rank spent in collectives (waits for the others included)
+    shm: ShmCollectives | None = None  # CPU ranks: all-reduce and gather through shared memory, not gloo
+    timeout_s: float = 60.0
+
+    def abort(self, reason: str) -> None:
+        """From another thread: a rank is gone, so a collective waiting for it stops now."""
+        if self.shm is not None:
+            self.shm.abort_reason = reason
 
     @property
     def is_driver(self) -> bool:
@@ -36,7 +44,10 @@ class TPGroup:
         """Sum over the ranks, in place."""
         if self.size > 1:
             start = time.perf_counter()
-            torch.distributed.all_reduce(x)
+            if self.shm is not None and self.shm.fits(x):
+                self.shm.all_reduce(x, self.timeout_s)
+            else:
+                torch.distributed.all_reduce(x)
             self.collective_seconds += time.perf_counter() - start
         return x
 
@@ -51,7 +62,9 @@ class TPGroup:
             x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
         x = x.contiguous()
         start = time.perf_counter()
-        if self.backend == "hccl":
+        if self.shm is not None and self.shm.fits(x):
+            parts = self.shm.gather(x, self.timeout_s)
+        elif self.backend == "hccl":
             parts = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
             (getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor)(
                 parts, x)   # all_gather_single: the newer name (torch >= 2.12)
@@ -80,8 +93,9 @@ def backend_for(device_type: str) -> str:
 
 
 def init_group(rank: int, size: int, device: torch.device, store: torch.distributed.Store,
-               timeout_s: float) -> TPGroup:
-    """Join the group (blocks until every rank joined, or `timeout_s`)."""
+               timeout_s: float, shm: ShmCollectives | None = None) -> TPGroup:
+    """Join the group (blocks until every rank joined, or `timeout_s`). `shm`: this rank's handle on the
+    CPU ranks' shared-memory collectives, which then carry the collectives that fit its slots."""
     if torch.distributed.is_initialized():
         raise RuntimeError("tensor parallelism: this process already belongs to a torch.distributed group "
                            "(one tensor-parallel engine per process)")
@@ -92,7 +106,7 @@ def init_group(rank: int, size: int, device: torch.device, store: torch.distribu
         os.environ.setdefault("HCCL_EXEC_TIMEOUT", str(min(17340, max(68, int(timeout_s)))))
     torch.distributed.init_process_group(backend_for(device.type), store=store, rank=rank, world_size=size,
                                          timeout=datetime.timedelta(seconds=timeout_s))
-    return TPGroup(rank, size, backend_for(device.type))
+    return TPGroup(rank, size, backend_for(device.type), shm=shm, timeout_s=timeout_s)
 
 
 def leave_group() -> None:

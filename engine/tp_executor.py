@@ -19,11 +19,15 @@ import torch
 
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.parallel import TPGroup, init_group, leave_group
+from pdcluster.engine.shm_collectives import ShmCollectives, supported
 from pdcluster.engine.shm_ring import BroadcastRing
 from pdcluster.engine.step_inputs import StepInputs, encode
 from pdcluster.engine.tp_worker import WorkerSpec, main
 
 log = logging.getLogger(__name__)
+# Per rank and buffer: a decode step's [256, 4096] fp32 activations, a prefill chunk of 2048 x 1024 (larger
+# tensors take gloo). 2 x ranks x this in /dev/shm.
+SHM_SLOT_BYTES = 8 << 20
 
 
 class TPWorkerError(RuntimeError):
@@ -44,6 +48,7 @@ class TPWorkers:
         self.procs: list[mp.process.BaseProcess] = []
         self.conns = []
         self.ring = BroadcastRing.create(size - 1)
+        self.shm = _shm_collectives(device, size)
         try:
             self._start(model_dir, config, dtype, device, attention_backend, store)
         except BaseException as exc:
@@ -65,13 +70,14 @@ class TPWorkers:
         for rank in range(1, size):
             parent_end, child_end = ctx.Pipe()
             spec = WorkerSpec(model_dir, config, str(dtype).removeprefix("torch."), device.type, attention_backend,
-                              rank, size, store.port, self.ring.attach_args(), threads, timeout_s)
+                              rank, size, store.port, self.ring.attach_args(), threads, timeout_s,
+                              self.shm.attach_args(rank) if self.shm else None)
             proc = ctx.Process(target=main, args=(spec, child_end), name=f"pdcluster-tp-rank{rank}", daemon=True)
             proc.start()
             child_end.close()
             self.procs.append(proc)
             self.conns.append(parent_end)
-        self.group: TPGroup = init_group(0, size, device, store, timeout_s)
+        self.group: TPGroup = init_group(0, size, device, store, timeout_s, self.shm)
 
     def wait_ready(self, timeout_s: float = 600.0) -> None:
         """Until every rank loaded its shard; raises with a failing rank's error."""
@@ -83,6 +89,8 @@ class TPWorkers:
             self.close()
             raise
         self.ring.unlink()   # every rank has mapped it
+        if self.shm is not None:
+            self.shm.unlink()
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
     def bind_pool(self, handle: dict) -> None:
@@ -169,6 +177,7 @@ class TPWorkers:
         dead = ", ".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
                          for r, p in sentinels.values() if p.exitcode is not None)
         self.dead = TPWorkerError(f"tensor-parallel worker died: {dead}")
+        self.group.abort(str(self.dead))
         log.critical("%s", self.dead)
 
     def close(self) -> None:
@@ -188,5 +197,18 @@ class TPWorkers:
             conn.close()
         self.ring.unlink()
         self.ring.close()
+        if self.shm is not None:
+            self.shm.unlink()
         leave_group()
         atexit.unregister(self.close)   # (registered once the ranks joined)
+
+
+def _shm_collectives(device: torch.device, size: int) -> ShmCollectives | None:
+    """The shared-memory collectives for CPU ranks, when this CPU and /dev/shm allow them (else gloo)."""
+    if not supported(device):
+        return None
+    try:
+        return ShmCollectives.create(size, SHM_SLOT_BYTES)
+    except OSError as exc:
+        log.warning("tensor parallelism: no room for shared-memory collectives in /dev/shm (%s); using gloo", exc)
+        return None

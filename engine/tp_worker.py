@@ -32,6 +32,7 @@ class WorkerSpec:
     ring: tuple                # BroadcastRing.attach arguments
     threads: int               # CPU threads for this rank's ops
     timeout_s: float           # every collective's
+    collectives: tuple | None  # ShmCollectives.attach arguments (CPU ranks), or None: gloo
 
 
 def reply(conn: Connection, *message) -> None:
@@ -45,6 +46,7 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
     from pdcluster.engine.kv_cache import KVCachePool
     from pdcluster.engine.model_runner import ModelRunner
     from pdcluster.engine.parallel import init_group, leave_group, rank_device, set_device
+    from pdcluster.engine.shm_collectives import ShmCollectives
     from pdcluster.engine.shm_ring import BroadcastRing
     from pdcluster.engine.step_inputs import decode
 
@@ -57,7 +59,10 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
         set_device(device)
         store = torch.distributed.TCPStore("127.0.0.1", spec.store_port, spec.size, False,
                                            timeout=datetime.timedelta(seconds=spec.timeout_s))
-        tp = init_group(spec.rank, spec.size, device, store, spec.timeout_s)
+        shm = ShmCollectives.attach(*spec.collectives) if spec.collectives else None
+        if shm is not None:
+            shm.peer_check = lambda: "rank 0 exited" if os.getppid() != parent else None
+        tp = init_group(spec.rank, spec.size, device, store, spec.timeout_s, shm)
         ring = BroadcastRing.attach(*spec.ring)
         runner = ModelRunner(spec.model_dir, spec.config, getattr(torch, spec.dtype), device,
                              spec.attention_backend, tp=tp)
@@ -96,7 +101,7 @@ def _pool(handle, spec: WorkerSpec, device, KVCachePool, torch):
     if handle["kind"] == "shared":
         t = handle["tensor"]
         t = t if isinstance(t, torch.Tensor) else t.tensor
-        return KVCachePool(t.shape[0], spec.config.num_layers, handle["block_size"], handle["kv_heads"],
+        return KVCachePool(t.shape[2], spec.config.num_layers, handle["block_size"], handle["kv_heads"],
                            spec.config.head_dim, t.dtype, device, tensor=t, tp=spec.size)
     return KVCachePool(handle["num_blocks"], spec.config.num_layers, handle["block_size"], handle["kv_heads"],
                        spec.config.head_dim, getattr(torch, handle["dtype"]), device)
