@@ -32,15 +32,15 @@ def make_inputs(args, dtype):
     lens = torch.randint(args.min_len, args.max_len + 1, (args.batch,), generator=g).sort().values
     blocks = [-(-int(n) // bs) for n in lens]
     num_blocks = 2 * sum(blocks)
-    pool = torch.empty(num_blocks, args.layers, 2, bs, hkv, d, dtype=dtype)
+    pool = torch.empty(args.layers, 2, num_blocks, bs, hkv, d, dtype=dtype)   # engine/kv_cache.py's layout
     pool.normal_(generator=g)
-    k_cache, v_cache = pool[:, 0, 0], pool[:, 0, 1]
+    k_cache, v_cache = pool[0, 0], pool[0, 1]
     perm = torch.randperm(num_blocks, generator=g)
-    tables = perm[:args.batch * max(blocks)].view(args.batch, max(blocks))
+    tables = perm[:args.batch * max(blocks)].view(args.batch, max(blocks)).to(torch.int32)
     q = torch.randn(args.batch, hq + hkv, d, generator=g).to(dtype)[:, :hq]
-    none = torch.zeros(0, dtype=torch.long)
+    none = torch.zeros(0, dtype=torch.int32)
     meta = TorchAttentionBackend.prepare(AttentionMetadata(   # the torch path's per-step metadata
-        slot_blocks=none, slot_offsets=none, num_decode_tokens=args.batch, decode_block_tables=tables,
+        slot_mapping=none, num_decode_tokens=args.batch, decode_block_tables=tables,
         decode_context_lens=lens.to(torch.int32)))
     return q, k_cache, v_cache, meta, lens, pool
 

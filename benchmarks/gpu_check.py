@@ -13,7 +13,11 @@ even when it fails or is skipped:
              last successful install.
   device     GPU name, memory, capability, driver and CUDA versions (torch; NVML through nvidia-ml-py or
              nvidia-smi)
-  parity     the engine's parity tests against transformers (PARITY_TESTS) with PDCLUSTER_DEVICE=cuda
+  parity     the engine's parity tests against transformers (PARITY_TESTS) with PDCLUSTER_DEVICE=cuda, the
+             FlashInfer backend against the torch one (bf16), KV between two processes on the GPU (cuda_ipc).
+             On cuda the engine's attention is FlashInfer when flashinfer-python imports (the cuda extra): its
+             kernels are JIT-compiled on first use (nvcc; minutes) unless prebuilt; where they cannot be built
+             the engine runs the torch path and the FlashInfer parity test fails, saying so
   benchmark  benchmarks/offline_throughput.py --dtypes bf16 --device cuda: the engine vs transformers static
              batching on the same GPU; target engine/static >= 3
   kv_ipc     benchmarks/kv_cuda_ipc.py: KV blocks device-to-device between two processes through CUDA IPC,
@@ -57,6 +61,10 @@ PARITY_TESTS = [
     "tests/test_sliding_window.py::test_generation_far_past_the_window_uses_bounded_blocks[torch]",
     "tests/test_sliding_window.py::test_freeing_avoids_preemption_and_keeps_prefix_cache",
     "tests/test_sliding_window.py::test_preempted_windowed_sequences_recompute_exactly",
+    # the FlashInfer backend (the cuda default when flashinfer-python imports) against the torch one, bf16
+    "tests/test_flashinfer_backend.py::test_flashinfer_on_cuda_matches_the_torch_backend",
+    # KV between two processes on one GPU through the cuda_ipc channel, picked by kv_backend=auto over nccl
+    "tests/test_cuda_ipc_channel.py::test_round_trip_between_processes[cuda]",
 ]
 STAGE_LIMITS = {"device": 60, "parity": 150, "benchmark": 210, "kv_ipc": 90}
 STAGE_KEEP = {"device": 60, "parity": 90, "benchmark": 120, "kv_ipc": 45}   # kept back from install for these

@@ -6,8 +6,10 @@
 The receiver (decode side) runs in this process with its pool in POSIX shm; the sender (prefill side)
 is a spawned process. Times are sender-side, start() → finish() returned (the receiver has verified
 the checksum and acknowledged). Block: 16 layers × 2 × 16 tokens × 2 KV heads × 128 × bf16 = 256 KiB,
-so 4 MiB is the "16-block transfer" of the latency target. Limits, measured in the same run:
-memcpy = torch copy_ into a preallocated buffer; socket = raw sendall → recv_into over loopback.
+so 4 MiB is the "16-block transfer" of the latency target. Pools have the engine's layout (engine/kv_cache.py:
+[layers, k|v, blocks, block_size, heads, head_dim], one contiguous K and V cache per layer), so a block is 32
+pieces of 8 KiB, one per layer and k|v, and a run of consecutive blocks one range per plane. Limits, measured in
+the same run: memcpy = torch copy_ into a preallocated buffer; socket = raw sendall → recv_into over loopback.
 """
 
 from __future__ import annotations
@@ -27,8 +29,12 @@ import torch  # noqa: E402
 
 from pdcluster.kv_transfer import KVReceiver, KVSender, SharedKVPool  # noqa: E402
 
-BLOCK = (16, 2, 16, 2, 128)  # layers, k/v, block_size, kv heads, head_dim
+LAYERS, BLOCK = (16, 2), (16, 2, 128)  # (layers, k/v), (block_size, kv heads, head_dim)
 BLOCK_BYTES = 16 * 2 * 16 * 2 * 128 * 2
+
+
+def pool_shape(num_blocks: int) -> tuple[int, ...]:
+    return (*LAYERS, num_blocks, *BLOCK)
 DTYPE = torch.bfloat16
 
 
@@ -37,7 +43,7 @@ def reps_for(size_mib: int) -> int:
 
 
 def _sender_main(conn, num_blocks: int) -> None:
-    pool = torch.randn((num_blocks, *BLOCK)).to(DTYPE)
+    pool = torch.randn(pool_shape(num_blocks)).to(DTYPE)
     senders: dict[tuple[str, int], KVSender] = {}
     sock = None
     junk = memoryview(bytearray(num_blocks * BLOCK_BYTES))
@@ -159,7 +165,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     max_blocks = max(sizes) * (1 << 20) // BLOCK_BYTES
 
-    shm = SharedKVPool.create((max_blocks, *BLOCK), DTYPE)
+    shm = SharedKVPool.create(pool_shape(max_blocks), DTYPE)
     rx = KVReceiver(shm.tensor, shm_name=shm.name)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()

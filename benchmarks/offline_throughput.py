@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import sys
 import tempfile
@@ -114,7 +115,7 @@ def engine_llm(model_dir: str, dtype: torch.dtype, args):
 
     return LLM(model=model_dir, dtype=dtype, kv_cache_memory=int(args.kv_cache_gib * (1 << 30)),
                max_num_seqs=args.max_num_seqs, tensor_parallel_size=args.tensor_parallel_size,
-               device=args.device.split(":")[0])
+               device=args.device.split(":")[0], enforce_eager=not args.compile)
 
 
 def engine_generate(llm, reqs: list[Request]) -> tuple[float, list[list[int]]]:
@@ -293,12 +294,16 @@ def parse_args(argv=None):
     p.add_argument("--device", help="cpu, cuda or npu, for the engine and transformers alike (default: the "
                    "engine's choice, npu > cuda > cpu)")
     p.add_argument("--model-dir", help="reuse a model directory instead of writing one to a temp dir")
+    p.add_argument("--compile", action="store_true", help="engine with enforce_eager=False (torch.compile)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for both sides (0: torch's default)")
     p.add_argument("--skip-engine", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--quick", action="store_true",
                    help="32 requests, lengths 16..64; baselines on 2 (one-at-a-time) and 16 (static) requests")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.num_requests = 32
         args.prompt_len, args.output_len = (16, 64), (16, 64)
@@ -337,6 +342,8 @@ def main(argv=None) -> dict:
             "device": args.device,
             "device_name": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else None,
             "quick": args.quick,
+            "compile": args.compile,
+            "load_average": os.getloadavg(),
             "results": [],
         }
         log(f"model: {total_params / 1e6:.0f}M params; {len(reqs)} requests, {result['prompt_tokens']} prompt + "

@@ -38,8 +38,9 @@ class EngineArgs:
     metadata: help text, choices, and `setting=False` for the two that only code can pass)."""
 
     model: str = knob(help="HF checkpoint directory")
-    dtype: str | torch.dtype = knob("float32", choices=DTYPE_CHOICES,
-                                    help="weights and KV dtype; auto: float32 on CPU, else the checkpoint's")
+    dtype: str | torch.dtype = knob("auto", choices=DTYPE_CHOICES,
+                                    help="weights and KV dtype; auto: float32 on CPU, else the checkpoint's "
+                                         "(bfloat16 for a float32 one on cuda)")
     device: str | None = knob(None, choices=DEVICE_CHOICES, help="auto: npu > cuda > cpu")
     block_size: int = knob(16, help="tokens per KV block (vLLM-Ascend commonly uses 128)")
     kv_cache_dtype: str = knob("auto", choices=KV_CACHE_DTYPE_CHOICES,
@@ -68,6 +69,8 @@ class EngineArgs:
     collective_timeout: float = knob(60.0, help="seconds a tensor-parallel collective (or a rank joining) may "
                                                 "take before the engine fails naming the rank")
     attention_backend: str | None = knob(None, help="attention backend name; unset: chosen by device")
+    enforce_eager: bool = knob(True, help="run the model eagerly; false: torch.compile the model body "
+                                          "(tensor_parallel_size 1, cached on disk)")
     seed: int = knob(0, help="base seed of the sampler")
     # In code also a SharedWeightPool object; a config names one as NAME:SIZE (engine/weight_pool.py).
     weight_pool: str | SharedWeightPool | None = knob(

@@ -25,7 +25,8 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, model_dir: str) -> torch.dtype:
     """`EngineArgs.dtype` as a torch dtype. "auto" (as in vLLM): float32 on CPU (bf16 GEMV is slow there),
-    else the checkpoint's `torch_dtype` (bfloat16 when config.json names none)."""
+    else the checkpoint's `torch_dtype` (bfloat16 when config.json names none); on cuda a float32 checkpoint
+    runs in bfloat16 too (FlashInfer's kernels and the tensor cores take 16-bit types)."""
     if dtype != "auto":
         return parse_dtype(dtype)
     if device.type == "cpu":
@@ -35,7 +36,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, model_dir: str
             cfg = json.load(f)
     except (OSError, ValueError):
         return torch.bfloat16
-    return parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    found = parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    return torch.bfloat16 if device.type == "cuda" and found == torch.float32 else found
 
 
 @dataclass

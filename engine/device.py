@@ -6,9 +6,18 @@ without CANN its import hook can break, so any failure counts as "no NPU".
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pdcluster.engine.args import EngineArgs
+
+log = logging.getLogger(__name__)
 
 _DEVICE_KINDS = ("npu", "cuda", "cpu")
 _npu_available: bool | None = None
@@ -56,6 +65,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if kind == "npu":
         if not npu_available():
             raise ValueError("device: 'npu' requested but torch_npu is not importable or sees no NPU")
+        if is_npu(torch.device("cpu")):   # the emulator's NPU tensors are CPU tensors (is_npu)
+            return torch.device("cpu")
     elif kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("device: 'cuda' requested but CUDA is not available")
     dev = torch.device(device) if not isinstance(device, torch.device) else device
@@ -64,15 +75,84 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+# NPU defaults: the fused attention's paged prefill (Q_S > 1) takes blocks of a multiple of 128 in 128..512
+# (torch_npu-npu_fused_infer_attention_score.md), and it takes float16 / bfloat16 only.
+NPU_BLOCK_SIZE = 128
+
+
+def is_npu(device: torch.device) -> bool:
+    """Whether tensors on `device` run torch_npu's kernels: NPU tensors; and, under the CPU emulator of torch_npu
+    (tests/fake_torch_npu) set to `npu_on_cpu`, CPU tensors, which stand in for NPU ones there (a CPU process
+    cannot hold tensors on a device named "npu": docs/engine.md "NPU emulator")."""
+    if device.type == "npu":
+        return True
+    emulator = getattr(sys.modules.get("torch_npu"), "_emulator", None)
+    return device.type == "cpu" and bool(getattr(emulator, "npu_on_cpu", False))
+
+
+def device_kind(device: torch.device) -> str:
+    """npu / cuda / cpu: which kernels the device runs (`is_npu`)."""
+    return "npu" if is_npu(device) else device.type
+
+
+def npu_dtype() -> torch.dtype:
+    """bfloat16, or float16 on chips without bfloat16 (Atlas 300I / 310P: `torch.npu.is_bf16_supported()`)."""
+    check = getattr(torch.npu, "is_bf16_supported", None)
+    return torch.bfloat16 if check is None or check() else torch.float16
+
+
+def with_device_defaults(args: "EngineArgs", device: torch.device) -> "EngineArgs":
+    """`args` with the NPU defaults where they were left at the generic ones: block size 16 → 128 (the generic
+    default; the paged prefill cannot take it) and dtype "auto" → bfloat16 (float16 without bf16). float32 on
+    NPU is refused: the fused attention takes float16 / bfloat16 only. Unchanged on other devices."""
+    if not is_npu(device):
+        return args
+    if args.dtype in ("float32", torch.float32):
+        raise ValueError("dtype: float32 does not run on NPU (npu_fused_infer_attention_score takes float16 / "
+                         "bfloat16); use dtype auto, bfloat16 or float16")
+    changes = {}
+    if args.block_size == 16:
+        changes["block_size"] = NPU_BLOCK_SIZE
+    if args.dtype == "auto":
+        changes["dtype"] = str(npu_dtype()).removeprefix("torch.")
+    if changes:
+        log.info("NPU defaults: %s", ", ".join(f"{k}={v}" for k, v in changes.items()))
+    return replace(args, **changes) if changes else args
+
+
+def bind_thread(device: torch.device) -> None:
+    """Bind the calling thread to `device`: on Ascend the device context is per thread, and a thread that never
+    called `torch.npu.set_device` fails its first device op with "the context is empty". Cheap to repeat."""
+    if is_npu(device):
+        torch.npu.set_device(device.index or 0)
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def free_memory_bytes(device: torch.device) -> int:
     """Free memory on the device; on CPU, available system memory (MemAvailable)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    if device.type == "npu":
+    if device.type == "npu":   # (the emulator's stand-in tensors live in host memory: counted below)
         free, _total = torch.npu.mem_get_info(device)
         return int(free)
     return available_memory_bytes()
+
+
+# HCCL communicators a node holds at once, besides torch's allocator: its tensor-parallel group and KV pair
+# groups with the peers it is talking to.
+HCCL_COMMUNICATORS = 3
+
+
+def collective_headroom_bytes(device: torch.device) -> int:
+    """Device memory to leave out of the KV pool for the collective library. On NPU each HCCL communicator
+    takes 2 x HCCL_BUFFSIZE MB of its own (send and receive buffers; CANN environment variable reference,
+    HCCL_BUFFSIZE: default 200, "exclusively used by HCCL"); NCCL's buffers are small and come out of the
+    `gpu_memory_utilization` margin."""
+    if device.type != "npu":
+        return 0
+    return 2 * int(os.environ.get("HCCL_BUFFSIZE", "200")) * HCCL_COMMUNICATORS << 20
 
 
 CPU_KV_CACHE_CAP = 4 << 30   # per engine: on CPU the pool shares RAM with everything else

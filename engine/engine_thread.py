@@ -66,8 +66,11 @@ class EngineThread:
     def _run(self) -> None:
         import torch
 
+        from pdcluster.engine.device import bind_thread
+
         torch.set_grad_enabled(False)
         engine = self.engine
+        bind_thread(engine.device)   # Ascend: device contexts are per thread
         while not self._stop.is_set():
             self._run_commands(block=not engine.has_unfinished_requests())
             try:

@@ -1,21 +1,29 @@
-"""The KV cache pool: one preallocated tensor per engine, block-major.
+"""The KV cache pool: one preallocated tensor per engine, layer-major, one contiguous K and V cache per layer.
 
-Shape `[num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, row]`: one block of one request is a
-single contiguous byte range across all layers, so moving it to another process is one copy. Attention
-sees strided per-layer views `[num_blocks, block_size, num_kv_heads, row]`.
+Shape `[num_layers, 2 * tp, num_blocks, block_size, num_kv_heads, row]`: plane `2r` is rank r's K cache of a
+layer and plane `2r + 1` its V cache, each one contiguous `[num_blocks, block_size, num_kv_heads, row]` tensor
+(`layer_views`), the layout the device kernels take (torch_npu `_npu_reshape_and_cache` /
+`npu_fused_infer_attention_score` with a block table, FlashInfer's paged KV, the CPU decode kernel): new K/V
+land through one flat int32 slot index (`block * block_size + offset`), and a block table indexes the first
+dim. Why layer-major (and rank inside the layer) rather than rank-major: a layer's planes of every rank are
+neighbours, so the layer-wise KV push addresses "layers [l0, l1)" as one range of planes
+`[2tp·l0, 2tp·l1)`, and a run of consecutive blocks is one contiguous byte range per plane (KV transfer moves
+per-plane runs, no staging). The price: one block across all layers is `2tp · num_layers` ranges
+(`block(i)` is a strided view) instead of one.
 
 `row` is `head_dim` for a float pool. An int8 pool (`kv_cache_dtype="int8"`) stores each (token, KV head)
 row as `head_dim` int8 values followed by its fp16 scale (2 bytes, symmetric: scale = absmax / 127), so
 `row = head_dim + 2` and a block carries its own scales: it is self-contained for KV transfer and the
 prefix cache. An fp16 scale (not fp32) keeps a head_dim 64 row at 66 bytes, 1.94x fewer than bf16.
 
-Under tensor parallelism on CPU the pool holds every rank's heads, shared by the rank processes:
-`[num_blocks, num_layers, 2 * tp, block_size, kv_heads_per_rank, row]` (k and v of rank 0, of rank 1, ...).
-Rank r reads and writes `[:, layer, 2r]` and `[:, layer, 2r + 1]` (contiguous per block, as the kernels
-want), and a block restricted to a range of layers is
-still one contiguous byte range holding all ranks' heads: KV transfer moves it unchanged between engines of
-the same tensor_parallel_size (rank i's heads land in rank i's slice). A device rank's pool is its own slice
-(tp = 1 here).
+Under tensor parallelism on CPU the pool holds every rank's heads, shared by the rank processes (2 * tp
+planes per layer, rank r's K and V at 2r and 2r + 1): KV transfer moves a block's planes unchanged between
+engines of the same tensor_parallel_size (rank i's heads land in rank i's planes). A device rank's pool is
+its own slice (tp = 1 here).
+
+Allocation: the pool this module allocates starts at a `POOL_ALIGNMENT` boundary (2 MiB on a device, the
+huge-page size memory registration for RDMA / HCCL / CUDA IPC works in; a page on CPU, which shared-memory
+pools get from mmap anyway), and every plane starts at a multiple of one block's plane bytes after it.
 """
 
 from __future__ import annotations
@@ -57,6 +65,22 @@ def dequantize_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (rows[..., :d].float() * scale.float()).to(dtype)
 
 
+POOL_ALIGNMENT = {"cpu": 4096}   # bytes; any other device: DEVICE_ALIGNMENT
+DEVICE_ALIGNMENT = 2 << 20
+
+
+def aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A zeroed contiguous tensor whose storage starts at the device's POOL_ALIGNMENT (over-allocates by at
+    most one alignment and slices)."""
+    device = torch.device(device)
+    align = POOL_ALIGNMENT.get(device.type, DEVICE_ALIGNMENT)
+    elem = torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * elem
+    raw = torch.zeros(nbytes + align, dtype=torch.uint8, device=device)
+    skip = -raw.data_ptr() % align
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
+
+
 class KVCachePool:
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", tensor: torch.Tensor | None = None,
@@ -65,10 +89,11 @@ class KVCachePool:
         `num_kv_heads`: per rank; `tp`: how many ranks' slices the tensor holds."""
         shape = _shape(num_blocks, num_layers, block_size, num_kv_heads, row_size(head_dim, dtype), tp)
         if tensor is None:
-            tensor = torch.zeros(shape, dtype=dtype, device=device)
+            tensor = aligned_zeros(shape, dtype, device)
         else:
             if tuple(tensor.shape) != shape:
-                raise ValueError(f"kv_pool_tensor: shape {tuple(tensor.shape)} does not match expected {shape}")
+                raise ValueError(f"kv_pool_tensor: shape {tuple(tensor.shape)} does not match expected {shape} "
+                                 "[num_layers, 2 * tp, num_blocks, block_size, kv_heads, row]")
             if tensor.dtype != dtype:
                 raise ValueError(f"kv_pool_tensor: dtype {tensor.dtype} does not match the KV cache dtype {dtype}")
             if not tensor.is_contiguous():
@@ -95,17 +120,18 @@ class KVCachePool:
 
     @property
     def block_bytes(self) -> int:
-        return self.tensor[0].numel() * self.tensor.element_size()
+        """Bytes of one block across all layers and planes."""
+        return self.tensor[:, :, 0].numel() * self.tensor.element_size()
 
     def layer_views(self, layer: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) views of one layer (of one rank's heads), each `[num_blocks, block_size, num_kv_heads, row]`,
-        contiguous per block, no copy."""
-        return self.tensor[:, layer, 2 * rank], self.tensor[:, layer, 2 * rank + 1]
+        """(k, v) caches of one layer (of one rank's heads), each a contiguous
+        `[num_blocks, block_size, num_kv_heads, row]` tensor, no copy."""
+        return self.tensor[layer, 2 * rank], self.tensor[layer, 2 * rank + 1]
 
     def block(self, block_id: int) -> torch.Tensor:
-        """One block across all layers (and ranks): a contiguous view."""
-        return self.tensor[block_id]
+        """One block across all layers (and ranks): a strided `[num_layers, 2 * tp, block_size, heads, row]` view."""
+        return self.tensor[:, :, block_id]
 
 
 def _shape(num_blocks: int, num_layers: int, block_size: int, kv_heads: int, row: int, tp: int) -> tuple[int, ...]:
-    return (num_blocks, num_layers, 2 * tp, block_size, kv_heads, row)
+    return (num_layers, 2 * tp, num_blocks, block_size, kv_heads, row)

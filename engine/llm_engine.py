@@ -14,7 +14,14 @@ from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import EngineArgs
 from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import ModelConfig, resolve_dtype
-from pdcluster.engine.device import default_cpu_kv_cache_bytes, free_memory_bytes, resolve_device
+from pdcluster.engine.device import (
+    bind_thread,
+    collective_headroom_bytes,
+    default_cpu_kv_cache_bytes,
+    free_memory_bytes,
+    resolve_device,
+    with_device_defaults,
+)
 from pdcluster.engine.kv_cache import KVCachePool, resolve_kv_dtype
 from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.engine.loader import load_eos_token_ids, load_tokenizer
@@ -35,9 +42,10 @@ RATE_INTERVAL_S = 2.0   # EngineStats.tokens_per_s: generated tokens over about 
 
 class LLMEngine:
     def __init__(self, args: EngineArgs, kv_connector: KVConnector | None = None) -> None:
-        self.args = args
         self.kv_connector = kv_connector
         self.device = resolve_device(args.device)
+        bind_thread(self.device)
+        self.args = args = with_device_defaults(args, self.device)
         self.dtype = resolve_dtype(args.dtype, self.device, args.model)
         self.model_config = ModelConfig.from_pretrained(args.model)
         cfg = self.model_config
@@ -57,7 +65,8 @@ class LLMEngine:
                                 args.collective_timeout)
         try:
             self.runner = ModelRunner(args.model, cfg, self.dtype, self.device, args.attention_backend, args.seed,
-                                      self.weight_pool, tp=workers.group if workers else None, workers=workers)
+                                      self.weight_pool, tp=workers.group if workers else None, workers=workers,
+                                      enforce_eager=args.enforce_eager)
             if workers is not None:
                 workers.wait_ready()
             self.kv_pool, handle = self._make_pool()
@@ -112,7 +121,7 @@ class LLMEngine:
         kv_dtype = resolve_kv_dtype(a.kv_cache_dtype, self.dtype)
         per_block = KVCachePool.bytes_per_block(cfg, a.block_size, kv_dtype, pool_tp)
         if a.kv_pool_tensor is not None:
-            num_blocks, made = a.kv_pool_tensor.shape[0], a.kv_pool_tensor
+            num_blocks, made = a.kv_pool_tensor.shape[2], a.kv_pool_tensor
         else:
             num_blocks, made = self._num_blocks(per_block), None
             if a.kv_pool_factory is not None:
@@ -152,7 +161,8 @@ class LLMEngine:
             elif self.device.type == "cpu":
                 budget = default_cpu_kv_cache_bytes(a.gpu_memory_utilization)
             else:
-                budget = int(free_memory_bytes(self.device) * a.gpu_memory_utilization)
+                budget = int(free_memory_bytes(self.device) * a.gpu_memory_utilization) \
+                    - collective_headroom_bytes(self.device)
             num_blocks = budget // per_block
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory: room for no KV block (one block needs {per_block} bytes)")

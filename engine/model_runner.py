@@ -7,12 +7,14 @@ step), and samples alone. The other ranks run `execute` with the same inputs (en
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
 
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.attention import AttentionMetadata, PrefillChunk, get_backend_class
+from pdcluster.engine.compiled import CompiledBody
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.kv_cache import KVCachePool
 from pdcluster.engine.loader import load_model
@@ -23,13 +25,16 @@ from pdcluster.engine.sequence import Sequence
 from pdcluster.engine.step_inputs import StepInputs
 from pdcluster.engine.tp_shards import local_kv_heads
 
+log = logging.getLogger(__name__)
+
 
 class ModelRunner:
     def __init__(self, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  attention_backend: str | None = None, seed: int = 0, weight_pool=None, tp: TPGroup | None = None,
-                 workers=None) -> None:
+                 workers=None, enforce_eager: bool = True) -> None:
         """`tp`: this process's tensor-parallel rank; `workers` (rank 0 of a group: a `TPWorkers`): the other
-        ranks, which get every step's inputs from here."""
+        ranks, which get every step's inputs from here. `enforce_eager` False: the model body runs compiled
+        (engine/compiled.py) on a single rank."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -39,6 +44,11 @@ class ModelRunner:
         self.attn_backend = backend_cls(config.num_heads // self.tp.size, local_kv_heads(config, self.tp.size),
                                         config.head_dim)
         self.model = load_model(model_dir, config, dtype, device, self.attn_backend, weight_pool, self.tp)
+        self.compiled: CompiledBody | None = None
+        if not enforce_eager and self.tp.size == 1:   # the all-reduce of tp > 1 is Python: eager there
+            body = self.model.model
+            self.compiled = CompiledBody(lambda ids, positions: body(ids, positions, None),
+                                         self.model.attention_layers())
         self.sampler = Sampler(seed=seed)
         self.kv_pool: KVCachePool | None = None
         self.block_size = 0
@@ -83,12 +93,12 @@ class ModelRunner:
                 sample_seqs.append(seq)
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
-                              dtype=torch.long)
+                              dtype=torch.int32)
         counts_t = torch.tensor(counts, dtype=torch.long)
         positions_t = torch.tensor(positions, dtype=torch.long)
         seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
-        slot_blocks = tables[seq_of_token, positions_t // bs]
-        meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=positions_t % bs, num_decode_tokens=num_decode)
+        slots = (tables[seq_of_token, positions_t // bs] * bs + positions_t % bs).to(torch.int32)
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=num_decode)
         if num_decode:
             dec_blocks = max(len(s.block_table) for s in seqs[:num_decode])
             meta.decode_block_tables = tables[:num_decode, :dec_blocks]
@@ -104,12 +114,21 @@ class ModelRunner:
         """One forward pass; the logits of `inputs.sample_rows` (None if there are none). Every rank runs it
         with the same inputs."""
         inputs = inputs.to(self.device)
-        hidden = self.model(inputs.ids, inputs.positions, self.attn_backend.prepare(inputs.meta),
-                            layer_done_callback)
+        meta = self.attn_backend.prepare(inputs.meta)
+        hidden = None
+        if self.compiled is not None and layer_done_callback is None:   # a callback per layer needs the eager loop
+            try:
+                hidden = self.compiled(inputs.ids, inputs.positions, meta)
+            except torch._dynamo.exc.TorchDynamoException:   # could not compile: eager from now on (KV rewritten)
+                log.exception("compiling the model body failed; running eagerly")
+                self.compiled = None
+        if hidden is None:
+            hidden = self.model(inputs.ids, inputs.positions, meta, layer_done_callback)
         if not inputs.sample_rows:
             return None
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device)
-        return self.model.compute_logits(hidden.index_select(0, rows))
+        if len(inputs.sample_rows) < hidden.shape[0]:   # else every row samples (a decode step): no gather
+            hidden = hidden.index_select(0, torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device))
+        return self.model.compute_logits(hidden)
 
     def _execute_everywhere(self, inputs: StepInputs,
                             layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor | None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 
@@ -85,13 +85,16 @@ class Sampler:
             apply_penalties(x, pen_rows, [requests[i] for i in pen_rows])
         _mask_min_tokens(x, requests)
 
-        tokens = torch.empty(len(requests), dtype=torch.long, device=device)
         greedy_rows = [i for i, r in enumerate(requests) if _is_greedy(r.params)]
         random_rows = [i for i, r in enumerate(requests) if not _is_greedy(r.params)]
-        if greedy_rows:
+        if not random_rows:
+            tokens = x.argmax(dim=-1)
+        elif not greedy_rows:   # the whole batch samples: no row gathers, x itself is the work buffer
+            tokens = self._sample_random(x, requests)
+        else:
+            tokens = torch.empty(len(requests), dtype=torch.long, device=device)
             idx = torch.tensor(greedy_rows, device=device)
             tokens[idx] = x[idx].argmax(dim=-1)
-        if random_rows:
             idx = torch.tensor(random_rows, device=device)
             tokens[idx] = self._sample_random(x[idx], [requests[i] for i in random_rows])
         token_list = tokens.tolist()
@@ -105,55 +108,66 @@ class Sampler:
         return token_list, logprobs
 
     def _sample_random(self, x: torch.Tensor, requests: list[SampleRequest]) -> torch.Tensor:
+        """x: fp32 logits, one row per request; overwritten."""
         device = x.device
         params = [r.params for r in requests]
         temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
-        probs = (x / temps).softmax(dim=-1)
-        filter_probs(probs, params)
+        probs = x.div_(temps).softmax(dim=-1)
+        candidates = filter_probs(probs, params)
 
         us = [seeded_uniform(r.params.seed, r.position) if r.params.seed is not None else self._rng.random()
               for r in requests]
         u = torch.tensor([min(v, _LARGEST_FLOAT32_BELOW_ONE) for v in us], device=device).unsqueeze(1)
+        vocab = x.shape[1]
+        if candidates is not None and device.type != "cpu":
+            candidates = None   # a device cumsum is a parallel scan: its sums depend on the columns it covers
+        if candidates is not None:
+            # Only the candidates can be picked: their cumulative sums in id order are the full row's at
+            # their ids (the zeros between them add nothing; CPU cumsum accumulates in order, in double), so
+            # the draw is the same token as over the whole row, for a cumsum over `width` columns, not the vocab.
+            probs = probs.gather(1, candidates.clamp(max=vocab - 1)).masked_fill_(candidates == vocab, 0.0)
         cdf = probs.cumsum(dim=-1)
         # First token whose cumulative probability reaches u * total. The target is kept > 0 and
         # <= total, so a token with zero probability can never be picked.
         target = (u * cdf[:, -1:]).clamp_(min=torch.finfo(torch.float32).tiny)
-        picked = torch.searchsorted(cdf, target).squeeze(1)
-        return picked.clamp_(max=x.shape[1] - 1)
+        picked = torch.searchsorted(cdf, target).clamp_(max=cdf.shape[1] - 1)
+        if candidates is not None:
+            picked = candidates.gather(1, picked)
+        return picked.squeeze(1).clamp_(max=vocab - 1)
 
 
 def apply_penalties(x: torch.Tensor, rows: list[int], requests: list[SampleRequest]) -> None:
     """In place, vLLM semantics: repetition penalty over prompt+output tokens (divide positive logits,
     multiply negative ones), then frequency (per occurrence) and presence (once) over output tokens.
-    Only the (row, token) entries that were seen are touched."""
+    Only the (row, token) entries that were seen are touched: every request's ids go into one flat tensor
+    of keys row * vocab + id, and `unique` / `bincount` find the entries and their output counts for the
+    whole batch at once (no per-token Python)."""
     vocab = x.shape[1]
-    pair_rows: list[int] = []
-    pair_ids: list[int] = []
-    counts: list[int] = []
-    reps: list[float] = []
-    freqs: list[float] = []
-    press: list[float] = []
-    for row, r in zip(rows, requests):
-        p = r.params
-        out_counts = Counter(r.output_ids)
-        ids = set(r.prompt_ids).union(out_counts) if p.repetition_penalty != 1.0 else set(out_counts)
-        ids = [t for t in ids if 0 <= t < vocab]
-        pair_rows.extend([row] * len(ids))
-        pair_ids.extend(ids)
-        counts.extend(out_counts.get(t, 0) for t in ids)
-        reps.extend([p.repetition_penalty] * len(ids))
-        freqs.extend([p.frequency_penalty] * len(ids))
-        press.extend([p.presence_penalty] * len(ids))
-    if not pair_ids:
-        return
     device = x.device
-    index = (torch.tensor(pair_rows, device=device), torch.tensor(pair_ids, device=device))
-    rep = torch.tensor(reps, device=device)
-    count = torch.tensor(counts, dtype=torch.float32, device=device)
+    params = [r.params for r in requests]
+    out_ids = torch.tensor(list(chain.from_iterable(r.output_ids for r in requests)), dtype=torch.long)
+    out_rows = torch.repeat_interleave(torch.arange(len(requests)),
+                                       torch.tensor([len(r.output_ids) for r in requests], dtype=torch.long))
+    rep_rows = [j for j, p in enumerate(params) if p.repetition_penalty != 1.0]   # these count prompt ids too
+    prompt_ids = torch.tensor(list(chain.from_iterable(requests[j].prompt_ids for j in rep_rows)), dtype=torch.long)
+    prompt_rows = torch.repeat_interleave(torch.tensor(rep_rows, dtype=torch.long),
+                                          torch.tensor([len(requests[j].prompt_ids) for j in rep_rows],
+                                                       dtype=torch.long))
+    out_keys = (out_rows * vocab + out_ids)[(out_ids >= 0) & (out_ids < vocab)]
+    prompt_keys = (prompt_rows * vocab + prompt_ids)[(prompt_ids >= 0) & (prompt_ids < vocab)]
+    keys = torch.unique(torch.cat((out_keys, prompt_keys)))
+    if keys.numel() == 0:
+        return
+    counts = torch.bincount(torch.searchsorted(keys, out_keys), minlength=keys.numel()).to(torch.float32)
+    row = keys // vocab
+    index = (torch.tensor(rows, dtype=torch.long)[row].to(device), (keys % vocab).to(device))
+    rep = torch.tensor([p.repetition_penalty for p in params])[row].to(device)
+    freq = torch.tensor([p.frequency_penalty for p in params])[row].to(device)
+    pres = torch.tensor([p.presence_penalty for p in params])[row].to(device)
+    count = counts.to(device)
     values = x[index]
     values = torch.where(values > 0, values / rep, values * rep)
-    values = values - torch.tensor(freqs, device=device) * count \
-        - torch.tensor(press, device=device) * (count > 0).float()
+    values = values - freq * count - pres * (count > 0).float()
     x[index] = values
 
 
@@ -170,22 +184,28 @@ def _mask_min_tokens(x: torch.Tensor, requests: list[SampleRequest]) -> None:
         x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = -math.inf
 
 
-def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> None:
+def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
     """In place: zero the probabilities outside top-k, then top-p (on the top-k renormalised
     distribution), then min-p. probs need not be renormalised afterwards (sampling scales u).
     Each filter is a per-row probability cutoff, so tokens tied with the cutoff survive (as in
-    transformers' top-k warper); only rows with top-k or top-p pay for a (partial) sort."""
+    transformers' top-k warper); only rows with top-k or top-p pay for a (partial) sort.
+    Returns, when every row's survivors are among its top candidates (every row has top-k or a top-p
+    nucleus found among them, and no tie at the cutoff reaches past them), the surviving candidates' token
+    ids, ascending per row, padded with `vocab` ([n, width]); else None."""
     device = probs.device
     vocab = probs.shape[1]
     threshold = torch.zeros(len(params), 1, device=device)
 
     cut_rows = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    every_row = len(cut_rows) == len(params)
+    unresolved: list[int] = []
     if cut_rows:
-        sub = probs[cut_rows]
+        sub = probs if every_row else probs[cut_rows]   # no copy when every row cuts
         ks = [min(params[j].top_k, vocab) if params[j].top_k > 0 else 0 for j in cut_rows]
         top_ps = [params[j].top_p for j in cut_rows]
-        width = min(vocab, max(k if k > 0 else TOP_P_CANDIDATES for k in ks))
-        values = torch.topk(sub, width, dim=-1).values
+        # One column past the widest top-k: below the cutoff, unless tied with it (see the return value).
+        width = min(vocab, max(k if k > 0 else TOP_P_CANDIDATES for k in ks) + 1)
+        values, candidates = torch.topk(sub, width, dim=-1)
         cut, resolved = _nucleus_cutoff(values, ks, top_ps)
         unresolved = [n for n, ok in enumerate(resolved.tolist()) if not ok]
         if unresolved and width < vocab:   # nucleus wider than the candidates: sort those rows in full
@@ -199,8 +219,13 @@ def filter_probs(probs: torch.Tensor, params: list[SamplingParams]) -> None:
         cut = probs[minp_rows].max(dim=-1, keepdim=True).values * min_p
         threshold[minp_rows] = torch.maximum(threshold[minp_rows], cut)
 
-    if cut_rows or minp_rows:
-        probs.masked_fill_(probs < threshold, 0.0)
+    if not (cut_rows or minp_rows):
+        return None
+    probs.masked_fill_(probs < threshold, 0.0)
+    # The tokens outside the candidates are at most as likely as the last candidate: all dropped if it is.
+    if not every_row or unresolved or not bool((values[:, -1:] < threshold).all()):
+        return None
+    return candidates.masked_fill_(values < threshold, vocab).sort(dim=-1).values
 
 
 def _nucleus_cutoff(values: torch.Tensor, ks: list[int],

@@ -22,12 +22,14 @@ class StepInputs:
         if device.type == "cpu":
             return self
 
+        pin = device.type == "cuda"   # from pinned memory the copy is really asynchronous (pageable: a sync)
+
         def mv(t):
-            return None if t is None else t.to(device, non_blocking=True)
+            return None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=True)
 
         m = self.meta
         meta = AttentionMetadata(
-            slot_blocks=mv(m.slot_blocks), slot_offsets=mv(m.slot_offsets), num_decode_tokens=m.num_decode_tokens,
+            slot_mapping=mv(m.slot_mapping), num_decode_tokens=m.num_decode_tokens,
             decode_block_tables=mv(m.decode_block_tables), decode_context_lens=mv(m.decode_context_lens),
             prefills=[PrefillChunk(p.start, p.end, p.num_cached, mv(p.block_table)) for p in m.prefills])
         return StepInputs(mv(self.ids), mv(self.positions), meta, self.sample_rows)
@@ -50,8 +52,8 @@ def _unpack(v) -> torch.Tensor | None:
 def encode(inputs: StepInputs) -> bytes:
     m = inputs.meta
     return msgpack.packb({
-        "t": [_pack(t) for t in (inputs.ids, inputs.positions, m.slot_blocks, m.slot_offsets,
-                                 m.decode_block_tables, m.decode_context_lens)],
+        "t": [_pack(t) for t in (inputs.ids, inputs.positions, m.slot_mapping, m.decode_block_tables,
+                                 m.decode_context_lens)],
         "nd": m.num_decode_tokens,
         "pf": [[p.start, p.end, p.num_cached, _pack(p.block_table)] for p in m.prefills],
         "rows": inputs.sample_rows,
@@ -60,8 +62,8 @@ def encode(inputs: StepInputs) -> bytes:
 
 def decode(data: bytes) -> StepInputs:
     d = msgpack.unpackb(data)
-    ids, positions, slot_blocks, slot_offsets, tables, lens = (_unpack(v) for v in d["t"])
-    meta = AttentionMetadata(slot_blocks=slot_blocks, slot_offsets=slot_offsets, num_decode_tokens=d["nd"],
+    ids, positions, slot_mapping, tables, lens = (_unpack(v) for v in d["t"])
+    meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=d["nd"],
                              decode_block_tables=tables, decode_context_lens=lens,
                              prefills=[PrefillChunk(s, e, c, _unpack(t)) for s, e, c, t in d["pf"]])
     return StepInputs(ids, positions, meta, d["rows"])

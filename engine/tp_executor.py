@@ -22,7 +22,7 @@ from pdcluster.engine.parallel import TPGroup, init_group, leave_group
 from pdcluster.engine.shm_collectives import ShmCollectives, supported
 from pdcluster.engine.shm_ring import BroadcastRing
 from pdcluster.engine.step_inputs import StepInputs, encode
-from pdcluster.engine.tp_worker import WorkerSpec, main
+from pdcluster.engine.tp_worker import WorkerSpec, run
 
 log = logging.getLogger(__name__)
 # Per rank and buffer: a decode step's [256, 4096] fp32 activations, a prefill chunk of 2048 x 1024 (larger
@@ -72,7 +72,7 @@ class TPWorkers:
             spec = WorkerSpec(model_dir, config, str(dtype).removeprefix("torch."), device.type, attention_backend,
                               rank, size, store.port, self.ring.attach_args(), threads, timeout_s,
                               self.shm.attach_args(rank) if self.shm else None)
-            proc = ctx.Process(target=main, args=(spec, child_end), name=f"pdcluster-tp-rank{rank}", daemon=True)
+            proc = ctx.Process(target=run, args=(spec, child_end), name=f"pdcluster-tp-rank{rank}", daemon=True)
             proc.start()
             child_end.close()
             self.procs.append(proc)

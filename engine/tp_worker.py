@@ -39,6 +39,11 @@ def reply(conn: Connection, *message) -> None:
     conn.send_bytes(pickle.dumps(message))
 
 
+def run(spec: WorkerSpec, conn: Connection) -> None:
+    """The process target: `main`'s return value becomes the exit code (a target's return value is dropped)."""
+    raise SystemExit(main(spec, conn))
+
+
 def main(spec: WorkerSpec, conn: Connection) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C goes to the whole group; rank 0 stops us
     import torch

@@ -7,6 +7,7 @@ Tests swap entries to install wrapper channels (kv_transfer/testing.py).
 from __future__ import annotations
 
 from pdcluster.kv_transfer.channel import Channel, PoolViews
+from pdcluster.kv_transfer.cuda_ipc_channel import CudaIpcChannel
 from pdcluster.kv_transfer.destination import Destination
 from pdcluster.kv_transfer.dist_channel import GlooChannel, HcclChannel, NcclChannel
 from pdcluster.kv_transfer.errors import TransferError
@@ -15,7 +16,7 @@ from pdcluster.kv_transfer.shm_channel import ShmChannel
 from pdcluster.kv_transfer.tcp_channel import TcpChannel
 
 CHANNELS: dict[str, type[Channel]] = {
-    c.name: c for c in (ShmChannel, TcpChannel, Int8Channel, GlooChannel, NcclChannel, HcclChannel)
+    c.name: c for c in (ShmChannel, TcpChannel, Int8Channel, GlooChannel, NcclChannel, HcclChannel, CudaIpcChannel)
 }
 
 

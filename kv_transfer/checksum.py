@@ -2,7 +2,8 @@
 
 Per block, the wrapping int64 sum of its bytes viewed as 64-bit words; blocks are then combined with
 odd weights (2k+1) so a block landing in the wrong slot changes the result. CPU pools are summed with
-numpy (one thread: no OpenMP team to wake or to fight the peer process for the cores); device pools
+numpy, or for many scattered runs one numba pass (one thread either way: no OpenMP team to wake or to fight
+the peer process for the cores); device pools
 with torch on the device. Both wrap modulo 2**64, so a GPU sender and a CPU receiver agree. Far
 cheaper than zlib.crc32 (measured in docs/benchmarks.md; see docs/kv_transfer.md).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from numba import njit
 
 MASK64 = (1 << 64) - 1
 Words = np.ndarray | torch.Tensor
@@ -29,22 +31,46 @@ def words(byte_tensor: torch.Tensor) -> Words:
     return view.numpy() if view.device.type == "cpu" else view
 
 
-def checksum_runs(pool_words: Words, block_runs: list[tuple[int, int]], l0: int, l1: int) -> int:
-    """Checksum of blocks (start, length)... restricted to layers [l0, l1), in run order.
+def checksum_runs(pool_words: Words, block_runs: list[tuple[int, int]], p0: int, p1: int) -> int:
+    """Checksum of blocks (start, length)... restricted to planes [p0, p1) (layout.planes(l0, l1)), in run order.
 
-    pool_words: words(byte_view(pool)), shape [num_blocks, num_layers, words_per_layer].
+    pool_words: words(byte_view(pool)), shape [planes, num_blocks, words_per_plane].
     """
-    return weighted(block_sums(pool_words, block_runs, l0, l1))
+    return weighted(block_sums(pool_words, block_runs, p0, p1))
 
 
-def block_sums(pool_words: Words, block_runs: list[tuple[int, int]], l0: int, l1: int) -> Words:
-    """Per-block wrapping sums of layers [l0, l1), in run order."""
+def block_sums(pool_words: Words, block_runs: list[tuple[int, int]], p0: int, p1: int) -> Words:
+    """Per-block wrapping sums of planes [p0, p1), in run order (a block's sum does not depend on the layout:
+    addition modulo 2**64 is order-free)."""
     if isinstance(pool_words, np.ndarray):
-        # [n, layers, words] -> [n, layers * words] is a view (layers are contiguous within a block)
-        sums = [pool_words[s : s + n, l0:l1].reshape(n, -1).sum(axis=1, dtype=np.int64) for s, n in block_runs]
+        if len(block_runs) > MANY_RUNS:   # scattered blocks: one compiled pass instead of 2 numpy calls per run
+            runs = np.asarray(block_runs, dtype=np.int64).reshape(-1, 2)
+            out = np.empty(int(runs[:, 1].sum()), dtype=np.int64)
+            _run_sums(pool_words, runs[:, 0].copy(), runs[:, 1].copy(), p0, p1, out)
+            return out
+        # the contiguous word axis first (one streaming pass per plane run), then the few planes
+        sums = [pool_words[p0:p1, s : s + n].sum(axis=2, dtype=np.int64).sum(axis=0, dtype=np.int64)
+                for s, n in block_runs]
         return sums[0] if len(sums) == 1 else np.concatenate(sums)
-    sums_t = [pool_words[s : s + n, l0:l1].sum(dim=(1, 2)) for s, n in block_runs]
+    sums_t = [pool_words[p0:p1, s : s + n].sum(dim=(0, 2)) for s, n in block_runs]
     return sums_t[0] if len(sums_t) == 1 else torch.cat(sums_t)
+
+
+MANY_RUNS = 8
+
+
+@njit(nogil=True, cache=True)
+def _run_sums(w, starts, lens, p0, p1, out):  # pragma: no cover - compiled
+    k = 0
+    for r in range(starts.size):
+        for b in range(starts[r], starts[r] + lens[r]):
+            acc = np.int64(0)
+            for p in range(p0, p1):
+                row = w[p, b]
+                for j in range(row.size):
+                    acc += row[j]
+            out[k] = acc
+            k += 1
 
 
 def weighted(per_block: Words) -> int:

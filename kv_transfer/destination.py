@@ -36,6 +36,7 @@ class Destination:
     layout: dict[str, Any]  # KVLayout.to_dict() of the receiver pool
     host_id: str = ""
     shm_name: str | None = None
+    device_uuid: str = ""  # the receiver pool's physical device (cuda_ipc needs the sender on the same GPU)
     # Seconds left when handed on (0: unknown). A sender's deadline is its own monotonic clock at receipt plus
     # this (`expires`); the receiver enforces its deadline anyway, this only saves writing in vain.
     timeout_s: float = 0.0

@@ -3,14 +3,15 @@
 No global init_process_group: the receiver hosts a TCPStore on a free port (its port goes to the
 sender in hello_ok) and both sides build the backend's process group directly on a PrefixStore, so any
 number of prefill/decode pairs can come and go. Write headers go over the socket; the bytes follow as
-send/recv on the group: whole-block runs straight from/into pool views, a layer sub-range as one staged
-tensor. gloo (CPU) is exercised by the tests; nccl (CUDA) and hccl (Ascend, via torch_npu) are built
-the same way but untested here.
+send/recv on the group: one tensor per (plane, run) straight from/into the pool (a run of consecutive
+blocks is contiguous in each plane), no staging. gloo (CPU) is exercised by the tests; nccl (CUDA) and
+hccl (Ascend, via torch_npu) are built the same way but untested here.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from typing import Any
 
 import torch
@@ -72,14 +73,11 @@ class DistChannel(Channel):
         return cls(wire, pool, cls._group(store, 0, wire, timeout, session), store)
 
     def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:
-        pool = self.pool.tensor
         src_runs = [(s, n) for _, s, n in part]
-        if l0 == 0 and l1 == self.pool.layout.num_layers:
-            tensors = [pool[s : s + n] for s, n in src_runs]
-        else:
-            tensors = [torch.cat([pool[s : s + n, l0:l1] for s, n in src_runs])]
+        p0, p1 = self.pool.plane_range(l0, l1)
+        tensors = _run_views(self.pool, src_runs, p0, p1)
         nbytes = self.wire_bytes(sum(n for _, n in src_runs), l0, l1)
-        return Staged(checksum_runs(self.pool.words, src_runs, l0, l1), nbytes, tensors=tensors)
+        return Staged(checksum_runs(self.pool.words, src_runs, p0, p1), nbytes, tensors=tensors)
 
     def ship(self, body: dict[str, Any], staged: Staged) -> None:
         super().ship(body, staged)
@@ -87,25 +85,33 @@ class DistChannel(Channel):
             self.group.send([x], 1 - self.group.rank(), 0).wait()
 
     def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
-        pool = self.pool.tensor
-        if l0 == 0 and l1 == self.pool.layout.num_layers:
-            for s, n in runs:
-                self._recv(pool[s : s + n])
-        else:
-            nblocks = sum(n for _, n in runs)
-            staging = torch.empty((nblocks, l1 - l0, *pool.shape[2:]), dtype=pool.dtype, device=pool.device)
-            self._recv(staging)
-            i = 0
-            for s, n in runs:
-                pool[s : s + n, l0:l1].copy_(staging[i : i + n])
-                i += n
-        return checksum_runs(self.pool.words, runs, l0, l1)
+        p0, p1 = self.pool.plane_range(l0, l1)
+        for view in _run_views(self.pool, list(runs), p0, p1):
+            self._recv(view)
+        return checksum_runs(self.pool.words, runs, p0, p1)
 
     def _recv(self, tensor: torch.Tensor) -> None:
         self.group.recv([tensor], 1 - self.group.rank(), 0).wait()
 
     def discard(self, nbytes: int) -> None:
         raise FrameError("rejected write on a collective stream: dropping the pair")
+
+    def close(self) -> None:
+        """The pair's group goes with its connection (HCCL / NCCL hold device buffers and communicators until
+        shut down; a peer that never comes back must not pin them)."""
+        group, self.group = self.group, None
+        shutdown = getattr(group, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:   # a group whose peer is already gone may refuse: it is dropped anyway
+                pass
+        self._store = None
+
+
+def _run_views(pool: PoolViews, runs: list[tuple[int, int]], p0: int, p1: int) -> list[torch.Tensor]:
+    """Contiguous pool views, one per (plane, run), in wire order."""
+    return [pool.planes[p, s : s + n] for p in range(p0, p1) for s, n in runs]
 
 
 class GlooChannel(DistChannel):
@@ -127,8 +133,16 @@ class NcclChannel(DistChannel):
     offer = "nccl"
     device = "cuda"
 
+    # A dead or stuck peer must fail its transfer, not the node: PyTorch's default (3) tears the process down
+    # from the watchdog. 2 aborts just the communicator; blocking wait makes `wait()` raise in the transfer's
+    # thread after the group timeout (io_timeout). Read when a group is built; the environment may override.
+    # (pytorch.org/docs/stable/torch_nccl_environment_variables.html)
+    ERROR_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+
     @classmethod
     def make_group(cls, store: dist.Store, rank: int, local_host: str, timeout: datetime.timedelta) -> Any:
+        for key, value in cls.ERROR_ENV.items():
+            os.environ.setdefault(key, value)
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, 2, opts)

@@ -30,8 +30,9 @@ class Int8Channel(TcpChannel):
         return None  # lossy: only when asked for
 
     def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:
-        pool = self.pool.tensor
-        payload = quant.quantize(torch.cat([pool[s : s + n, l0:l1] for _, s, n in part]))
+        p0, p1 = self.pool.plane_range(l0, l1)
+        planes = self.pool.planes[p0:p1]
+        payload = quant.quantize(torch.cat([planes[:, s : s + n] for _, s, n in part], dim=1))
         return Staged(checksum_bytes(payload), payload.numel(), views=[memoryview(payload.numpy())])
 
     def wire_bytes(self, nblocks: int, l0: int, l1: int) -> int:
@@ -39,14 +40,16 @@ class Int8Channel(TcpChannel):
         return quant.wire_bytes(nblocks, l1 - l0, lay.block_size, lay.kv_planes // 2 * lay.num_kv_heads, lay.head_dim)
 
     def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
-        pool, lay = self.pool.tensor, self.pool.layout
+        lay = self.pool.layout
+        p0, p1 = self.pool.plane_range(l0, l1)
+        planes = self.pool.planes[p0:p1]
         nblocks = sum(n for _, n in runs)
         staging = torch.empty(self.wire_bytes(nblocks, l0, l1), dtype=torch.uint8)
         recv_into_views(self.wire.sock, [memoryview(staging.numpy())])
-        shape = (nblocks, l1 - l0, lay.kv_planes, lay.block_size, lay.num_kv_heads, lay.head_dim)
-        kv = quant.dequantize(staging, shape, pool.dtype)
+        shape = (p1 - p0, nblocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
+        kv = quant.dequantize(staging, shape, planes.dtype)
         i = 0
         for s, n in runs:
-            pool[s : s + n, l0:l1].copy_(kv[i : i + n])
+            planes[:, s : s + n].copy_(kv[:, i : i + n])
             i += n
         return checksum_bytes(staging)

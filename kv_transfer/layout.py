@@ -1,13 +1,16 @@
 """The KV pool layout both sides must agree on, and byte views of a pool.
 
-Pool shape: [num_blocks, num_layers, 2(k,v), block_size, num_kv_heads, row], block-major, so
-block b restricted to layers [l0, l1) is one contiguous byte range. The pool of a tensor-parallel engine
-(CPU) holds every rank's heads: [num_blocks, num_layers, 2 * tp, block_size, kv_heads_per_rank, row] (k and v
-of rank 0, then of rank 1, ...), so a block still moves as one range and lands rank by rank in the same
-slices: both ends must have the same tensor_parallel_size (checked like the other fields).
+Pool shape (engine/kv_cache.py): [num_layers, 2 * tp, num_blocks, block_size, num_kv_heads, row], layer-major:
+plane p of a layer is one contiguous cache [num_blocks, block_size, heads, row] (rank p // 2's K for even p,
+V for odd p), the layout device kernels take. Block b restricted to layers [l0, l1) is the planes
+[2tp·l0, 2tp·l1) of it: one contiguous range per plane, and a run of consecutive blocks is one range per
+plane too, so channels move per-plane runs with no staging. The pool of a tensor-parallel engine (CPU) holds
+every rank's planes; both ends must have the same tensor_parallel_size (checked like the other fields), and
+rank i's heads land in rank i's planes.
 row = head_dim for a float pool; an int8 pool (the engine's `kv_cache_dtype="int8"`) stores each (token, KV
 head) row as head_dim int8 values followed by its fp16 scale (`scale_bytes` = 2, row = head_dim + 2): the
 scales travel inside the blocks, and the handshake refuses a peer whose dtype or scale bytes differ.
+Version 2 is this layer-major layout (version 1 was block-major); a peer of another version is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from pdcluster.kv_transfer.errors import LayoutMismatchError
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 _CHECKED_FIELDS = ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "tensor_parallel_size",
                    "scale_bytes")
 INT8_SCALE_BYTES = 2   # the fp16 scale after each int8 row (engine/kv_cache.py)
@@ -39,14 +42,14 @@ class KVLayout:
 
     @classmethod
     def of(cls, pool: torch.Tensor) -> "KVLayout":
-        if pool.dim() != 6 or pool.shape[2] % 2:
+        if pool.dim() != 6 or pool.shape[1] % 2:
             raise ValueError(
-                f"pool: expected shape [num_blocks, num_layers, 2 * tp, block_size, num_kv_heads, head_dim], "
+                f"pool: expected shape [num_layers, 2 * tp, num_blocks, block_size, num_kv_heads, head_dim], "
                 f"got {list(pool.shape)}"
             )
         if not pool.is_contiguous():
-            raise ValueError("pool: must be contiguous (block-major)")
-        nb, nl, kv, bs, nh, row = pool.shape
+            raise ValueError("pool: must be contiguous (layer-major)")
+        nl, kv, nb, bs, nh, row = pool.shape
         scale = INT8_SCALE_BYTES if pool.dtype == torch.int8 else 0
         if row <= scale:
             raise ValueError(f"pool: an int8 pool's last dim is head_dim + {scale} scale bytes, got {row}")
@@ -77,12 +80,21 @@ class KVLayout:
         return self.head_dim + self.scale_bytes // self.element_size
 
     @property
+    def plane_bytes(self) -> int:
+        """Bytes of one block in one plane (one layer's K or V of one rank)."""
+        return self.block_size * self.num_kv_heads * self.row * self.element_size
+
+    @property
     def block_bytes(self) -> int:
         return self.num_layers * self.layer_bytes
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_layers, self.kv_planes, self.block_size, self.num_kv_heads, self.row)
+        return (self.num_layers, self.kv_planes, self.num_blocks, self.block_size, self.num_kv_heads, self.row)
+
+    def planes(self, l0: int, l1: int) -> range:
+        """The planes (first dim of `plane_view`) holding layers [l0, l1)."""
+        return range(l0 * self.kv_planes, l1 * self.kv_planes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,9 +132,9 @@ class KVLayout:
 
 
 def byte_view(pool: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, num_layers, layer_bytes] uint8 view sharing the pool's memory."""
-    nb, nl = pool.shape[:2]
-    return pool.view(torch.uint8).reshape(nb, nl, -1)
+    """[planes = num_layers * 2 * tp, num_blocks, plane_bytes] uint8 view sharing the pool's memory."""
+    nl, kv, nb = pool.shape[:3]
+    return pool.view(torch.uint8).reshape(nl * kv, nb, -1)
 
 
 def runs(ids: list[int], paired: list[int] | None = None) -> list[tuple[int, int, int]]:
@@ -137,3 +149,9 @@ def runs(ids: list[int], paired: list[int] | None = None) -> list[tuple[int, int
                 continue
         out.append((i, p, 1))
     return out
+
+
+def blocks_of(pool: torch.Tensor, ids) -> torch.Tensor:
+    """Blocks `ids` (an int, a list, a tensor or a slice) of a pool, block first: [n, num_layers, 2 * tp,
+    block_size, heads, row] (a copy for a list of ids; for checks and tests, not a transfer path)."""
+    return pool[:, :, [ids] if isinstance(ids, int) else ids].movedim(2, 0)

@@ -1,4 +1,4 @@
-"""Optional INT8 wire compression of KV: symmetric, one fp32 scale per (block, layer, k|v, head).
+"""Optional INT8 wire compression of KV: symmetric, one fp32 scale per (plane = layer's k|v, block, head).
 
 Halves the bytes of 16-bit KV (quarters fp32). Lossy: see docs/kv_transfer.md for its measured effect.
 The payload is the int8 values followed by the fp32 scales.
@@ -16,20 +16,22 @@ def wire_bytes(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: 
 
 
 def quantize(kv: torch.Tensor) -> torch.Tensor:
-    """kv [n, layers, 2 (* tp), block_size, heads, head_dim] → flat uint8 payload."""
+    """kv [..., block_size, heads, head_dim] (e.g. [planes, n, block_size, heads, head_dim]) → flat uint8
+    payload: the int8 values, then one fp32 scale per (leading index, head)."""
     x = kv.float()
-    amax = x.abs().amax(dim=(3, 5))  # [n, layers, 2, heads]
+    amax = x.abs().amax(dim=(-3, -1))  # [..., heads]
     scale = (amax / 127.0).clamp_min(1e-12)
-    q = torch.round(x / scale[:, :, :, None, :, None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.round(x / scale[..., None, :, None]).clamp_(-127, 127).to(torch.int8)
     return torch.cat([q.reshape(-1).view(torch.uint8), scale.reshape(-1).view(torch.uint8)])
 
 
 def dequantize(payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of quantize: flat uint8 payload → tensor of `shape` [n, layers, 2, bs, heads, hd]."""
-    n, nl, two, bs, nh, hd = shape
-    nvalues = n * nl * two * bs * nh * hd
-    if payload.numel() != nvalues + n * nl * two * nh * 4:
+    """Inverse of quantize: flat uint8 payload → tensor of `shape` [..., block_size, heads, head_dim]."""
+    *lead, bs, nh, hd = shape
+    nvalues = torch.Size(shape).numel()
+    nscales = torch.Size(lead).numel() * nh
+    if payload.numel() != nvalues + nscales * 4:
         raise ValueError(f"int8 payload: {payload.numel()} bytes does not match shape {list(shape)}")
     q = payload[:nvalues].view(torch.int8).view(shape)
-    scale = payload[nvalues:].view(torch.float32).view(n, nl, two, nh)
-    return (q.float() * scale[:, :, :, None, :, None]).to(dtype)
+    scale = payload[nvalues:].view(torch.float32).view(*lead, nh)
+    return (q.float() * scale[..., None, :, None]).to(dtype)

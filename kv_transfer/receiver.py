@@ -23,8 +23,9 @@ import torch
 
 from pdcluster.control.transport import DroppedFrames
 from pdcluster.kv_transfer.backends import CHANNELS, offered
-from pdcluster.kv_transfer.channel import Channel, PoolViews
+from pdcluster.kv_transfer.channel import Channel, PoolViews, bind_thread
 from pdcluster.kv_transfer.checksum import MASK64
+from pdcluster.kv_transfer.cuda_ipc_channel import device_uuid
 from pdcluster.kv_transfer.destination import Destination, host_id
 from pdcluster.kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
 from pdcluster.kv_transfer.handshake import Gate, hello_ok_mac
@@ -127,6 +128,7 @@ class KVReceiver:
             backends=list(self.backends),
             layout=self.layout.to_dict(),
             host_id=host_id(),
+            device_uuid=device_uuid(self.pool.device),
             shm_name=self.shm_name,
             timeout_s=timeout_s,
         )
@@ -257,6 +259,7 @@ class KVReceiver:
                          daemon=True).start()
 
     def _serve(self, conn: _Conn, peer: Any, hello: dict[str, Any], challenge: bytes) -> None:
+        bind_thread(self.pool.device)
         try:
             configure(conn.wire.sock, self.io_timeout)
             self._handshake(conn, hello, challenge)

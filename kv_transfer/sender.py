@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 
 from pdcluster.kv_transfer.backends import CHANNELS, choose
-from pdcluster.kv_transfer.channel import Channel, PoolViews
+from pdcluster.kv_transfer.channel import Channel, PoolViews, bind_thread
 from pdcluster.kv_transfer.checksum import combine
 from pdcluster.kv_transfer.destination import Destination
 from pdcluster.kv_transfer.errors import ChecksumError, StaleReservationError, TransferError
@@ -142,6 +142,7 @@ class _Stream:
     def __init__(self, peer: "_Peer", index: int):
         self.peer = peer
         sender = peer.sender
+        bind_thread(sender.pool.device)   # the connecting thread builds the channel (a collective group)
         try:
             sock = socket.create_connection(peer.dst.host_port, timeout=sender.connect_timeout)
         except OSError as exc:
@@ -242,6 +243,7 @@ class _Stream:
     # ---- threads ---------------------------------------------------------------------------------
 
     def _work_loop(self) -> None:
+        bind_thread(self.peer.sender.pool.device)
         while True:
             item = self.queue.get()
             if item is None:

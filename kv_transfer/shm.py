@@ -53,7 +53,7 @@ class SharedKVPool:
         self.shape, self.dtype = tuple(shape), dtype
         self._mmap = _map(name, nbytes, owner)
         self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8).view(dtype).view(shape)
-        self.tags = block_tags(name, shape[0], owner)
+        self.tags = block_tags(name, shape[2], owner)  # shape: layout.KVLayout.shape
 
     @classmethod
     def create(cls, shape: tuple[int, ...], dtype: torch.dtype, name: str | None = None) -> "SharedKVPool":

@@ -33,7 +33,7 @@ class ShmChannel(Channel):
         super().__init__(wire, pool)
         self.remote = remote  # sender side: the receiver's pool, mapped here
         if remote is not None:
-            self.remote_words = words(byte_view(remote.tensor)).reshape(remote.tensor.shape[0], -1)
+            self.remote_words = words(byte_view(remote.tensor))  # [planes, blocks, words per plane]
 
     @classmethod
     def offered(cls, pool: PoolViews, shm_name: str | None) -> bool:
@@ -62,8 +62,8 @@ class ShmChannel(Channel):
         src_ids = np.array([s + i for _, s, n in part for i in range(n)], dtype=np.int64)
         tag = token_tag(token)
         self._check_tags(dst_ids, tag, "is not open to this transfer")
-        wpl = self.pool.words.shape[2]  # words per layer
-        sent, landed = copy_blocks(self.remote_words, self.pool.block_words, dst_ids, src_ids, l0 * wpl, l1 * wpl)
+        p0, p1 = self.pool.plane_range(l0, l1)
+        sent, landed = copy_blocks(self.remote_words, self.pool.words, dst_ids, src_ids, p0, p1)
         self._check_tags(dst_ids, tag, "was withdrawn during the copy")
         nbytes = len(dst_ids) * (l1 - l0) * self.pool.layout.layer_bytes
         return Staged(weighted(sent), nbytes, landed=weighted(landed))

@@ -1,8 +1,7 @@
 """tcp: a write header, then the raw bytes on the same socket, gathered from and scattered into pool views.
 
 The sender `sendmsg`s memoryviews of its pool, the receiver `recvmsg_into`s views of its pool: no
-staging on either side. Whole-block runs are one view per run; a layer sub-range is one view per block
-(each block's layer range is contiguous).
+staging on either side. One view per (plane, run): a run of consecutive blocks is contiguous in each plane.
 """
 
 from __future__ import annotations
@@ -30,19 +29,20 @@ class TcpChannel(Channel):
 
     def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:
         src_runs = [(s, n) for _, s, n in part]
-        views = _views(self.pool, src_runs, l0, l1)
-        return Staged(checksum_runs(self.pool.words, src_runs, l0, l1), sum(len(v) for v in views), views=views)
+        p0, p1 = self.pool.plane_range(l0, l1)
+        views = _views(self.pool, src_runs, p0, p1)
+        return Staged(checksum_runs(self.pool.words, src_runs, p0, p1), sum(len(v) for v in views), views=views)
 
     def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
-        recv_into_views(self.wire.sock, _views(self.pool, runs, l0, l1))
-        return checksum_runs(self.pool.words, runs, l0, l1)
+        p0, p1 = self.pool.plane_range(l0, l1)
+        recv_into_views(self.wire.sock, _views(self.pool, runs, p0, p1))
+        return checksum_runs(self.pool.words, runs, p0, p1)
 
     def discard(self, nbytes: int) -> None:
         drain(self.wire.sock, nbytes)
 
 
-def _views(pool: PoolViews, runs: list[tuple[int, int]], l0: int, l1: int) -> list[memoryview]:
-    nb = pool.np_bytes
-    if l0 == 0 and l1 == pool.layout.num_layers:
-        return [memoryview(nb[s : s + n].reshape(-1)) for s, n in runs]
-    return [memoryview(nb[b, l0:l1].reshape(-1)) for s, n in runs for b in range(s, s + n)]
+def _views(pool: PoolViews, runs: list[tuple[int, int]], p0: int, p1: int) -> list[memoryview]:
+    flat, step = pool.flat, pool.layout.plane_bytes
+    plane = pool.layout.num_blocks * step
+    return [flat[p * plane + s * step : p * plane + (s + n) * step] for p in range(p0, p1) for s, n in runs]

@@ -43,6 +43,7 @@ def checked_engine(model: str, **kwargs):
     from pdcluster.engine.llm_engine import LLMEngine
 
     kwargs.setdefault("num_gpu_blocks_override", 256)
+    kwargs.setdefault("dtype", "float32")   # the references are fp32 transformers; "auto" is bf16 on a GPU
     engine = LLMEngine.from_args(model, **kwargs)
     start = engine.get_stats().num_free_blocks
     try:

@@ -41,7 +41,8 @@ def _reset_engine_probe() -> None:
 @contextlib.contextmanager
 def emulated_torch_npu(device_count: int = 1, bind: bool = True, **config) -> Iterator[ModuleType]:
     """`import torch_npu` gives the emulator inside; config sets `torch_npu._emulator` fields (free_memory,
-    total_memory, utilization, strict_context)."""
+    total_memory, utilization, strict_context, bf16_supported, and npu_on_cpu: the engine then takes CPU tensors
+    for NPU ones, so `device="npu"` runs its whole NPU path: tests/test_npu_backend.py)."""
     if "torch_npu" in sys.modules and not getattr(sys.modules["torch_npu"], "EMULATED", False):
         raise RuntimeError("a real torch_npu is already imported; the emulator cannot replace it")
     had_npu = hasattr(torch, "npu")

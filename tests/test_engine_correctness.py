@@ -36,7 +36,7 @@ def _engine_logits(engine, ids):
     seq = Sequence("logits", ids, SamplingParams(max_tokens=1), [], len(ids) + 1, 0)
     assert engine.block_manager.allocate(seq, len(ids))
     try:
-        return engine.runner.prefill_logits(ids, seq.block_table)
+        return engine.runner.prefill_logits(ids, seq.block_table).cpu()   # any device: compared on CPU
     finally:
         engine.block_manager.free(seq)
 
@@ -99,7 +99,7 @@ def test_bf16_loading_runs(tiny_llama, make_engine):
 def test_bf16_cpu_projections_use_onednn_packed_weights_bitwise_equal(tiny_llama, make_engine):
     """(fp32 also runs on packed weights: the token-exact tests against transformers cover it.) The packed
     copies replace the dense weights, so packing costs no memory."""
-    engine = make_engine(tiny_llama, dtype="bfloat16")
+    engine = make_engine(tiny_llama, dtype="bfloat16", device="cpu")   # oneDNN: a CPU-only test
     model = engine.runner.model
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.packed is not None and layer.mlp.packed_halves is not None
@@ -110,7 +110,7 @@ def test_bf16_cpu_projections_use_onednn_packed_weights_bitwise_equal(tiny_llama
     packed = _engine_logits(engine, ids)
     torch.backends.mkldnn.enabled = False               # loaded without packing: plain F.linear on dense weights
     try:
-        plain = make_engine(tiny_llama, dtype="bfloat16")
+        plain = make_engine(tiny_llama, dtype="bfloat16", device="cpu")
     finally:
         torch.backends.mkldnn.enabled = True
     assert plain.runner.model.model.layers[0].self_attn.qkv_proj.packed is None

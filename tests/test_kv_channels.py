@@ -15,12 +15,13 @@ from pdcluster.kv_transfer.destination import Destination, host_id
 from pdcluster.kv_transfer.dist_channel import GlooChannel
 from pdcluster.kv_transfer.errors import TransferError
 from pdcluster.kv_transfer.int8_channel import Int8Channel
+from pdcluster.kv_transfer.layout import blocks_of
 from pdcluster.kv_transfer.shm_channel import ShmChannel
 from pdcluster.kv_transfer.tcp import Wire
 from pdcluster.kv_transfer.tcp_channel import TcpChannel
 from pdcluster.kv_transfer.testing import CorruptingChannel, corrupt_writes
 
-SHAPE = (8, 3, 2, 4, 2, 8)
+SHAPE = (3, 2, 8, 4, 2, 8)   # layers, k/v, blocks, block_size, heads, head_dim
 
 
 def pools(dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,15 +52,15 @@ def wires():
     b.close()
 
 
-@pytest.mark.parametrize("l0, l1", [(0, 3), (1, 2)])  # whole blocks (a view per run), a layer range (per block)
+@pytest.mark.parametrize("l0, l1", [(0, 3), (1, 2)])  # every layer, a layer range: a view per (plane, run)
 def test_tcp_channel_lands_exactly_the_runs(wires, l0, l1):
     src, dst = pools(torch.bfloat16)
     part = [(5, 0, 2), (1, 6, 1)]  # (dst_start, src_start, n)
     frame, checksum, landed = transfer(TcpChannel(wires[0], PoolViews(src)), TcpChannel(wires[1], PoolViews(dst)),
                                        part, l0, l1)  # fmt: skip
     assert frame["checksum"] == checksum == landed and "landed" not in frame
-    assert torch.equal(dst[[5, 6, 1], l0:l1], src[[0, 1, 6], l0:l1])
-    dst[[5, 6, 1], l0:l1] = 0
+    assert torch.equal(blocks_of(dst, [5, 6, 1])[:, l0:l1], blocks_of(src, [0, 1, 6])[:, l0:l1])
+    dst[l0:l1, :, [5, 6, 1]] = 0
     assert not dst.view(torch.uint8).any()  # nothing else was touched
 
 
@@ -67,9 +68,10 @@ def test_int8_channel_is_lossy_but_checksummed(wires):
     src, dst = pools()
     frame, checksum, landed = transfer(Int8Channel(wires[0], PoolViews(src)), Int8Channel(wires[1], PoolViews(dst)),
                                        [(0, 3, 2)], 0, 3)  # fmt: skip
-    assert checksum == landed and frame["nbytes"] < src[:2].numel() * 4 / 3
-    step = src[3:5].abs().amax(dim=(3, 5), keepdim=True) / 127
-    assert ((dst[0:2] - src[3:5]).abs() <= step * 0.5 + 1e-6).all() and not torch.equal(dst[0:2], src[3:5])
+    got, want = blocks_of(dst, slice(0, 2)), blocks_of(src, slice(3, 5))
+    assert checksum == landed and frame["nbytes"] < want.numel() * 4 / 3
+    step = want.abs().amax(dim=(3, 5), keepdim=True) / 127
+    assert ((got - want).abs() <= step * 0.5 + 1e-6).all() and not torch.equal(got, want)
 
 
 def test_corrupting_channel_changes_bytes_after_the_checksum(wires):
@@ -77,7 +79,7 @@ def test_corrupting_channel_changes_bytes_after_the_checksum(wires):
     corrupting = CorruptingChannel(TcpChannel(wires[0], PoolViews(src)))
     frame, checksum, landed = transfer(corrupting, TcpChannel(wires[1], PoolViews(dst)), [(0, 0, 1)], 0, 3)
     assert frame["checksum"] == checksum != landed
-    assert (dst[0].view(torch.uint8) != src[0].view(torch.uint8)).sum() == 1
+    assert (blocks_of(dst, 0).view(torch.uint8) != blocks_of(src, 0).view(torch.uint8)).sum() == 1
     assert not src.view(torch.uint8).eq(pools()[0].view(torch.uint8)).logical_not().any()  # the source is intact
 
 

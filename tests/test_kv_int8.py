@@ -18,6 +18,7 @@ from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.kv_cache import KVCachePool, dequantize_rows, quantize_rows
 from pdcluster.engine.testing import make_tiny_model
 from pdcluster.kv_transfer import KVLayout, KVReceiver, KVSender, LayoutMismatchError, SharedKVPool, TransferError
+from pdcluster.kv_transfer.layout import blocks_of
 
 
 def test_rows_hold_values_and_their_fp16_scale_within_half_a_step():
@@ -68,15 +69,16 @@ def test_torch_forward_writes_int8_rows_and_prefill_reads_them_back():
     k_cache = torch.zeros(8, bs, hkv, d + 2, dtype=torch.int8)
     v_cache = torch.zeros_like(k_cache)
     q, k, v = torch.randn(10, hq, d), torch.randn(10, hkv, d), torch.randn(10, hkv, d)
-    table = torch.tensor([5, 2, 7])
+    table = torch.tensor([5, 2, 7], dtype=torch.int32)
     pos = torch.arange(10)
+    slots = (table[pos // bs] * bs + pos % bs).to(torch.int32)
     be = TorchAttentionBackend(hq, hkv, d)
     whole = be.forward(q, k, v, k_cache, v_cache, be.prepare(AttentionMetadata(
-        table[pos // bs], pos % bs, prefills=[PrefillChunk(0, 10, 0, table)])))
+        slots, prefills=[PrefillChunk(0, 10, 0, table)])))
     assert torch.equal(k_cache[table].flatten(0, 1)[:10], quantize_rows(k))
     # the last 3 tokens again, as a chunk after 7 cached ones: same result as in the whole-prompt pass
     tail = be.forward(q[7:], k[7:], v[7:], k_cache, v_cache, be.prepare(AttentionMetadata(
-        table[pos[7:] // bs], pos[7:] % bs, prefills=[PrefillChunk(0, 3, 7, table)])))
+        slots[7:], prefills=[PrefillChunk(0, 3, 7, table)])))
     assert torch.allclose(tail, whole[7:], atol=1e-5)
     kd, vd = dequantize_rows(quantize_rows(k), torch.float32), dequantize_rows(quantize_rows(v), torch.float32)
     ref = torch.nn.functional.scaled_dot_product_attention(
@@ -144,7 +146,7 @@ def test_engine_args_knob():
 
 # ---- KV transfer ----------------------------------------------------------------------------------------
 
-SHAPE = (16, 2, 2, 4, 2, 32 + 2)   # an int8 pool: head_dim 32 + the fp16 scale
+SHAPE = (2, 2, 16, 4, 2, 32 + 2)   # an int8 pool [layers, k|v, blocks, ...]: head_dim 32 + the fp16 scale
 
 
 def _int8_pool(seed: int) -> torch.Tensor:
@@ -157,7 +159,7 @@ def test_layout_of_an_int8_pool_counts_its_scale_bytes_and_names_both_dtypes_on_
     assert (layout.dtype, layout.head_dim, layout.scale_bytes) == ("int8", 32, 2)
     assert layout.layer_bytes == 2 * 4 * 2 * 34 and layout.shape == SHAPE
     assert KVLayout.from_dict(layout.to_dict()) == layout
-    bf16 = KVLayout.of(torch.zeros(16, 2, 2, 4, 2, 32, dtype=torch.bfloat16))
+    bf16 = KVLayout.of(torch.zeros(2, 2, 16, 4, 2, 32, dtype=torch.bfloat16))
     with pytest.raises(LayoutMismatchError, match=r"dtype: sender 'bfloat16' vs receiver 'int8'.*scale_bytes"):
         layout.check_compatible(bf16)
 
@@ -188,8 +190,8 @@ def test_int8_blocks_travel_byte_identical_with_their_scales(int8_receiver, back
     finally:
         sender.close()
     assert result.ok and result.checksum == checksum
-    assert torch.equal(pool[[9, 2, 3, 15]], src[[0, 5, 6, 1]])
-    assert not pool[[b for b in range(16) if b not in (9, 2, 3, 15)]].any()
+    assert torch.equal(blocks_of(pool, [9, 2, 3, 15]), blocks_of(src, [0, 5, 6, 1]))
+    assert not blocks_of(pool, [b for b in range(16) if b not in (9, 2, 3, 15)]).any()
 
 
 @pytest.mark.slow
@@ -197,7 +199,7 @@ def test_int8_decode_pool_refuses_a_bf16_prefill_sender_naming_both_dtypes(int8_
     """Refused by the sender against the receiver's advertised layout and, if it were skipped (a stale or forged
     destination), by the receiver's handshake."""
     rx, pool = int8_receiver
-    bf16 = torch.zeros(16, 2, 2, 4, 2, 32, dtype=torch.bfloat16)
+    bf16 = torch.zeros(2, 2, 16, 4, 2, 32, dtype=torch.bfloat16)
     sender = KVSender(bf16, backend="tcp")
     try:
         dst = rx.reserve("r", [1]).to_dict()

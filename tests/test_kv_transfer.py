@@ -27,13 +27,14 @@ from pdcluster.kv_transfer import (
     quant,
 )
 from pdcluster.kv_transfer.handshake import client_handshake
+from pdcluster.kv_transfer.layout import blocks_of
 from pdcluster.kv_transfer.shm import block_tags, token_tag
 from pdcluster.kv_transfer.tcp import WIRE_VERSION, Wire
 from pdcluster.kv_transfer.testing import corrupt_writes
 
 pytestmark = pytest.mark.slow  # real processes or sockets: each test takes most of a second
 
-SHAPE = (64, 2, 2, 16, 2, 32)  # blocks, layers, k/v, block_size, kv heads, head_dim
+SHAPE = (2, 2, 64, 16, 2, 32)  # layers, k/v, blocks, block_size, kv heads, head_dim (engine/kv_cache.py)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CTX = mp.get_context("spawn")
 
@@ -160,10 +161,11 @@ def test_round_trip_byte_exact(sender, receiver_pool, backend, dtype):
     assert [o[0] for o in out] == ["ok", "ok"], out
     ra, rb = rx.wait_blocking("a", 10), rx.wait_blocking("b", 10)
     assert ra.ok and rb.ok and ra.checksum == out[0][1]
-    assert torch.equal(pool[[40, 3, 17, 18, 19, 63]].view(torch.uint8), src[[0, 9, 30, 31, 32, 1]].view(torch.uint8))
-    assert torch.equal(pool[[5, 6]].view(torch.uint8), src[[2, 3]].view(torch.uint8))
-    untouched = [b for b in range(SHAPE[0]) if b not in (40, 3, 17, 18, 19, 63, 5, 6)]
-    assert not pool[untouched].view(torch.uint8).any()
+    assert torch.equal(blocks_of(pool, [40, 3, 17, 18, 19, 63]).view(torch.uint8),
+                       blocks_of(src, [0, 9, 30, 31, 32, 1]).view(torch.uint8))
+    assert torch.equal(blocks_of(pool, [5, 6]).view(torch.uint8), blocks_of(src, [2, 3]).view(torch.uint8))
+    untouched = [b for b in range(SHAPE[2]) if b not in (40, 3, 17, 18, 19, 63, 5, 6)]
+    assert not blocks_of(pool, untouched).view(torch.uint8).any()
     assert rx.num_active_reservations == 0
 
 
@@ -177,8 +179,8 @@ def test_layer_range_only_touches_those_layers(sender, receiver_pool):
         == "ok"
     )
     assert rx.wait_blocking("r", 10).ok
-    assert torch.equal(pool[[10, 12], 1], src[[4, 5], 1])
-    assert not pool[[10, 12], 0].view(torch.uint8).any()
+    assert torch.equal(blocks_of(pool, [10, 12])[:, 1], blocks_of(src, [4, 5])[:, 1])
+    assert not blocks_of(pool, [10, 12])[:, 0].view(torch.uint8).any()
 
 
 @pytest.mark.parametrize("backend", ["shm", "tcp"])
@@ -200,7 +202,7 @@ def test_many_interleaved_requests(sender, receiver_pool, backend):
     assert all(o[0] == "ok" for o in out), out
     for i, d in enumerate(dsts):
         assert rx.wait_blocking(f"r{i}", 10).ok
-        assert torch.equal(pool[d.block_ids], src[srcs[i]])
+        assert torch.equal(blocks_of(pool, d.block_ids), blocks_of(src, srcs[i]))
     assert rx.num_active_reservations == 0
 
 
@@ -315,7 +317,7 @@ def test_done_without_accepted_open_does_not_bind_the_reservation(sender, receiv
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_cancel_returns_blocks_and_rejects_later_writes(sender, receiver_pool, backend):
     rx, pool = receiver_pool(shm_grace_s=0.3)
-    tags = block_tags(rx.shm_name, pool.shape[0])
+    tags = block_tags(rx.shm_name, pool.shape[2])
     dst = rx.reserve("z", [4, 5])
     assert (tags[[4, 5]] == token_tag(dst.token)).all() and tags[[3, 6]].tolist() == [0, 0]
     t0 = time.monotonic()
@@ -437,7 +439,7 @@ def test_int8_wire_compression_round_trip(sender, receiver_pool):
     assert (
         res.nbytes == quant.wire_bytes(3, 2, lay.block_size, lay.num_kv_heads, lay.head_dim) < 3 * lay.block_bytes * 0.6
     )
-    got, want = pool[[2, 3, 50]].float(), src[[5, 6, 7]].float()
+    got, want = blocks_of(pool, [2, 3, 50]).float(), blocks_of(src, [5, 6, 7]).float()
     assert not torch.equal(got, want)  # lossy, but within half a quantisation step per (block, layer, k|v, head)
     step = want.abs().amax(dim=(3, 5), keepdim=True) / 127
     assert ((got - want).abs() <= step * 0.5 + want.abs() * 2**-7).all()

@@ -42,9 +42,9 @@ def _case(dtype, batch, hq, hkv, d, bs, seed=0, max_len=200):
 
 def _decode_meta(tables, lens):
     """The torch backend's per-step metadata for a decode-only step over these rows."""
-    none = torch.zeros(0, dtype=torch.long)
+    none = torch.zeros(0, dtype=torch.int32)
     return TorchAttentionBackend.prepare(AttentionMetadata(
-        slot_blocks=none, slot_offsets=none, num_decode_tokens=len(lens), decode_block_tables=tables,
+        slot_mapping=none, num_decode_tokens=len(lens), decode_block_tables=tables,
         decode_context_lens=lens.to(torch.int32)))
 
 

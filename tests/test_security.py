@@ -20,7 +20,7 @@ from pdcluster.kv_transfer import KVReceiver, KVSender, TransferError
 from pdcluster.kv_transfer.handshake import HandshakeRefused
 from pdcluster.kv_transfer.tcp import recv_frame
 
-SHAPE = (8, 2, 2, 4, 2, 8)   # a small KV pool: 8 blocks of 2 layers
+SHAPE = (2, 2, 8, 4, 2, 8)   # a small KV pool: 2 layers, 8 blocks
 QUIET = 1.0   # how long "nothing arrives" is watched
 
 
@@ -178,7 +178,7 @@ def test_kv_sender_with_the_secret_transfers(kv):
     dst = rx.reserve("ok", [2, 3])
     send(dst, keys.kv_key, src)
     assert rx.wait_blocking("ok", 5).ok
-    assert torch.equal(pool[2:4], src[0:2])
+    assert torch.equal(pool[:, :, 2:4], src[:, :, 0:2])
 
 
 @pytest.mark.parametrize("who", ["no secret", "another secret"])
@@ -238,7 +238,7 @@ def test_kv_flood_of_unauthenticated_connections_exhausts_nothing(kv):
         assert threading.active_count() == threads and connection_threads() == 0   # no thread per peer
         src = source_pool()
         send(dst, keys.kv_key, src)   # a member still gets through while the flood holds its sockets
-        assert rx.wait_blocking("after-flood", 5).ok and torch.equal(pool[4:6], src[0:2])
+        assert rx.wait_blocking("after-flood", 5).ok and torch.equal(pool[:, :, 4:6], src[:, :, 0:2])
     finally:
         for s in flood:
             s.close()

@@ -49,14 +49,14 @@ def test_a_slot_is_reused_only_after_every_reader_read_it(ring):
 
 
 def test_step_inputs_survive_the_wire_form():
-    meta = AttentionMetadata(slot_blocks=torch.tensor([3, 4, 4]), slot_offsets=torch.tensor([1, 0, 1]),
-                             num_decode_tokens=1, decode_block_tables=torch.tensor([[3, 0]]),
+    meta = AttentionMetadata(slot_mapping=torch.tensor([13, 16, 17], dtype=torch.int32),
+                             num_decode_tokens=1, decode_block_tables=torch.tensor([[3, 0]], dtype=torch.int32),
                              decode_context_lens=torch.tensor([2], dtype=torch.int32),
                              prefills=[PrefillChunk(1, 3, 0, torch.tensor([4]))])
     inputs = StepInputs(torch.tensor([7, 8, 9]), torch.tensor([1, 0, 1]), meta, [0, 2])
     back = decode(encode(inputs))
     assert back.sample_rows == [0, 2] and back.meta.num_decode_tokens == 1
-    for name in ("slot_blocks", "slot_offsets", "decode_block_tables", "decode_context_lens"):
+    for name in ("slot_mapping", "decode_block_tables", "decode_context_lens"):
         a, b = getattr(meta, name), getattr(back.meta, name)
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert torch.equal(back.ids, inputs.ids) and torch.equal(back.positions, inputs.positions)

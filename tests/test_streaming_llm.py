@@ -70,12 +70,12 @@ def test_moving_stored_keys_equals_rotating_at_the_new_position():
     inv = rope_inv_freq(16, 10000.0, cfg)
     positions = torch.arange(40, 40 + BS)
     angles = torch.cat((inv, inv))[None, :] * positions[:, None].float()
-    pool.tensor[1, :, 0] = apply_rotary(raw, angles.cos()[:, None], angles.sin()[:, None])
+    pool.tensor[:, 0, 1] = apply_rotary(raw, angles.cos()[:, None], angles.sin()[:, None])   # block 1's keys
     key_rerotator(pool, 16, 10000.0, cfg)([1], -24)
     moved = torch.cat((inv, inv))[None, :] * (positions - 24)[:, None].float()
     want = apply_rotary(raw, moved.cos()[:, None], moved.sin()[:, None])
-    assert torch.allclose(pool.tensor[1, 0, 0], want, atol=1e-5)
-    assert torch.allclose(pool.tensor[1, 1, 0], want, atol=1e-5)
+    assert torch.allclose(pool.tensor[0, 0, 1], want, atol=1e-5)
+    assert torch.allclose(pool.tensor[1, 0, 1], want, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

@@ -62,7 +62,7 @@ def test_tp_equals_tp1(tp, model, request, make_engine):
         _CACHE[path] = _reference(path, make_engine)
     ref_logits, ref_outputs, ref_preemptions = _CACHE[path]
     engine = make_engine(path, tensor_parallel_size=tp, **ENGINE)
-    assert engine.kv_pool.tensor.shape[2] == 2 * tp   # every rank's k and v planes, shared with the workers
+    assert engine.kv_pool.tensor.shape[1] == 2 * tp   # every rank's k and v planes, shared with the workers
     logits = engine.runner.prefill_logits(PROMPTS[3], list(range(15)))
     assert (logits - ref_logits).abs().max().item() < 1e-4
     outputs = run_all(engine, PROMPTS, GREEDY)
@@ -142,8 +142,8 @@ def test_kv_layouts_of_different_tensor_parallel_sizes_are_refused():
     from pdcluster.kv_transfer.errors import LayoutMismatchError
     from pdcluster.kv_transfer.layout import KVLayout
 
-    tp2 = KVLayout.of(torch.zeros(4, 2, 4, 8, 1, 16))   # 2 ranks x (k, v), one KV head each
-    tp1 = KVLayout.of(torch.zeros(4, 2, 2, 8, 1, 16))
+    tp2 = KVLayout.of(torch.zeros(2, 4, 4, 8, 1, 16))   # 2 ranks x (k, v), one KV head each
+    tp1 = KVLayout.of(torch.zeros(2, 2, 4, 8, 1, 16))
     assert tp2.tensor_parallel_size == 2 and tp2.layer_bytes == 2 * tp1.layer_bytes
     assert KVLayout.from_dict(tp2.to_dict()) == tp2
     old_peer = {k: v for k, v in tp1.to_dict().items() if k != "tensor_parallel_size"}

@@ -360,7 +360,7 @@ def test_a_sender_on_the_engine_thread_never_opens_a_connection():
     from pdcluster.kv_transfer import KVReceiver, KVSender
     from pdcluster.kv_transfer.errors import TransferError
 
-    pool = torch.zeros(8, 2, 2, 4, 1, 8)
+    pool = torch.zeros(2, 2, 8, 4, 1, 8)   # 2 layers, k|v, 8 blocks
     receiver = KVReceiver(pool.clone(), host="127.0.0.1")
     sender = KVSender(pool, backend="tcp")
     try:

@@ -104,8 +104,9 @@ def decode_kernel(dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
 
 def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
-    """q: [B, Hq, D] (token rows may be strided); caches: a layer's [num_blocks, block_size, Hkv, row] views with
-    contiguous blocks (row = D, or D + 2 for an int8 cache); block_tables: [B, >= max blocks] int64;
+    """q: [B, Hq, D] (token rows may be strided); caches: a layer's [num_blocks, block_size, Hkv, row] caches with
+    contiguous blocks (row = D, or D + 2 for an int8 cache); block_tables: [B, >= max blocks] int32 (rows may be
+    strided; anything else is converted);
     context_lens: [B] int32; window > 0: attend to each row's last `window` tokens only. Returns [B, Hq, D]."""
     b, hq, d = q.shape
     _, bs, hkv, row = k_cache.shape
@@ -115,7 +116,8 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if k_cache.dtype not in (q.dtype, torch.int8) or v_cache.dtype != k_cache.dtype or hq % hkv or row != want_row:
         raise ValueError(f"paged_decode: q {tuple(q.shape)} {q.dtype} does not fit the cache "
                          f"{tuple(k_cache.shape)} {k_cache.dtype}")
-    tables = block_tables.to(torch.int64).contiguous()
+    tables = block_tables if block_tables.dtype == torch.int32 and block_tables.stride(1) == 1 \
+        else block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     out = torch.empty((b, hq, d), dtype=q.dtype)
     rc = kernel(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),

@@ -6,8 +6,9 @@
  * ctypes. The OpenMP runtime is torch's own (same soname, already loaded), so no second thread pool.
  * An AVX-512 path serves head sizes 64/128/256; plain C (auto-vectorised) serves everything else.
  *
- * Layout (DESIGN §3): a layer's K (and V) is a view [num_blocks, block_size, Hkv, row] whose block
- * stride is `block_stride` elements and whose rows inside a block are contiguous. row = D for a float
+ * Layout (engine/kv_cache.py): a layer's K and V are two caches [num_blocks, block_size, Hkv, row] (contiguous
+ * in the pool; any block stride `block_stride` elements, the same for both, with the rows inside a block
+ * contiguous), indexed through int32 block tables as the device kernels are. row = D for a float
  * pool; an int8 pool's row is D int8 values then the row's fp16 scale (row = D + 2 bytes, engine/kv_cache.py):
  * the kernel reads the int8 values and folds the scale into the score (K) and the probability (V).
  */
@@ -132,13 +133,13 @@ INLINE int64_t tile_len(int64_t pos, int64_t ctx, int64_t bs) {
 }
 
 /* Element offset of token `pos`'s row (head 0) in a layer's pool view. */
-INLINE int64_t tile_base(const int64_t *table, int64_t pos, int64_t bs, int64_t block_stride, int64_t tok_stride) {
+INLINE int64_t tile_base(const int32_t *table, int64_t pos, int64_t bs, int64_t block_stride, int64_t tok_stride) {
     return table[pos / bs] * block_stride + (pos % bs) * tok_stride;
 }
 
 /* One sequence, KV heads [h0, h1), any head size: plain C. `kind`: q/out dtype, `ckind`: the cache's. */
 INLINE void item_generic(int kind, int ckind, const void *q, void *out, const void *k_pool, const void *v_pool,
-                         const int64_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
+                         const int32_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
                          int64_t d, int64_t bs, int64_t block_stride, float scale, float *work) {
     int64_t rows = (h1 - h0) * group, hs = head_stride(d, ckind), tok_stride = hkv * hs, es = elem_size(ckind);
     float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *s = l + rows, *row = s + rows * TILE;
@@ -218,7 +219,7 @@ INLINE __m512 exp16_nonpositive(__m512 x) {   /* exp_nonpositive on 16 lanes */
 /* One sequence, KV heads [h0, h1), head size 16 * NV (NV a compile-time constant after inlining, so the
  * per-row vectors stay in registers). */
 INLINE void item_avx512(int kind, int ckind, const int NV, const void *q, void *out, const void *k_pool,
-                        const void *v_pool, const int64_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1,
+                        const void *v_pool, const int32_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1,
                         int64_t hkv, int64_t group, int64_t bs, int64_t block_stride, float scale, float *work) {
     const int64_t d = 16 * NV;
     int64_t rows = (h1 - h0) * group, es = elem_size(kind), hs = head_stride(d, ckind), tok_stride = hkv * hs;
@@ -302,21 +303,21 @@ INLINE void item_avx512(int kind, int ckind, const int NV, const void *q, void *
 }
 #endif
 
-typedef void (*item_fn)(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,
+typedef void (*item_fn)(const void *q, void *out, const void *k_pool, const void *v_pool, const int32_t *table,
                         int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,
                         int64_t block_stride, float scale, float *work);
 
 /* One compiled item function per (q dtype, cache dtype, head size): the dtypes and the vector count must be
  * constants inside the loops, which an argument passed through the OpenMP region is not. */
 #define ITEM_GENERIC(NAME, KIND, CKIND)                                                                        \
-    static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,  \
+    static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int32_t *table,  \
                      int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
                      int64_t block_stride, float scale, float *work) {                                         \
         item_generic(KIND, CKIND, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, d, bs, block_stride, \
                      scale, work);                                                                             \
     }
 #define ITEM_AVX512(NAME, KIND, CKIND, NV)                                                                     \
-    static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int64_t *table,  \
+    static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int32_t *table,  \
                      int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
                      int64_t block_stride, float scale, float *work) {                                         \
         (void)d;                                                                                               \
@@ -374,12 +375,12 @@ static item_fn pick_item(int kind, int ckind, int64_t d) {
 #endif
 }
 
-/* q: [batch, hq, d] rows `q_stride` elements apart; out: [batch, hq, d] contiguous; tables: [batch, *] block
- * ids, rows `table_stride` apart; context_lens: [batch]; window > 0: each row attends to its last `window`
+/* q: [batch, hq, d] rows `q_stride` elements apart; out: [batch, hq, d] contiguous; tables: [batch, *] int32
+ * block ids, rows `table_stride` apart; context_lens: [batch]; window > 0: each row attends to its last `window`
  * tokens only (sliding-window attention), 0: to all. Returns 0, or -1 if a work buffer could not be
  * allocated, -2 if this dtype was not compiled. */
 static int decode(int kind, int ckind, const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,
-                  const int64_t *tables, int64_t table_stride, const int32_t *context_lens, int64_t batch, int64_t hq,
+                  const int32_t *tables, int64_t table_stride, const int32_t *context_lens, int64_t batch, int64_t hq,
                   int64_t hkv, int64_t d, int64_t bs, int64_t block_stride, float scale, int64_t window,
                   int num_threads) {
     int64_t group = hq / hkv, es = elem_size(kind);
@@ -414,7 +415,7 @@ static int decode(int kind, int ckind, const void *q, int64_t q_stride, void *ou
 
 #define EXPORT(NAME, KIND, CKIND)                                                                                   \
     int NAME(const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,               \
-             const int64_t *tables, int64_t table_stride, const int32_t *context_lens, int64_t batch, int64_t hq, \
+             const int32_t *tables, int64_t table_stride, const int32_t *context_lens, int64_t batch, int64_t hq, \
              int64_t hkv, int64_t d, int64_t bs, int64_t block_stride, float scale, int64_t window,            \
              int num_threads) {                                                                                \
         return decode(KIND, CKIND, q, q_stride, out, k_pool, v_pool, tables, table_stride, context_lens, batch, hq, hkv, d, \

@@ -1,7 +1,8 @@
 """Reference attention over the paged KV pool in plain torch ops; runs on any device.
 
-New K/V go into their slots with one indexed write per layer; reads go through block tables
-(a gather of just the blocks a sequence owns), never a copy or concat of the whole cache.
+New K/V go into their slots with one `index_copy_` per layer and cache on the flat slot index (no per-index host
+sync); reads go through block tables (a gather of just the blocks a sequence owns), never a copy or concat of
+the whole cache.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ class TorchAttentionMetadata(AttentionMetadata):
     backend's native kernel needs neither), once per step, and shared by the layers."""
     _bias: dict = field(default_factory=dict, repr=False)
     _groups: list[tuple[int, int, int]] | None = field(default=None, repr=False)
+    _slots: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def slot_index(self) -> torch.Tensor:
+        """The slot mapping as the int64 index `index_copy_` takes, converted once per step."""
+        if self._slots is None:
+            self._slots = self.slot_mapping.long()
+        return self._slots
 
     def decode_bias(self, block_size: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
         """[B, 1, 1, max_blocks * block_size] additive mask, 0 or -inf: hides each row's padding and, with
@@ -84,16 +93,17 @@ class TorchAttentionBackend:
     @staticmethod
     def prepare(meta: AttentionMetadata) -> TorchAttentionMetadata:
         """This backend's metadata for one step; the runner calls it once per step, the layers get the result."""
-        return TorchAttentionMetadata(meta.slot_blocks, meta.slot_offsets, meta.num_decode_tokens,
-                                      meta.decode_block_tables, meta.decode_context_lens, meta.prefills)
+        return TorchAttentionMetadata(meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables,
+                                      meta.decode_context_lens, meta.prefills)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                 meta: TorchAttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes the new K/V rows into their slots (quantized first for an int8 pool); returns them as stored."""
         if k_cache.dtype == torch.int8:
             k, v = quantize_rows(k), quantize_rows(v)
-        k_cache[meta.slot_blocks, meta.slot_offsets] = k
-        v_cache[meta.slot_blocks, meta.slot_offsets] = v
+        slots = meta.slot_index
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
         return k, v
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pdcluster.engine.attention import AttentionMetadata
+from pdcluster.engine.compiled import paged_attention
 from pdcluster.engine.layers.linear import MergedLinear, RowParallelLinear
 from pdcluster.engine.layers.rotary import apply_rotary
 from pdcluster.engine.parallel import TPGroup
@@ -30,14 +31,19 @@ class SelfAttention(nn.Module):
         # Per-layer strided views into the engine's KV pool, bound by the model runner.
         self.k_cache: torch.Tensor | None = None
         self.v_cache: torch.Tensor | None = None
+        self.layer_index = 0   # set by the model: this layer's place for `paged_attention`
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """`meta`: the attention backend's per-step metadata (`backend.prepare`), shared by the layers."""
+                meta: AttentionMetadata | None) -> torch.Tensor:
+        """`meta`: the attention backend's per-step metadata (`backend.prepare`), shared by the layers; None in
+        the compiled body, where the opaque `paged_attention` op reads it from the step context."""
         qkv = self.qkv_proj(x)
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
         qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)  # q and k in one go
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.window)
+        if meta is None:
+            o = paged_attention(q, k, v, self.layer_index)
+        else:
+            o = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.window)
         return self.o_proj(o.reshape(-1, self.q_size))

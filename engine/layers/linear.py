@@ -35,6 +35,10 @@ def release(weight: nn.Parameter) -> None:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            packed: torch.Tensor | None) -> torch.Tensor:
     if packed is not None:
+        if torch.compiler.is_compiling():   # engine/compiled.py: inductor cannot lower this op itself
+            from pdcluster.engine.compiled import packed_linear
+
+            return packed_linear(x, packed, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

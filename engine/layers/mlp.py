@@ -1,4 +1,5 @@
-"""SwiGLU MLP with gate and up projections fused into one matmul."""
+"""SwiGLU MLP with gate and up projections fused into one weight; on NPU one GEMM over it and torch_npu's
+`npu_swiglu` (the first half of its input is the gate)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcluster.engine.device import is_npu
 from pdcluster.engine.layers.linear import MergedLinear, RowParallelLinear, linear, onednn_packed, release
 from pdcluster.engine.parallel import TPGroup
 
@@ -26,6 +28,8 @@ class GatedMLP(nn.Module):
     def prepack(self) -> None:
         n = self.intermediate_size
         w = self.gate_up_proj.weight
+        if is_npu(w.device):   # the NPU path multiplies by the whole merged weight
+            return
         halves = (onednn_packed(w[:n]), onednn_packed(w[n:]))
         self.packed_halves = None if halves[0] is None else halves
         if self.packed_halves is not None:
@@ -36,6 +40,10 @@ class GatedMLP(nn.Module):
         # N = intermediate_size beat one with 2x N (measured in docs/benchmarks.md), and each output is then
         # contiguous.
         w, b, n = self.gate_up_proj.weight, self.gate_up_proj.bias, self.intermediate_size
+        if is_npu(x.device):
+            import torch_npu
+
+            return self.down_proj(torch_npu.npu_swiglu(F.linear(x, w, b), dim=-1))
         packed = self.packed_halves or (None, None)
         gate = linear(x, w[:n], None if b is None else b[:n], packed[0])
         up = linear(x, w[n:], None if b is None else b[n:], packed[1])

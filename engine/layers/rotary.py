@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdcluster.engine.device import is_npu
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -105,16 +107,22 @@ def key_rerotator(pool, head_dim: int, theta: float, scaling: dict[str, Any] | N
         if not block_ids:
             return
         ids = torch.tensor(block_ids, dtype=torch.long, device=pool.device)
-        keys = pool.tensor[ids, :, 0]                                   # [n, layers, block_size, heads, D]
+        keys = pool.tensor[:, 0, ids]                                   # [layers, n, block_size, heads, D]
         angle = torch.cat((inv_freq, inv_freq)) * float(delta)
         cos, sin = angle.cos(), angle.sin()
         moved = apply_rotary(keys.float(), cos, sin)
-        pool.tensor[ids, :, 0] = moved.to(pool.tensor.dtype)
+        pool.tensor[:, 0, ids] = moved.to(pool.tensor.dtype)
 
     return rerotate
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] (any leading dims), cos / sin broadcastable to it; on NPU one fused `npu_rotary_mul` (its
+    "half" mode is this rotate-half form) over x as [1, T, heads, D] with cos / sin [1, T, 1, D]."""
+    if x.dim() == 3 and cos.dim() == 3 and is_npu(x.device):
+        import torch_npu
+
+        return torch_npu.npu_rotary_mul(x.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0))[0]
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -33,10 +33,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = SelfAttention(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
                                        config.qkv_bias, backend, config.layer_window(index), tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn.layer_index = index
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                meta: AttentionMetadata | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -56,8 +57,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
                 layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor:
+        """meta None: the compiled body (engine/compiled.py), attention reads the step context."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions)
         residual = None

@@ -88,10 +88,25 @@ def node_device_env(device: str | None, tp: int, index: int, nodes: int,
         count = visible_devices
     have = count(device)
     if have < tp * nodes:
-        log.warning("%d %s device(s) for %d nodes x tensor_parallel_size %d: the nodes share devices", have,
-                    device, nodes, tp)
+        log.warning("%d %s device(s) for %d nodes x tensor_parallel_size %d: the nodes share devices%s", have,
+                    device, nodes, tp, " (KV between nodes on one GPU moves through cuda_ipc: NCCL refuses two "
+                    "ranks on one device)" if device == "cuda" else "")
         return {}
     return {VISIBLE_DEVICES[device]: ",".join(str(d) for d in range(index * tp, (index + 1) * tp))}
+
+
+def shared_memory_fraction(device: str | None, tp: int, nodes: int, fraction: float,
+                           count: Callable[[str], int] | None = None) -> float:
+    """gpu_memory_utilization of each node when the nodes share accelerators (fewer than nodes x tp): each sizes
+    its KV pool from the free memory it sees, so k nodes on one device take fraction / k each, not k x fraction."""
+    if device not in VISIBLE_DEVICES:
+        return fraction
+    if count is None:
+        from pdcluster.engine.parallel import visible_devices
+
+        count = visible_devices
+    have = count(device)
+    return fraction / -(-tp * nodes // have) if 0 < have < tp * nodes else fraction
 
 
 @dataclass
@@ -141,6 +156,10 @@ class LocalCluster:
             self.node_config.setdefault("kv_cache_memory", "64MiB")  # not the CPU default of GiBs per node
         if self.node_config.get("device", "auto") in ("auto", "cpu"):
             self._size_kv_pools()
+        elif self.node_config.get("kv_cache_memory") is None:
+            self.node_config["gpu_memory_utilization"] = shared_memory_fraction(
+                self.node_config.get("device"), int(self.node_config.get("tensor_parallel_size") or 1),
+                self.num_prefill + self.num_decode, float(self.node_config.get("gpu_memory_utilization") or 0.9))
         self._start_etcd()
         for config in (self.router_config, self.node_config):   # refused before any child starts
             check_advertised_host(config.get("host", "127.0.0.1"), [self.etcd])

@@ -16,7 +16,7 @@ from typing import Any
 from pdcluster.control.config import CommonConfig, check_advertised_host, check_port, knob, settings
 from pdcluster.engine.args import EngineArgs
 
-KV_BACKENDS = ("auto", "shm", "tcp", "gloo", "nccl", "hccl")
+KV_BACKENDS = ("auto", "shm", "tcp", "gloo", "nccl", "hccl", "cuda_ipc")
 ROLES = ("prefill", "decode")
 NODE_DEFAULTS: dict[str, Any] = {
     "model": "",        # required, checked by validate (EngineArgs has no default)
@@ -33,8 +33,8 @@ class NodeFields(CommonConfig):
     """What a node adds to the common knobs besides the engine's (those are appended by `NodeConfig`)."""
 
     role: str = ""  # set from the process kind by `finish`; not a setting
-    kv_backend: str = knob("auto", "KV transfer backend; auto: hccl on NPU, shm on one host, else tcp",
-                           choices=KV_BACKENDS)
+    kv_backend: str = knob("auto", "KV transfer backend; auto: hccl on NPU, shm on one host, cuda_ipc on one GPU, "
+                                   "else tcp", choices=KV_BACKENDS)
     control_port: int = knob(0, "zmq ROUTER port for Generate/Prefill/Abort; 0 = pick a free port")
     load_port: int = knob(0, "zmq PUB port for Load reports; 0 = pick a free port")
     kv_port: int = knob(0, "KV transfer listener port; 0 = pick a free port")

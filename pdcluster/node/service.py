@@ -126,7 +126,8 @@ class NodeService:
 
     def capacity(self) -> Capacity:
         engine = getattr(self, "engine", None)
-        return Capacity(num_blocks=self.engine_stats().num_total_blocks, block_size=self.config.block_size,
+        block_size = engine.block_size if engine is not None else self.config.block_size   # NPU default: 128
+        return Capacity(num_blocks=self.engine_stats().num_total_blocks, block_size=block_size,
                         max_num_seqs=self.config.max_num_seqs,
                         max_model_len=engine.model_config.max_model_len if engine is not None else 0,
                         tensor_parallel_size=self.config.tensor_parallel_size)

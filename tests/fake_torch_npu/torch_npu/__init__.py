@@ -11,10 +11,14 @@ privateuse1 device needs a C++ allocator. So tensors stay on CPU and the emulate
 a test runs the engine's NPU backend (its torch_npu calls, its layouts, its per-thread device binding) with
 tensors on device "cpu". What is emulated of the device itself is the torch.cuda-like API at
 `torch_npu.npu` (also set as `torch.npu`, as torch_npu does on import): is_available, device_count,
-set_device, current_device, device, synchronize, mem_get_info, utilization, Event, Stream, with figures from
-`torch_npu._emulator`, and Ascend's per-thread device context: an operator called from a thread that holds no
-context (never called set_device, and is not the thread that initialised the runtime) fails with "The context
+set_device, current_device, device, synchronize, mem_get_info, utilization, is_bf16_supported, Event, Stream, with
+figures from `torch_npu._emulator`, and Ascend's per-thread device context: an operator called from a thread that
+holds no context (never called set_device, and is not the thread that initialised the runtime) fails with "The context
 is empty", as on hardware.
+
+`torch_npu._emulator.npu_on_cpu = True` (or `emulated_torch_npu(npu_on_cpu=True)`) makes pdcluster take CPU tensors
+for NPU ones (engine/device.py is_npu): `device="npu"` then builds an engine on CPU tensors that runs every NPU
+code path, the fused operators below included (tests/test_npu_backend.py).
 
 Emulated operators:
 - npu_fused_infer_attention_score (attention.py)

@@ -17,6 +17,11 @@ device_name = "Ascend910B3 (emulated)"
 # On Ascend a device context belongs to a thread (aclrtSetDevice): a thread that never called
 # torch.npu.set_device fails at its first device op. False turns the check off.
 strict_context = True
+# The engine's stand-in for NPU tensors (engine/device.py is_npu): with True, pdcluster treats CPU tensors as NPU
+# ones and runs its NPU code paths (the npu attention backend, the fused layer ops, NPU defaults) on them.
+npu_on_cpu = False
+# torch.npu.is_bf16_supported(): False on Atlas 300I / 310P (no bfloat16)
+bf16_supported = True
 
 calls: collections.Counter[str] = collections.Counter()
 
@@ -26,8 +31,10 @@ _initialized = False
 
 
 def reset() -> None:
-    global device_count, total_memory, free_memory, utilization, strict_context, _initialized, _local
+    global device_count, total_memory, free_memory, utilization, strict_context, _initialized, _local, npu_on_cpu
+    global bf16_supported
     device_count, total_memory, free_memory, utilization = 1, 64 << 30, 60 << 30, 0
+    npu_on_cpu, bf16_supported = False, True
     strict_context, _initialized, _local = True, False, threading.local()
     calls.clear()
 

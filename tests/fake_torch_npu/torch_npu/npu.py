@@ -90,6 +90,12 @@ def utilization(device: Any = None) -> int:
     return int(_state.utilization)
 
 
+def is_bf16_supported() -> bool:
+    """torch.npu.is_bf16_supported(), as torch_npu itself calls it (Ascend/pytorch torch_npu/npu/autocast_utils.py:
+    `get_amp_supported_dtype` offers bfloat16 only when it is True): whether the chip computes in bfloat16."""
+    return _state.bf16_supported
+
+
 def get_device_name(device: Any = None) -> str:
     _state.check_index(_index(device))
     return _state.device_name
