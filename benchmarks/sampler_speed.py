@@ -1,5 +1,5 @@
-"""Sampler time per batch: this tree's `engine/sampler.py` against another copy of it (e.g. the previous
-commit's, `git show HEAD:engine/sampler.py > /tmp/old_sampler.py`), interleaved in one process.
+"""Sampler time per batch: this tree's `engine/sampler.py` against another copy of it (an earlier
+revision's: `git show REV:engine/sampler.py > /tmp/old_sampler.py`), interleaved in one process.
 
 Workload: B rows of V logits (bf16, as the LM head returns them), each request with a 128-token prompt and
 `--outputs` generated tokens, seeded; the settings under test (greedy, temperature only, top-k/top-p, and those

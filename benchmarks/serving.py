@@ -227,6 +227,32 @@ async def main_async(args) -> dict:
             await asyncio.to_thread(cluster.stop)
 
 
+def offline_decode_step_ms(args) -> float:
+    """Mean `LLMEngine.step()` over the decode of `max_concurrency` requests of `input_len` random ids and
+    `output_len` tokens, once every prompt is prefilled: what a decode node's step costs without the cluster."""
+    from pdcluster.control.config import parse_bytes
+    from pdcluster.engine import SamplingParams
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_args(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                                 kv_cache_memory=parse_bytes(args.kv_cache_memory))
+    rng = random.Random(args.seed)
+    vocab = min(engine.model_config.vocab_size, 32000)
+    for i in range(args.max_concurrency):
+        engine.add_request(f"r{i}", [rng.randrange(17, vocab) for _ in range(args.input_len)],
+                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=args.output_len))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    steps, start = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    elapsed = time.perf_counter() - start
+    engine.shutdown()
+    return elapsed / max(steps, 1) * 1e3
+
+
 def loads(text: str):
     try:
         import orjson
@@ -328,12 +354,20 @@ def main() -> None:
                         "--concurrencies, TTFT at concurrency 1; --rounds interleaved rounds, medians")
     p.add_argument("--concurrencies", default="64,256")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--offline-step", action="store_true",
+                   help="after the run: the offline engine's mean decode step with --max-concurrency prompts of "
+                        "--input-len tokens, all decoding (--model, --dtype), and TPOT mean over it")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args()
     if args.compare:
         compare(args)
         return
     summary = asyncio.run(main_async(args))
+    if args.offline_step:
+        summary["offline_step_ms"] = offline_decode_step_ms(args)
+        summary["tpot_over_offline_step"] = summary["tpot_ms"]["mean"] / summary["offline_step_ms"]
+        print(f"offline decode step {summary['offline_step_ms']:.1f} ms at batch {args.max_concurrency}; "
+              f"TPOT mean / step = {summary['tpot_over_offline_step']:.2f}", file=sys.stderr)
     if args.json:
         print(json.dumps(summary))
         return

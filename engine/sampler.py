@@ -5,6 +5,9 @@ probability interval (in token-id order) contains u. For a seeded request u is a
 (seed, position), so the token drawn at a position is the same whatever the batch, the device or
 the node that samples it (docs/design.md §3); unseeded rows draw u from the sampler's own generator.
 One number per row instead of V noise values keeps the sampler cheap on CPUs (B=256, V=32000).
+The batch is handled in tensor ops, not per row: penalties through flat (row, token) keys, and on CPU
+top-k / top-p rows take their cumulative sums over their surviving candidates only (the same sums, so
+the same token; docs/benchmarks.md, "Engine speed (#13)").
 """
 from __future__ import annotations
 

@@ -61,19 +61,22 @@ def test_a_body_that_does_not_compile_runs_eagerly(tiny_llama, make_engine):
 
 
 @pytest.mark.slow
-def test_compiled_greedy_tokens_equal_eager_through_batch_changes(tiny_llama, make_engine):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: QKV bias through the packed GEMM op, tied head
+def test_compiled_greedy_tokens_equal_eager_through_batch_changes(arch, tiny_models, make_engine):
     """Staggered arrivals (mixed prefill + decode steps of many token counts, down to one decoding row), then a
     second wave of another size: same tokens as eager, and at most two compilations (T == 1 is specialised,
     every other token count shares one dynamic graph)."""
+    model = tiny_models[arch]
     prompts = make_prompts([3, 9, 30, 64, 17, 5], seed=2)
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 12, 20, 7, 16, 2)]
-    eager = make_engine(tiny_llama, dtype="float32")
-    compiled = make_engine(tiny_llama, dtype="float32", enforce_eager=False)
+    staggered = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    wave = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 12, 20)]
+    eager = make_engine(model, dtype="float32")
+    compiled = make_engine(model, dtype="float32", enforce_eager=False)
     assert compiled.runner.compiled is not None
-    want = run_staggered(eager, prompts, params[3], first=2, later_every=3)
-    got = run_staggered(compiled, prompts, params[3], first=2, later_every=3)
+    want = run_staggered(eager, prompts, staggered, first=2, later_every=3)
+    got = run_staggered(compiled, prompts, staggered, first=2, later_every=3)
     assert got == want
     assert compiled.runner.compiled.compiles <= 2
     second = make_prompts([11, 2, 50], seed=3)
-    assert run_all(compiled, second, params[:3], prefix="b") == run_all(eager, second, params[:3], prefix="b")
+    assert run_all(compiled, second, wave, prefix="b") == run_all(eager, second, wave, prefix="b")
     assert compiled.runner.compiled.compiles == 2   # the second wave ends with one row alone: T == 1 was run

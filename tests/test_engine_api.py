@@ -250,13 +250,15 @@ async def test_async_engine_concurrent_generate_stream_and_cancel(tiny_llama):
             streamed += out.new_token_ids
         assert streamed == results[1].outputs[0].token_ids
 
+        streaming = asyncio.Event()
+
         async def consume_forever():
             forever = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
             async for _ in engine.generate_stream(prompts[2], forever):
-                pass
+                streaming.set()
 
         task = asyncio.create_task(consume_forever())
-        await asyncio.sleep(0.3)
+        await asyncio.wait_for(streaming.wait(), 30)   # cancelled mid-stream (400 tokens take ~0.2 s when idle)
         assert engine.engine.get_stats().num_free_blocks < start
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
