@@ -1,6 +1,6 @@
 """CPU decode attention: the native paged kernel vs the torch path (gather + SDPA), same inputs, same run.
 
-A pool laid out as the engine's (block-major, several layers, scattered block tables), B decode rows
+A pool laid out as the engine's (layer-major, several layers, scattered block tables), B decode rows
 with contexts uniform in [--min-len, --max-len]; each call is one layer of one decode step. Prints the
 median time per call of both, their ratio, and the K/V bytes read per second against the machine's
 read bandwidth measured in the same run (a sum over a 1 GiB tensor, which reads every byte once).

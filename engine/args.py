@@ -76,7 +76,7 @@ class EngineArgs:
     weight_pool: str | SharedWeightPool | None = knob(
         None, help="share read-only weights with the engines on this host naming the same pool: NAME[:SIZE] "
                    "(e.g. models:8GiB; no SIZE: what /dev/shm holds; CPU only); unset: private weights")
-    # Only code passes these two: an externally allocated pool tensor (e.g. shm-backed, block-major), or a
+    # Only code passes these two: an externally allocated pool tensor (e.g. shm-backed, layer-major), or a
     # factory (shape, torch dtype) -> tensor (or an object holding it as `.tensor`, picklable into a view of the
     # same memory, as kv_transfer's SharedKVPool: tensor-parallel ranks on CPU share the pool) that allocates it.
     kv_pool_tensor: Any = knob(None, setting=False)

@@ -236,7 +236,7 @@ class TorchAttentionBackend:
             self._k_buf = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
             self._v_buf = torch.empty_like(self._k_buf)
         idx = tables.reshape(-1)
-        # Each block of one layer's K (or V) is one contiguous row in the block-major pool.
+        # Each block of one layer's K (or V) is one contiguous row of that layer's cache.
         k = torch.index_select(k_cache.flatten(1), 0, idx, out=self._k_buf[:n])
         v = torch.index_select(v_cache.flatten(1), 0, idx, out=self._v_buf[:n])
         hkv, d = self.num_kv_heads, self.head_dim
