@@ -44,8 +44,11 @@ async def _fake_decode_node(conn: Any, secret: str, step_s: float) -> None:
                 active.pop(msg.rid, None)
 
     task = asyncio.create_task(receive())
-    while True:
-        await asyncio.sleep(step_s)
+    loop = asyncio.get_running_loop()
+    next_step = loop.time()
+    while True:   # steps at a fixed rate: the time a step takes here does not stretch the interval
+        next_step = max(next_step + step_s, loop.time())
+        await asyncio.sleep(next_step - loop.time())
         per_router: dict[bytes, list[Tokens]] = {}
         for rid, req in list(active.items()):
             identity, pos, limit, plen = req
@@ -95,7 +98,7 @@ class FakeSetup:
     """Starts the fake decode node and `workers` router processes serving `model` on one port (SO_REUSEPORT,
     as `pdcluster router --workers N`); `url` once started."""
 
-    def __init__(self, model: str, step_s: float, profile: str = "", workers: int = 1) -> None:
+    def __init__(self, model: str, step_s: float, profile: str = "", workers: int = 1, pin: bool = False) -> None:
         from pdcluster.control.keys import generate_secret
 
         self.dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdcluster-bench-{os.getpid()}"
@@ -116,6 +119,14 @@ class FakeSetup:
                         for i in range(workers)]
         for router in self.routers:
             router.start()
+        if pin:   # the routers on CPUs of their own, the fake node and the load generator (this process) on the rest
+            cpus = sorted(os.sched_getaffinity(0))
+            if len(cpus) <= workers:
+                raise SystemExit(f"--pin-router: {len(cpus)} CPUs cannot give {workers} router(s) CPUs of their own")
+            for router in self.routers:
+                os.sched_setaffinity(router.pid, cpus[:workers])
+            os.sched_setaffinity(self.node.pid, cpus[workers:])
+            os.sched_setaffinity(0, cpus[workers:])
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         import httpx

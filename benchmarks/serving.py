@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -35,9 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import orjson
+import uvloop
+from sse_client import HTTPError, SSEConnection
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, os.environ.get("PDCLUSTER_BENCH_CODE") or str(REPO))
+request_timeout = getattr(asyncio, "timeout", None) or (lambda _s: contextlib.nullcontext())  # 3.10: no bound
 
 
 @dataclass
@@ -74,35 +79,36 @@ def make_requests(args, vocab: int) -> list[tuple[list[int] | str, int]]:
             for _ in range(args.num_prompts)]
 
 
-async def one_request(http: httpx.AsyncClient, model: str, prompt, max_tokens: int) -> Result:
+async def one_request(conn: SSEConnection, model: str, prompt, max_tokens: int) -> Result:
     res = Result(prompt_len=len(prompt) if isinstance(prompt, list) else 0)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = orjson.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     start = last = time.perf_counter()
     try:
-        async with http.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+        async with request_timeout(600.0):
+            status, events = await conn.post_events("/v1/completions", body)
+            if status != 200:
+                res.error = f"HTTP {status}: {b''.join([e async for e in events])[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for data in events:
+                if data == b"[DONE]":
                     continue
                 now = time.perf_counter()
                 # Cheap per chunk (the client must not be what is measured): JSON only for the usage chunk.
-                if '"text":""' not in line and '"text": ""' not in line and '"choices":[]' not in line \
-                        and '"choices": []' not in line:
+                if b'"text":""' not in data and b'"text": ""' not in data and b'"choices":[]' not in data \
+                        and b'"choices": []' not in data:
                     if res.ttft == 0.0:
                         res.ttft = now - start
                     else:
                         res.itls.append(now - last)
                     last = now
-                elif '"usage":{' in line or '"usage": {' in line:
-                    usage = loads(line[6:])["usage"]
+                elif b'"usage":{' in data or b'"usage": {' in data:
+                    usage = orjson.loads(data)["usage"]
                     res.output_len = usage["completion_tokens"]
                     res.prompt_len = usage["prompt_tokens"]
-    except httpx.HTTPError as exc:
-        cause = exc.__cause__ or exc.__context__   # e.g. ReadError(BrokenResourceError()): a reset connection
-        res.error = f"{type(exc).__name__}: {exc}" + (f" ({cause!r})" if cause is not None else "")
+    except (HTTPError, TimeoutError, asyncio.TimeoutError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+        await conn.close()
     res.e2e = time.perf_counter() - start
     return res
 
@@ -119,24 +125,21 @@ async def run(args, url: str, model: str, vocab: int) -> dict:
     requests = make_requests(args, vocab)
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency or len(requests))
-    # One client (one connection) per concurrent stream, not one client with a pool of them all: httpcore's pool
-    # rescans every connection per queued request (O(connections x queued), encode/httpcore#1035), which at 256
-    # streams made this process, not the server, the bottleneck (seconds before a request was even sent).
-    ssl_context = ssl.create_default_context()   # shared: each client would otherwise load the CA bundle
-    clients: list[httpx.AsyncClient] = []
-    idle: list[httpx.AsyncClient] = []
+    # One connection per concurrent stream, reused (keep-alive) by the next request of that slot.
+    ssl_context = ssl.create_default_context()   # shared: each connection would otherwise load the CA bundle
+    conns: list[SSEConnection] = []
+    idle: list[SSEConnection] = []
 
     async def limited(prompt, n):
         async with limit:
-            http = idle.pop() if idle else None
-            if http is None:
-                http = httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), verify=ssl_context,
-                                         limits=httpx.Limits(max_connections=1, max_keepalive_connections=1))
-                clients.append(http)
+            conn = idle.pop() if idle else None
+            if conn is None:
+                conn = SSEConnection(url, ssl_context)
+                conns.append(conn)
             try:
-                return await one_request(http, model, prompt, n)
+                return await one_request(conn, model, prompt, n)
             finally:
-                idle.append(http)   # most recently used first: its connection is the warmest
+                idle.append(conn)   # most recently used first: its connection is the warmest
 
     try:
         await limited(requests[0][0], 2)  # warm-up (connection, tokenizer, caches)
@@ -149,7 +152,7 @@ async def run(args, url: str, model: str, vocab: int) -> dict:
         results: list[Result] = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     finally:
-        await asyncio.gather(*(http.aclose() for http in clients))
+        await asyncio.gather(*(conn.close() for conn in conns))
     ok = [r for r in results if not r.error]
     out_tokens = sum(r.output_len for r in ok)
     good = [r for r in ok if (not args.slo_ttft or r.ttft * 1000 <= args.slo_ttft)
@@ -181,7 +184,7 @@ async def main_async(args) -> dict:
 
             model_dir = args.model or fake_model_dir()
             own_dir = None if args.model else model_dir
-            fake = FakeSetup(model_dir, args.fake_step_ms / 1000, args.profile, args.router_workers)
+            fake = FakeSetup(model_dir, args.fake_step_ms / 1000, args.profile, args.router_workers, args.pin_router)
             await asyncio.to_thread(fake.wait_ready)
             url = fake.url
         elif args.start:
@@ -253,14 +256,6 @@ def offline_decode_step_ms(args) -> float:
     return elapsed / max(steps, 1) * 1e3
 
 
-def loads(text: str):
-    try:
-        import orjson
-    except ImportError:
-        return json.loads(text)
-    return orjson.loads(text)
-
-
 def fake_model_dir() -> str:
     """The router tests' tiny byte-fallback tokenizer, with room for the benchmark's lengths."""
     sys.path.insert(0, str(REPO / "tests"))
@@ -313,7 +308,8 @@ def compare_rounds(args, model_dir: str, base: str) -> dict[str, dict[str, list[
                 env = dict(os.environ, PDCLUSTER_BENCH_CODE=base if label == "before" else str(REPO))
                 cmd = [sys.executable, __file__, "--start", "fake", "--json", "--model", model_dir,
                        "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                       "--fake-step-ms", str(args.fake_step_ms), *extra]
+                       "--fake-step-ms", str(args.fake_step_ms), *(["--pin-router"] if args.pin_router else []),
+                       *extra]
                 out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
                 if out.returncode != 0:
                     raise SystemExit(f"{label} {name} failed:\n{out.stderr[-3000:]}")
@@ -346,6 +342,9 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--fake-step-ms", type=float, default=5.0, help="--start fake: the fake node's step interval")
+    p.add_argument("--pin-router", action="store_true",
+                   help="--start fake / --compare: the router process(es) on CPUs of their own, the fake node and "
+                        "the load generator on the others (measures what one router process streams)")
     p.add_argument("--router-workers", type=int, default=1,
                    help="--start fake: router processes on the one port (SO_REUSEPORT, as `router --workers N`)")
     p.add_argument("--profile", default="", help="--start fake: write the router process's cProfile stats here")
@@ -362,7 +361,7 @@ def main() -> None:
     if args.compare:
         compare(args)
         return
-    summary = asyncio.run(main_async(args))
+    summary = uvloop.run(main_async(args))   # the load generator on the loop the router uses: cheaper per event
     if args.offline_step:
         summary["offline_step_ms"] = offline_decode_step_ms(args)
         summary["tpot_over_offline_step"] = summary["tpot_ms"]["mean"] / summary["offline_step_ms"]

@@ -50,7 +50,9 @@ class StreamFailed(Exception):
 
 class Mailbox:
     """One attempt's incoming messages: a deque and at most one waiting reader. Cheaper than an
-    `asyncio.Queue` read under `wait_for` (a task per read), which the per-token path cannot afford."""
+    `asyncio.Queue` read under `wait_for` (a task per read), which the per-token path cannot afford; a
+    wait has no timer of its own either: the client's ticker wakes every waiting reader each
+    POLL_INTERVAL, so that it can check its node, deadline and stall timer."""
 
     __slots__ = ("_items", "_waiter")
 
@@ -60,6 +62,9 @@ class Mailbox:
 
     def put_nowait(self, msg: Any) -> None:
         self._items.append(msg)
+        self.wake()
+
+    def wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -67,28 +72,23 @@ class Mailbox:
     def empty(self) -> bool:
         return not self._items
 
+    def peek(self) -> Any:
+        return self._items[0]
+
     def get_nowait(self) -> Any:
         return self._items.popleft()
 
-    async def get(self, timeout: float) -> Any:
-        """The next message; TimeoutError after `timeout` seconds without one."""
+    async def get(self) -> Any:
+        """The next message; TimeoutError when woken (by the ticker) without one."""
         if not self._items:
-            loop = asyncio.get_running_loop()
-            self._waiter = waiter = loop.create_future()
-            timer = loop.call_later(timeout, _wake, waiter)
+            self._waiter = waiter = asyncio.get_running_loop().create_future()
             try:
                 await waiter
             finally:
-                timer.cancel()
                 self._waiter = None
             if not self._items:
                 raise asyncio.TimeoutError
         return self._items.popleft()
-
-
-def _wake(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 class DecodeClient:
@@ -101,6 +101,7 @@ class DecodeClient:
         self.queues: dict[str, Mailbox] = {}   # per attempt rid: late replies to a left node are dropped
         self.dealers = PeerDealers(self._on_message, keys=cluster.keys, owner=settings.node_id)
         cluster.on_removed.append(self.dealers.drop)
+        self._ticker: asyncio.Task | None = None
 
     def stream(self, prompt_ids: list[int], sampling: dict[str, Any], deadline: float,
                model: str | None = None) -> RequestStream:
@@ -126,8 +127,21 @@ class DecodeClient:
             queue.put_nowait(msg)
 
     def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
         self.dealers.close()
         self.queues.clear()
+
+    def start_ticker(self) -> None:
+        """Wake every waiting stream each POLL_INTERVAL (started with the first request, on the loop)."""
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_INTERVAL)
+            for queue in self.queues.values():   # wake() only schedules: the dict cannot change under us
+                queue.wake()
 
     def place(self, token_ids: list[int], max_tokens: int, exclude: set[str],
               model: str | None = None) -> tuple[NodeState, NodeState | None]:
@@ -176,10 +190,11 @@ class RequestStream:
         self._first = await self.next()
 
     async def next(self) -> Tokens:
-        """The next Tokens message of this request (its `finish` is set on the last one)."""
+        """The Tokens received since the last call, as one message (its `finish` is set on the last one):
+        a reader that fell behind gets everything queued at once, not one message per engine step."""
         if self._first is not None:
             first, self._first = self._first, None
-            return first
+            return self._take_queued(first)
         while True:
             if self.finished:
                 raise StreamFailed("stream already finished")
@@ -206,27 +221,45 @@ class RequestStream:
             if 0 <= msg.pos != self._attempt_ids:
                 self._migrate(f"lost tokens {self._attempt_ids}..{msg.pos - 1} of its stream (reconnect?)")
                 continue
-            self._attempt_ids += len(msg.ids)
             if self._sent_at:
                 self.client.metrics.backend_first_token.labels(self._node_id).observe(time.monotonic() - self._sent_at)
                 self._sent_at = 0.0
-            self._last_message = time.monotonic()
             if msg.prefill_path:
                 self.prefill_path = msg.prefill_path
-            self.output_ids.extend(msg.ids)
-            if msg.finish is not None:
-                self.client.metrics.backend_requests.labels(self._node_id, "ok").inc()
-                log.info("request %s: finished on %s (%s, %d tokens, prefill %s)", self.request_id,
-                         self._node_id, msg.finish, len(self.output_ids), self.prefill_path or "?",
-                         extra={"request_id": self._rid})
-                self.finished = True
-                self._detach(send_abort=False)
-            return msg
+            self._accept(msg)
+            return self._take_queued(msg)
 
-    def pending(self) -> bool:
-        """Messages of the current attempt are queued: `next()` returns without waiting (unless one of
-        them ends the attempt and the stream migrates)."""
-        return self._queue is not None and not self._queue.empty()
+    def _accept(self, msg: Tokens) -> None:
+        """`msg` (in order, of the current attempt) is received."""
+        self._attempt_ids += len(msg.ids)
+        self.output_ids.extend(msg.ids)
+        self._last_message = time.monotonic()
+        if msg.finish is not None:
+            self.client.metrics.backend_requests.labels(self._node_id, "ok").inc()
+            log.info("request %s: finished on %s (%s, %d tokens, prefill %s)", self.request_id,
+                     self._node_id, msg.finish, len(self.output_ids), self.prefill_path or "?",
+                     extra={"request_id": self._rid})
+            self.finished = True
+            self._detach(send_abort=False)
+
+    def _take_queued(self, msg: Tokens) -> Tokens:
+        """`msg` with the in-order Tokens queued behind it appended; stops before anything that ends the
+        attempt otherwise (a Reject, an abort/error finish, a gap), which the next `next()` handles."""
+        queue = self._queue
+        while msg.finish is None and queue is not None and not queue.empty():
+            more = queue.peek()
+            if isinstance(more, Progress):
+                queue.get_nowait()
+                continue
+            if not isinstance(more, Tokens) or more.finish in ("abort", "error") or 0 <= more.pos != self._attempt_ids:
+                break
+            queue.get_nowait()
+            self._accept(more)
+            if msg.logprobs is not None:
+                msg.logprobs = msg.logprobs + (more.logprobs or [None] * len(more.ids))
+            msg.ids = msg.ids + more.ids
+            msg.finish, msg.error = more.finish, more.error
+        return msg
 
     def abort(self, reason: str = "client") -> None:
         """Stop the request on its decode node (idempotent; no-op once finished)."""
@@ -268,11 +301,12 @@ class RequestStream:
         """The node's next message, or None when it stalled / left the view / the deadline passed.
         `Progress` only restarts the stall timer."""
         assert self._queue is not None and self._node_id is not None
+        self.client.start_ticker()
         stall = self.client.settings.stall_timeout
         queue = self._queue
         while True:
             try:
-                msg = await queue.get(POLL_INTERVAL)
+                msg = await queue.get()
                 if not isinstance(msg, Progress):
                     return msg
                 self._last_message = time.monotonic()
@@ -281,6 +315,8 @@ class RequestStream:
             if time.time() > self.deadline:
                 self.abort("deadline")
                 raise StreamFailed("request deadline exceeded")
+            if self._queue is not queue:
+                raise StreamFailed("stream aborted")
             if not self.client.cluster.is_alive(self._node_id):
                 return None
             if time.monotonic() - self._last_message > stall:
@@ -301,7 +337,9 @@ class RequestStream:
     def _detach(self, send_abort: bool) -> None:
         if self._node_id is None:
             return
-        self.client.queues.pop(self._rid, None)
+        queue = self.client.queues.pop(self._rid, None)
+        if queue is not None:
+            queue.wake()   # a reader waiting on it returns (and sees the stream finished)
         if send_abort:
             self.client.dealers.send_existing(self._node_id, Abort(rid=self._rid))
         self._node_id = None

@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from pdcluster.control.protocol import Tokens
 from pdcluster.router.decode_client import RequestStream
+from pdcluster.router.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdcluster.router.metrics import RouterMetrics
-from pdcluster.router.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer
+from pdcluster.router.tokenizer import Tokenizer
 
 
 @dataclass
@@ -45,8 +45,6 @@ class ChoiceRun:
         last = time.monotonic()
         while True:
             msg = await self.stream.next()
-            if msg.finish is None and self.stream.pending():
-                msg = await self._coalesce(msg)
             now = time.monotonic()
             if msg.ids:
                 if not self.first_token_time:
@@ -70,18 +68,6 @@ class ChoiceRun:
                 return
             if emit or logprobs:
                 yield ChoiceDelta(self.index, emit, logprobs)
-
-    async def _coalesce(self, msg: Tokens) -> Tokens:
-        """`msg` and the Tokens already queued behind it as one (the router fell behind: one SSE chunk for
-        them, not one each)."""
-        ids, logprobs, finish, error = list(msg.ids), list(msg.logprobs or []), None, None
-        while finish is None and self.stream.pending():
-            more = await self.stream.next()
-            ids += more.ids
-            logprobs += more.logprobs or [None] * len(more.ids)
-            finish, error = more.finish, more.error
-        return Tokens(rid=msg.rid, ids=ids, logprobs=logprobs if msg.logprobs is not None else None,
-                      finish=finish, error=error)
 
     def observe_end(self) -> None:
         if self.first_token_time and self.num_tokens > 1:

@@ -72,6 +72,7 @@ class ChunkWriter:
         self.head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                      "created": int(time.time()), "model": prep.model.name}
         self.offsets = [0] * num_choices
+        self._text_templates: dict[int, tuple[bytes, bytes]] = {}   # choice index -> chunk around its text
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> bytes:
         body = dict(self.head, choices=choices)
@@ -85,7 +86,19 @@ class ChunkWriter:
                             "finish_reason": None} for i in range(len(self.offsets))])
 
     def delta(self, delta: ChoiceDelta) -> bytes:
+        if delta.finish_reason is None and not self.want_logprobs:   # the per-token chunk: only its text varies
+            template = self._text_templates.get(delta.index)
+            if template is None:
+                template = self._text_templates[delta.index] = self._text_template(delta.index)
+            return template[0] + orjson.dumps(delta.text) + template[1]
         return self.chunk([self._choice(delta)])
+
+    def _text_template(self, index: int) -> tuple[bytes, bytes]:
+        """This choice's text chunk as the bytes before and after its JSON text. The marker cannot occur
+        elsewhere: inside a JSON string every quote is escaped."""
+        marker = b'"content":""' if self.chat else b'"text":""'
+        before, after = self.chunk([self._choice(ChoiceDelta(index, ""))]).split(marker)
+        return before + marker[:-2], after
 
     def usage(self, usage: dict[str, int]) -> bytes:
         return self.chunk([], usage)

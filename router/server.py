@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 import time
@@ -72,10 +73,22 @@ def run_router(config: Any, source: NodeSource | None = None, reuse_port: bool =
     app.state.router.membership = RouterMembership(app.state.router, port, etcd_config, stop_listening, exit_server)
     log.info("router %s serving %s on http://%s:%d (policy %s)", settings.node_id, settings.model,
              settings.host, port, settings.routing_policy)
+    quiet_gc()
     try:
         server.run(sockets=[sock])
     finally:
         sock.close()
+
+
+def quiet_gc() -> None:
+    """Per streamed token the router allocates a few short-lived containers (a frame's items, chunks, deltas),
+    in bursts of a whole engine step; with CPython's default gen-0 threshold (700) the bursts set off a young
+    collection every few steps, and what start-up built is scanned again by every old one. Measured with
+    `benchmarks/serving.py --start fake --pin-router` (4096 requests, 256 streams): 961 young collections and
+    0.40 s of collecting before, 24 and 0.03 s after."""
+    gc.collect()
+    gc.freeze()   # start-up's objects (app, tokenizer tables, modules) leave the collected generations
+    gc.set_threshold(5000, 10, 10)
 
 
 class _StartedOnLifespan:

@@ -1,4 +1,4 @@
-"""Tokenizer side of the router: prompts -> ids, ids -> streamed text, stop strings.
+"""The model's tokenizer in the router: prompts and chat templates -> ids, one token's text and bytes.
 
 Reads the model directory's tokenizer files and config.json; imports neither transformers nor torch.
 """
@@ -7,14 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
-_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-# Tokens of the prompt tail decoded together with the first output tokens, so a leading-space
-# marker ("▁Hello" -> " Hello") comes out as it will in the full text.
-_PROMPT_CONTEXT_TOKENS = 5
+from pdcluster.router.detokenizer import BYTE_TOKEN, ByteTable, build_byte_table
 
 
 @dataclass
@@ -59,7 +55,9 @@ class ServedModel:
 
     @classmethod
     def load(cls, name: str, path: str, max_model_len: int | None = None) -> "ServedModel":
-        return cls(read_model_info(path, name, max_model_len), Tokenizer(path))
+        tokenizer = Tokenizer(path)
+        tokenizer.byte_table   # built now (tens of ms), not on the event loop by the first request
+        return cls(read_model_info(path, name, max_model_len), tokenizer)
 
 
 class Tokenizer:
@@ -85,6 +83,8 @@ class Tokenizer:
         self.chat_template = _chat_template(path, config)
         self._template = None
         self._token_strings: dict[int, str] = {}
+        self._byte_table: ByteTable | None = None
+        self._byte_table_built = False
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids; BOS/EOS come from tokenizer.json's post-processor, as in transformers 5."""
@@ -103,23 +103,42 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    @property
+    def byte_table(self) -> ByteTable | None:
+        """Every token id's bytes, built on first use (tens of ms for a 50k vocabulary); None where
+        tokenizer.json's decoder is not one `build_byte_table` models exactly."""
+        if not self._byte_table_built:
+            self._byte_table = build_byte_table(self.tk)
+            self._byte_table_built = True
+        return self._byte_table
+
     def token_text(self, token_id: int) -> str:
         """One token shown on its own (logprobs): its text with its leading space, or the raw
-        piece ("<0xE6>") for a byte that is not a character by itself."""
+        piece ("<0xE6>") for bytes that are not characters by themselves."""
         text = self._token_strings.get(token_id)
         if text is None:
             piece = self.tk.id_to_token(token_id) or ""
-            text = self.decode([token_id], skip_special_tokens=False)
-            if "\ufffd" in text:
-                text = piece
-            elif piece.startswith("\u2581") and not text.startswith(" "):
-                text = " " + text  # decoders strip the sentencepiece space of a sequence's first token
+            table = self.byte_table
+            if table is not None:
+                try:
+                    text = table.piece(token_id).decode("utf-8")
+                except UnicodeDecodeError:
+                    text = piece
+            else:
+                text = self.decode([token_id], skip_special_tokens=False)
+                if "\ufffd" in text:
+                    text = piece
+                elif piece.startswith("\u2581") and not text.startswith(" "):
+                    text = " " + text  # decoders strip the sentencepiece space of a sequence's first token
             self._token_strings[token_id] = text
         return text
 
     def token_bytes(self, token_id: int) -> list[int]:
-        """UTF-8 bytes of one token; a byte-fallback token "<0xE6>" is that single byte."""
-        m = _BYTE_TOKEN.match(self.tk.id_to_token(token_id) or "")
+        """The bytes of one token (a byte-fallback token "<0xE6>" is that single byte)."""
+        table = self.byte_table
+        if table is not None:
+            return list(table.piece(token_id))
+        m = BYTE_TOKEN.fullmatch(self.tk.id_to_token(token_id) or "")
         if m:
             return [int(m.group(1), 16)]
         return list(self.token_text(token_id).encode("utf-8"))
@@ -187,73 +206,3 @@ def _compile_chat_template(source: str):
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ValueError(f"the model's chat template does not parse: {exc}") from None
-
-
-class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas.
-
-    A delta is only released once it decodes without a trailing U+FFFD, so a multi-byte character
-    split across byte-fallback tokens comes out whole. The work is `tokenizers`' `DecodeStream`: its state
-    (a short window from the last point where the text was complete) lives in Rust, so a step costs one
-    call and no Python-side re-decoding; the prompt's tail seeds the window (leading-space markers).
-    """
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True) -> None:
-        from tokenizers.decoders import DecodeStream
-
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        context = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
-        self._released = context   # the window of ids whose text is out (the tail of it), for flush
-        self._held: list[int] = []  # ids since the last released text
-
-    def add(self, new_ids: list[int]) -> str:
-        """Append tokens; return the newly completed text (maybe "")."""
-        piece = self._stream.step(self.tokenizer.tk, new_ids if len(new_ids) != 1 else new_ids[0])
-        if piece is None:
-            self._held += new_ids
-            return ""  # incomplete character (or nothing visible) so far: wait for more tokens
-        self._released = (self._released + self._held + new_ids)[-_PROMPT_CONTEXT_TOKENS:]
-        self._held = []
-        return piece
-
-    def flush(self) -> str:
-        """At the end of a sequence: release whatever is held back (even an invalid byte run)."""
-        if not self._held:
-            return ""
-        decode = self.tokenizer.decode
-        prefix_text = decode(self._released, self.skip_special_tokens)
-        full_text = decode(self._released + self._held, self.skip_special_tokens)
-        self._released, self._held = (self._released + self._held)[-_PROMPT_CONTEXT_TOKENS:], []
-        return full_text[len(prefix_text):]
-
-
-class StopMatcher:
-    """Finds stop strings in streamed text, holding back any tail that could start one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self._held = ""
-
-    def feed(self, delta: str) -> tuple[str, bool]:
-        """Returns (text safe to emit, stopped). After a stop, the stop string itself is dropped."""
-        if not self.stops:
-            return delta, False
-        buf = self._held + delta
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self._held = ""
-            return buf[:cut], True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:k]):
-                    hold = k
-                    break
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold], False
-
-    def flush(self) -> str:
-        held, self._held = self._held, ""
-        return held

@@ -1,4 +1,4 @@
-"""Router building blocks without HTTP: detokenizer, stop strings, prefix hashes, policies, cluster view."""
+"""Router building blocks without HTTP: model info, stop strings, prefix hashes, policies, cluster view."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pdcluster.control.protocol import Load
 from pdcluster.control.records import NodeInfo
 from pdcluster.control.transport import LoadPublisher
 from pdcluster.router.cluster import NodeState, RouterCluster, StaticNodeSource
+from pdcluster.router.detokenizer import StopMatcher
 from pdcluster.router.policies import (
     LeastLoadedPolicy,
     PrefixAwarePolicy,
@@ -23,52 +24,7 @@ from pdcluster.router.policies import (
     note_assignment,
 )
 from pdcluster.router.settings import RouterSettings
-from pdcluster.router.tokenizer import IncrementalDetokenizer, StopMatcher, Tokenizer, read_model_info
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory) -> Tokenizer:
-    return Tokenizer(make_tokenizer_dir(str(tmp_path_factory.mktemp("tok"))))
-
-
-# -- detokenizer
-
-@pytest.mark.parametrize("text", ["héllo 日本語 wörld!", "The quick brown fox", "emoji 🦊 fox", "ünïcödé"])
-def test_incremental_detokenizer_one_token_at_a_time(tokenizer: Tokenizer, text: str) -> None:
-    prompt = tokenizer.encode("Hello world")
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    det = IncrementalDetokenizer(tokenizer, prompt)
-    deltas = [det.add([i]) for i in ids]
-    deltas.append(det.flush())
-    assert all("\ufffd" not in d for d in deltas)  # a split character is never emitted half-way
-    assert "".join(deltas) == " " + text
-    # multi-byte characters really were split across byte tokens in this tokenizer
-    if any(ord(c) > 127 for c in text):
-        assert any(tokenizer.tk.id_to_token(i).startswith("<0x") for i in ids)
-        assert "" in deltas[:-1]
-
-
-def test_incremental_detokenizer_uneven_chunks_and_special_tokens(tokenizer: Tokenizer) -> None:
-    text = "日本 quick 🦊"
-    ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-    det = IncrementalDetokenizer(tokenizer, [1])
-    out = "".join(det.add(ids[i:i + 3]) for i in range(0, len(ids), 3)) + det.flush()
-    assert out == text  # no prompt text before it: no leading space; EOS skipped
-
-
-def test_detokenizer_flush_releases_a_dangling_byte(tokenizer: Tokenizer) -> None:
-    ids = tokenizer.encode("日", add_special_tokens=False)
-    det = IncrementalDetokenizer(tokenizer, [1])
-    assert det.add(ids[:2]) == ""
-    assert det.flush() == "\ufffd"  # an invalid sequence at the very end still comes out
-
-
-def test_token_text_and_bytes(tokenizer: Tokenizer) -> None:
-    ids = tokenizer.encode("The é", add_special_tokens=False)
-    assert tokenizer.token_text(ids[0]) == " The"
-    byte_ids = [i for i in ids if tokenizer.tk.id_to_token(i).startswith("<0x")]
-    assert [tokenizer.token_bytes(i) for i in byte_ids] == [[0xC3], [0xA9]]
-    assert tokenizer.token_bytes(ids[0]) == list(b" The")
+from pdcluster.router.tokenizer import read_model_info
 
 
 def test_model_info(tmp_path) -> None:

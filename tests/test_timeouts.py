@@ -87,12 +87,7 @@ def migrations(client: DecodeClient) -> float:
 
 async def collect(stream) -> list[int]:
     await stream.start()
-    ids: list[int] = []
-    while True:
-        msg = await stream.next()
-        ids += msg.ids
-        if msg.finish is not None:
-            return ids
+    return await collect_rest(stream)
 
 
 async def test_progress_keeps_a_slow_first_token_from_migrating():
@@ -150,6 +145,51 @@ async def test_a_gap_in_the_token_stream_migrates_instead_of_streaming_a_hole():
     finally:
         server.close()
         spare.stop()
+
+
+async def test_a_reader_that_fell_behind_gets_the_queued_tokens_at_once_and_a_gap_after_them_migrates():
+    """What queued while the reader was away comes out of one `next()`: in order, logprobs aligned (None for
+    an item without); a Tokens that would end the attempt (here a gap) stays queued for the next call."""
+    server = RouterServer()
+    server.bind("tcp://127.0.0.1:0")
+    spare = FakeDecodeNode("spare", SCRIPT)
+    node = NodeInfo(node_id="behind", role="decode", control_addr=server.address)
+    lp = [[-0.5, [[7, -0.5]]]]
+    try:
+        async with router_client(StaticNodeSource([node])) as client:
+            stream = client.stream([1, 2, 3], {"max_tokens": 9, "logprobs": 1}, deadline=time.time() + 60)
+            start = asyncio.create_task(stream.start())
+            identity, gen = await asyncio.wait_for(server.recv(), WAIT)
+            server.send(identity, Tokens(rid=gen.rid, ids=SCRIPT[:1], pos=0, logprobs=lp))
+            await asyncio.wait_for(start, WAIT)
+            queued = [Tokens(rid=gen.rid, ids=SCRIPT[1:3], pos=1, logprobs=lp * 2), Progress(rids=[gen.rid],
+                      states=["queued"]), Tokens(rid=gen.rid, ids=SCRIPT[3:4], pos=3),
+                      Tokens(rid=gen.rid, ids=SCRIPT[4:5], pos=4, logprobs=lp),
+                      Tokens(rid=gen.rid, ids=SCRIPT[7:8], pos=7, logprobs=lp)]   # 5 and 6 went missing
+            for msg in queued:
+                server.send(identity, msg)
+            mailbox = client.queues[gen.rid]
+            await wait_until(lambda: len(mailbox._items) == len(queued), "the messages to queue up")
+            behind = await stream.next()   # start()'s message and all that queued behind it
+            assert behind.ids == SCRIPT[:5] and behind.finish is None
+            assert behind.logprobs == lp * 3 + [None] + lp
+            client.cluster.source.add(spare.info)
+            client.cluster.sync()
+            rest = await asyncio.wait_for(collect_rest(stream), WAIT)   # the gap: resumed on the spare node
+            assert stream.output_ids == SCRIPT[:9] and rest == SCRIPT[5:9]
+            assert migrations(client) == 1 and spare.generates[0].resume_ids == SCRIPT[:5]
+    finally:
+        server.close()
+        spare.stop()
+
+
+async def collect_rest(stream) -> list[int]:
+    ids: list[int] = []
+    while True:
+        msg = await stream.next()
+        ids += msg.ids
+        if msg.finish is not None:
+            return ids
 
 
 # ---------------------------------------------------------------------------------------------- transport

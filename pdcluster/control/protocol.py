@@ -97,7 +97,7 @@ def _token_item(item: Any) -> Tokens:
     if type(item) is dict and len(item) == 3:
         rid, ids, pos = item.get("rid"), item.get("ids"), item.get("pos")
         if (type(rid) is str and type(ids) is list and type(pos) is int and pos >= -1
-                and all(type(x) is int for x in ids)):
+                and (type(ids[0]) is int if len(ids) == 1 else all(type(x) is int for x in ids))):
             return Tokens(rid, ids, pos=pos)
     return _build(Tokens, item, "token_batch.items")
 
