@@ -127,15 +127,16 @@ class DecodeClient:
             queue.put_nowait(msg)
 
     def close(self) -> None:
-        if self._ticker is not None:
+        if self._ticker is not None and not self._ticker.get_loop().is_closed():
             self._ticker.cancel()
         self.dealers.close()
         self.queues.clear()
 
     def start_ticker(self) -> None:
         """Wake every waiting stream each POLL_INTERVAL (started with the first request, on the loop)."""
-        if self._ticker is None or self._ticker.done():
-            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        loop = asyncio.get_running_loop()
+        if self._ticker is None or self._ticker.done() or self._ticker.get_loop() is not loop:
+            self._ticker = loop.create_task(self._tick())
 
     async def _tick(self) -> None:
         while True:
