@@ -256,8 +256,8 @@ class RequestStream:
                 break
             queue.get_nowait()
             self._accept(more)
-            if msg.logprobs is not None:
-                msg.logprobs = msg.logprobs + (more.logprobs or [None] * len(more.ids))
+            if msg.logprobs is not None or more.logprobs is not None:   # aligned with ids: None where missing
+                msg.logprobs = (msg.logprobs or [None] * len(msg.ids)) + (more.logprobs or [None] * len(more.ids))
             msg.ids = msg.ids + more.ids
             msg.finish, msg.error = more.finish, more.error
         return msg

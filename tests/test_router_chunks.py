@@ -1,4 +1,4 @@
-"""The router's per-token path without HTTP: SSE chunk bytes and TokenBatch item checks."""
+"""The router's per-token path without HTTP: SSE chunk bytes, TokenBatch item checks, the GC settings."""
 
 from __future__ import annotations
 
