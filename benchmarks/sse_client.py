@@ -63,10 +63,9 @@ class SSEConnection:
     async def _events(self, headers: dict[bytes, bytes], status: int) -> AsyncIterator[bytes]:
         pending = b""
         async for data in self._body(headers):
-            if status != 200:
-                pending += data
-                continue
             pending += data
+            if status != 200:   # an error body: returned whole below
+                continue
             *events, pending = pending.split(b"\n\n")
             for event in events:
                 if event.startswith(b"data: "):

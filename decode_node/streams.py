@@ -34,17 +34,9 @@ def step_tokens(req: _Request, out: Any) -> Tokens:
         msg.num_cached_tokens = req.num_cached_tokens or out.num_cached_tokens
         msg.prefill_path = req.prefill_path
     if req.backlog is not None:   # still held for a reconnecting router: send in order, as one message
-        msg, req.backlog = merge(req.backlog, msg), None
+        req.backlog.append(msg)
+        msg, req.backlog = req.backlog, None
     return msg
-
-
-def merge(held: Tokens, new: Tokens) -> Tokens:
-    """`new` appended to the held message (which keeps its pos and first-message fields)."""
-    held.ids += new.ids
-    if held.logprobs is not None and new.logprobs is not None:
-        held.logprobs += new.logprobs
-    held.finish, held.error = new.finish, new.error
-    return held
 
 
 def wire_logprob(lp: Any) -> Any:

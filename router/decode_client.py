@@ -256,10 +256,7 @@ class RequestStream:
                 break
             queue.get_nowait()
             self._accept(more)
-            if msg.logprobs is not None or more.logprobs is not None:   # aligned with ids: None where missing
-                msg.logprobs = (msg.logprobs or [None] * len(msg.ids)) + (more.logprobs or [None] * len(more.ids))
-            msg.ids = msg.ids + more.ids
-            msg.finish, msg.error = more.finish, more.error
+            msg.append(more)
         return msg
 
     def abort(self, reason: str = "client") -> None:
@@ -286,6 +283,7 @@ class RequestStream:
         self._rid = f"{self.request_id}.{self._attempt}"
         self._node_id = decode.id
         self._queue = self.client.queues[self._rid] = Mailbox()
+        self.client.start_ticker()   # what wakes this attempt's waits to check node, deadline and stall
         self._last_message = self._sent_at = time.monotonic()
         self._attempt_ids = 0
         log.info("request %s: attempt %d to decode node %s, prefill %s (%d prompt + %d resumed tokens)",
@@ -302,7 +300,6 @@ class RequestStream:
         """The node's next message, or None when it stalled / left the view / the deadline passed.
         `Progress` only restarts the stall timer."""
         assert self._queue is not None and self._node_id is not None
-        self.client.start_ticker()
         stall = self.client.settings.stall_timeout
         queue = self._queue
         while True:

@@ -65,7 +65,8 @@ def test_token_batch_items_round_trip_in_order() -> None:
 @pytest.mark.parametrize("item", [
     {"rid": "a", "ids": [1.0], "pos": 0}, {"rid": "a", "ids": [True], "pos": 0}, {"rid": "a", "ids": 7, "pos": 0},
     {"rid": "a", "ids": [1], "pos": -2}, {"rid": 3, "ids": [1], "pos": 0}, {"rid": "a", "ids": [1], "pos": "0"},
-    {"rid": "a", "ids": [1, "x"], "pos": 0}, {"rid": "a", "ids": [1], "bogus": 0}, ["a", [1], 0]])
+    {"rid": "a", "ids": [1, "x"], "pos": 0}, {"rid": "a", "ids": [1], "bogus": 0}, ["a", [1], 0],
+    {"rid": "a", "ids": [1, 2], "pos": 0, "logprobs": [[-0.1, []]]}])
 def test_token_batch_refuses_what_a_tokens_frame_refuses(item) -> None:
     with pytest.raises(ProtocolError):
         decode(_batch_frame([{"rid": "ok", "ids": [1], "pos": 0}, item]))
@@ -77,3 +78,13 @@ def test_router_gc_freezes_its_start_up_heap_and_collects_the_young_generation_l
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     threshold, frozen = map(int, out.stdout.split())
     assert threshold == 5000 and frozen > 10000   # the imported app, FastAPI, pydantic: all out of the scans
+
+
+def test_appended_tokens_keep_logprobs_aligned_with_ids() -> None:
+    lp = [-0.5, [[7, -0.5]]]
+    msg = Tokens(rid="a.1", ids=[1], pos=0, num_prompt_tokens=4)
+    msg.append(Tokens(rid="a.1", ids=[2, 3], pos=1, logprobs=[lp, lp]))
+    msg.append(Tokens(rid="a.1", ids=[4], pos=3, finish="length"))
+    assert msg == Tokens(rid="a.1", ids=[1, 2, 3, 4], pos=0, num_prompt_tokens=4, logprobs=[None, lp, lp, None],
+                         finish="length")
+    assert decode(encode(msg)) == msg   # what a merged backlog sends is a valid frame

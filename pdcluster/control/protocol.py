@@ -76,6 +76,17 @@ class Tokens(Message):
     def check(self) -> None:
         if self.pos < -1:
             raise ProtocolError(f"tokens.pos: must be >= -1, got {self.pos}")
+        if self.logprobs is not None and len(self.logprobs) != len(self.ids):
+            raise ProtocolError(f"tokens.logprobs: {len(self.logprobs)} entries for {len(self.ids)} ids")
+
+    def append(self, later: Tokens) -> None:
+        """The request's next Tokens appended to this one: its ids, its logprobs kept aligned with the ids
+        (None entries for a message that had none), its finish and error; pos and the first-message fields
+        stay this message's."""
+        if self.logprobs is not None or later.logprobs is not None:
+            self.logprobs = (self.logprobs or [None] * len(self.ids)) + (later.logprobs or [None] * len(later.ids))
+        self.ids = self.ids + later.ids
+        self.finish, self.error = later.finish, later.error
 
 
 @dataclass
