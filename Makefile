@@ -24,13 +24,16 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/pdcluster up --smoke --port 0
 
-# ruff, then the import contracts of pyproject.toml checked on an installed copy: the rooms live in
-# top-level folders mapped into the namespace, which import-linter only sees once installed.
+# ruff, then the import contracts and mypy, both on an installed copy: the rooms live in top-level folders
+# mapped into the namespace, which import-linter and mypy only see once installed. mypy's paths are mapped back
+# to the source folders (pdcluster/engine/x.py -> engine/x.py); its cache stays in build/mypy-cache.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	rm -rf build   # setuptools' build/lib keeps deleted modules, which would then be checked
+	rm -rf build/lib build/bdist.* build/lint   # setuptools' build/lib keeps deleted modules, which would then be checked
 	$(PY) -m pip install -q --no-deps --no-build-isolation --target build/lint . 2>&1 | grep -v "^WARNING: Location" || true
 	cd build/lint && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
+	cd build/lint && ../../$(PY) -m mypy --config-file ../../pyproject.toml --cache-dir ../mypy-cache -p pdcluster \
+		> ../mypy.txt; rc=$$?; sed -E 's#^pdcluster/(engine|kv_transfer|router|prefill_node|decode_node)/#\1/#' ../mypy.txt; exit $$rc
 
 # Debian tools of the root-only multi-host tests (tests/netns.py): iproute2 for namespaces, nftables for the
 # partition drills' packet filter. Installed only when missing, as root with apt-get; the tests skip otherwise.

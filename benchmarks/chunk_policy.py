@@ -24,6 +24,7 @@ import random
 import statistics
 import tempfile
 import time
+from itertools import pairwise
 
 MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, vocab_size=8192, max_position_embeddings=32768)
@@ -31,11 +32,12 @@ MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_a
 
 def run(model: str, budget: int, n_short: int, n_long: int, long_len: int) -> dict:
     from pdcluster.control.sampling_params import SamplingParams
+    from pdcluster.engine.args import EngineArgs
     from pdcluster.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_args(model, block_size=16, max_num_batched_tokens=budget, max_model_len=32768,
-                                 num_gpu_blocks_override=(n_long * (long_len + 32) + n_short * 200) // 16 + 64,
-                                 enable_prefix_caching=False)
+    engine = LLMEngine(EngineArgs(model=model, block_size=16, max_num_batched_tokens=budget, max_model_len=32768,
+                                  num_gpu_blocks_override=(n_long * (long_len + 32) + n_short * 200) // 16 + 64,
+                                  enable_prefix_caching=False))
     rng = random.Random(0)
     short = [[rng.randrange(3, 8000) for _ in range(64)] for _ in range(n_short)]
     long = [[rng.randrange(3, 8000) for _ in range(long_len)] for _ in range(n_long)]
@@ -62,7 +64,7 @@ def run(model: str, budget: int, n_short: int, n_long: int, long_len: int) -> di
                 times.setdefault(o.request_id, []).append(now)
         step += 1
     wall = time.perf_counter() - start
-    gaps = [b - a for rid, ts in times.items() if rid.startswith("s") for a, b in zip(ts, ts[1:])]
+    gaps = [b - a for rid, ts in times.items() if rid.startswith("s") for a, b in pairwise(ts)]
     gaps.sort()
     return dict(budget=budget,
                 long_ttft_s=round(statistics.mean(times[f"l{i}"][0] - arrival[f"l{i}"] for i in range(n_long)), 2),

@@ -36,10 +36,12 @@ def default_model(dtype: str) -> str:
 
 def build(model: str, dtype: str, batch: int, prompt: int, kwargs: dict):
     from pdcluster.engine import SamplingParams
+    from pdcluster.engine.args import EngineArgs
     from pdcluster.engine.llm_engine import LLMEngine
 
     t = time.perf_counter()
-    engine = LLMEngine.from_args(model, dtype=dtype, max_num_seqs=max(batch, 1), kv_cache_memory=1 << 30, **kwargs)
+    engine = LLMEngine(EngineArgs(model=model, dtype=dtype, max_num_seqs=max(batch, 1), kv_cache_memory=1 << 30,
+                                  **kwargs))
     built = time.perf_counter() - t
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
@@ -134,7 +136,7 @@ def main() -> None:
             seqs = list(engine.scheduler.running)
             from pdcluster.engine.scheduler import ScheduledBatch
 
-            inputs, _ = engine.runner._prepare(ScheduledBatch(seqs, [1] * len(seqs)))
+            inputs, _ = engine.runner.prepare(ScheduledBatch(seqs, [1] * len(seqs)))
             engine.runner.execute(inputs)
             t = time.perf_counter()
             for _ in range(args.steps):

@@ -48,7 +48,7 @@ def write_blocks(method: str, src: torch.Tensor, dst: torch.Tensor, src_ids: lis
     elif method == "indexed":
         dst.index_copy_(0, d_idx, src.index_select(0, s_idx))
     else:
-        for s, d in zip(src_ids, dst_ids):
+        for s, d in zip(src_ids, dst_ids, strict=True):
             dst[d].copy_(src[s])
 
 
@@ -141,7 +141,7 @@ def run(sizes: list[int], repeats: int, device: str, seed: int = 0, tamper: bool
             dst[writes[-1]["dst_ids"][-1]].view(torch.int16).view(-1)[7] ^= 1
         written = torch.zeros(recv_blocks, dtype=torch.bool, device=dev)
         all_equal = True
-        for w, timing in zip(writes, reply["timings"]):
+        for w, timing in zip(writes, reply["timings"], strict=True):
             s_idx = torch.tensor(w["src_ids"], device=dev)
             d_idx = torch.tensor(w["dst_ids"], device=dev)
             equal = torch.equal(dst.index_select(0, d_idx).view(torch.int16),

@@ -22,6 +22,7 @@ import torch
 
 from pdcluster import LLM, SamplingParams
 from pdcluster.engine.convert import default_model_dir, default_model_source, ensure_converted
+from pdcluster.engine.testing import prefill_logits
 
 PROMPTS = [
     "What is the capital of France?", "Explain photosynthesis to a ten-year-old.",
@@ -72,7 +73,7 @@ def perplexity(model: str, dtype: str, kv_cache_dtype: str) -> float:
     engine = llm.engine
     ids = engine.tokenizer.encode(TEXT)
     blocks = list(range(-(-len(ids) // engine.block_size)))
-    logits = engine.runner.prefill_logits(ids, blocks)
+    logits = prefill_logits(engine, ids, blocks)
     nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]), reduction="mean")
     return math.exp(float(nll))
 
@@ -115,10 +116,10 @@ def main() -> None:
 def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
     """Identical sequences, and the mean share of each reference sequence before the first differing token."""
     shares = []
-    for a, b in zip(ref, got):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    for a, b in zip(ref, got, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
         shares.append(n / max(1, len(a)))
-    return {"identical": sum(a == b for a, b in zip(ref, got)),
+    return {"identical": sum(a == b for a, b in zip(ref, got, strict=True)),
             "mean_share_before_divergence": round(sum(shares) / len(shares), 3)}
 
 

@@ -15,6 +15,7 @@ the same run: memcpy = torch copy_ into a preallocated buffer; socket = raw send
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import multiprocessing as mp
 import socket
@@ -115,6 +116,7 @@ def int8_greedy(num_prompts: int = 16, max_tokens: int = 32) -> dict:
     import tempfile
 
     from pdcluster.control.sampling_params import SamplingParams
+    from pdcluster.engine.args import EngineArgs
     from pdcluster.engine.llm_engine import LLMEngine
     from pdcluster.engine.testing import make_tiny_model
     from pdcluster.kv_transfer import quant
@@ -128,24 +130,26 @@ def int8_greedy(num_prompts: int = 16, max_tokens: int = 32) -> dict:
             prompts = [torch.randint(3, 400, (int(n),), generator=g).tolist() for n in lengths]
             runs = []
             for lossy in (False, True):
-                eng = LLMEngine.from_args(path, dtype=dtype, kv_cache_memory=64 << 20, max_num_batched_tokens=4096)
+                eng = LLMEngine(EngineArgs(model=path, dtype=dtype, kv_cache_memory=64 << 20,
+                                           max_num_batched_tokens=4096))
                 for i, p in enumerate(prompts):
                     eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
                 toks: dict[str, list[int]] = {}
                 first = True
                 while eng.has_unfinished_requests():
                     for o in eng.step():
-                        toks[o.request_id] = list(o.outputs[0].token_ids)
+                        if o.finished:   # the finished output carries the whole completion
+                            toks[o.request_id] = list(o.outputs[0].token_ids)
                     if first and lossy:  # prompt KV is all in the pool now: pass it through the wire format
                         pool = eng.kv_pool.tensor
                         pool.copy_(quant.dequantize(quant.quantize(pool), tuple(pool.shape), pool.dtype))
                     first = False
                 runs.append([toks[f"r{i}"] for i in range(num_prompts)])
             exact, lossy_toks = runs
-            same_tokens = sum(a == b for x, y in zip(exact, lossy_toks) for a, b in zip(x, y))
+            same_tokens = sum(a == b for x, y in zip(exact, lossy_toks, strict=True) for a, b in zip(x, y, strict=True))
             out[f"{arch}-{dtype}"] = {
                 "prompts": num_prompts, "max_tokens": max_tokens,
-                "identical_sequences": sum(x == y for x, y in zip(exact, lossy_toks)),
+                "identical_sequences": sum(x == y for x, y in zip(exact, lossy_toks, strict=True)),
                 "token_agreement": round(same_tokens / (num_prompts * max_tokens), 4),
             }  # fmt: skip
     return out
@@ -177,28 +181,28 @@ def main() -> None:
     backends = args.backends.split(",")
     results = []
     n = 0
+
+    def measure_limits(times: dict[str, list[float]], nbytes: int, reps: int) -> None:
+        for _ in range(reps):
+            times["memcpy"].append(limits.memcpy_s(nbytes))
+            times["socket"].append(limits.socket_s(nbytes))
+
     for size in sizes:
         nblocks = size * (1 << 20) // BLOCK_BYTES
         nbytes = nblocks * BLOCK_BYTES
         reps = reps_for(size)
         times: dict[str, list[float]] = {b: [] for b in ["memcpy", "socket", *backends]}
-
-        def measure_limits() -> None:
-            for _ in range(reps):
-                times["memcpy"].append(limits.memcpy_s(nbytes))
-                times["socket"].append(limits.socket_s(nbytes))
-
-        measure_limits()
+        measure_limits(times, nbytes, reps)
         for backend in backends:  # back to back, so p50 is the latency of a transfer, not of a cold cache
             for i in range(reps + 1):  # rep 0 warms up (connects, compiles) and is dropped
                 n += 1
                 dst = rx.reserve(f"r{n}", list(range(nblocks)))
                 conn.send(("xfer", backend, args.streams, dst.to_dict()))
                 elapsed = conn.recv()
-                rx.wait_blocking(f"r{n}", 30)
+                asyncio.run(rx.wait(f"r{n}", 30))  # the one result API is async; this loop is not
                 if i:
                     times[backend].append(elapsed)
-        measure_limits()  # limits bracket the transfers they bound
+        measure_limits(times, nbytes, reps)  # limits bracket the transfers they bound
         memcpy, sock = gbps(nbytes, times["memcpy"]), gbps(nbytes, times["socket"])
         for backend in backends:
             limit_name, limit = ("memcpy", memcpy) if backend == "shm" else ("socket", sock)

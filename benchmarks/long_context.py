@@ -21,6 +21,7 @@ import time
 import torch
 
 from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.args import EngineArgs
 from pdcluster.engine.llm_engine import LLMEngine
 
 ROPE = {"llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -30,8 +31,8 @@ ROPE = {"llama3": dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high
 
 def run_one(model: str, length: int, chunk: int, decode: int, dtype: str, block_size: int = 16) -> dict:
     blocks = -(-(length + decode) // block_size) + 2
-    engine = LLMEngine.from_args(model, dtype=dtype, block_size=block_size, max_num_batched_tokens=chunk,
-                                 num_gpu_blocks_override=blocks)
+    engine = LLMEngine(EngineArgs(model=model, dtype=dtype, block_size=block_size, max_num_batched_tokens=chunk,
+                                  num_gpu_blocks_override=blocks))
     vocab = engine.model_config.vocab_size
     rng = random.Random(length)
     prompt = [rng.randrange(3, min(vocab, 30000)) for _ in range(length)]

@@ -126,7 +126,7 @@ def engine_generate(llm, reqs: list[Request]) -> tuple[float, list[list[int]]]:
     outs = llm.generate([r.prompt for r in reqs], params)
     elapsed = time.perf_counter() - t
     tokens = [o.outputs[0].token_ids for o in outs]
-    for r, toks in zip(reqs, tokens):
+    for r, toks in zip(reqs, tokens, strict=True):
         if len(toks) != r.max_tokens:
             raise RuntimeError(f"engine returned {len(toks)} tokens, asked for {r.max_tokens}")
     return elapsed, tokens
@@ -236,8 +236,9 @@ def bench_dtype(name: str, dtype: torch.dtype, model_dir: str, reqs: list[Reques
         log(f"[{name}] transformers one-at-a-time (first {len(base)} requests only, {base_tokens} tokens): "
             f"{res['hf_one_tok_s']} tok/s")
         if engine_tokens is not None:
-            same = sum(a == b for a, b in zip(engine_tokens, hf_tokens))
-            prefix = [_common_prefix(a, b) / len(b) for a, b in zip(engine_tokens, hf_tokens)]
+            engine_base = engine_tokens[:len(base)]   # the engine ran every request, transformers the first few
+            same = sum(a == b for a, b in zip(engine_base, hf_tokens, strict=True))
+            prefix = [_common_prefix(a, b) / len(b) for a, b in zip(engine_base, hf_tokens, strict=True)]
             res["greedy_identical"] = f"{same}/{len(base)}"
             res["greedy_mean_common_prefix"] = round(sum(prefix) / len(prefix), 3)
             log(f"[{name}] engine vs transformers greedy outputs identical for {same}/{len(base)} requests "
@@ -263,7 +264,7 @@ def bench_dtype(name: str, dtype: torch.dtype, model_dir: str, reqs: list[Reques
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

@@ -74,11 +74,10 @@ def router_process(model: str, secret: str, node_addr: str, port_conn: Any, prof
     from pdcluster.control.records import NodeInfo
     from pdcluster.router.cluster import StaticNodeSource
     from pdcluster.router.server import run_router
-    from pdcluster.router.settings import RouterSettings
+    from pdcluster.router.settings import RouterConfig
 
-    settings = RouterSettings(model=model, host="127.0.0.1", port=port_conn, node_id=f"bench-router-w{index}",
-                              disagg_min_tokens=0, max_in_flight=100000)
-    settings.cluster_secret = secret   # read by the router as RouterConfig's common knob
+    settings = RouterConfig(model=model, host="127.0.0.1", port=port_conn, node_id=f"bench-router-w{index}",
+                            disagg_min_tokens=0, max_in_flight=100000, cluster_secret=secret)
     source = StaticNodeSource([NodeInfo(node_id="fake-decode", role="decode", model=settings.served_models()[0][0],
                                         control_addr=node_addr)])
     prof = cProfile.Profile() if profile else None

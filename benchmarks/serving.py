@@ -166,7 +166,7 @@ async def run(args, url: str, model: str, vocab: int) -> dict:
     if ok and all(r.arrivals for r in ok):
         begin = max(r.arrivals[0] - r.itls[0] for r in ok)
         end = min(r.arrivals[-1] for r in ok)
-        full = [x for r in ok for x, t in zip(r.itls, r.arrivals) if begin < t - x and t <= end]
+        full = [x for r in ok for x, t in zip(r.itls, r.arrivals, strict=True) if begin < t - x and t <= end]
     summary = {
         "url": url, "num_requests": len(results), "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if r.error})[:3],
@@ -197,7 +197,7 @@ async def main_async(args) -> dict:
             await asyncio.to_thread(fake.wait_ready)
             url = fake.url
         elif args.start:
-            from pdcluster.cli.up import LocalCluster
+            from pdcluster.cli.supervisor import LocalCluster
 
             layouts = {"1p1d": (1, 1, 0), "colocated": (0, 1, 0), "2p2d": (2, 2, 0)}
             num_prefill, num_decode, _ = layouts[args.start]
@@ -244,10 +244,11 @@ def offline_decode_step_ms(args) -> float:
     `output_len` tokens, once every prompt is prefilled: what a decode node's step costs without the cluster."""
     from pdcluster.control.config import parse_bytes
     from pdcluster.engine import SamplingParams
+    from pdcluster.engine.args import EngineArgs
     from pdcluster.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_args(args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                                 kv_cache_memory=parse_bytes(args.kv_cache_memory))
+    engine = LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                                  kv_cache_memory=parse_bytes(args.kv_cache_memory)))
     rng = random.Random(args.seed)
     vocab = min(engine.model_config.vocab_size, 32000)
     for i in range(args.max_concurrency):

@@ -56,7 +56,7 @@ def timed_runs(generate, reqs, warmup, repeats: int) -> dict:
         t = time.perf_counter()
         tokens = generate(reqs)
         times.append(time.perf_counter() - t)
-    for (_, n), toks in zip(reqs, tokens):
+    for (_, n), toks in zip(reqs, tokens, strict=True):
         if len(toks) != n:
             raise RuntimeError(f"got {len(toks)} output tokens, asked for {n}")
     out = sum(n for _, n in reqs)
@@ -188,7 +188,8 @@ def main(argv=None) -> dict:
         if "tok_s" in row.get("pdcluster", {}) and "tok_s" in row.get("vllm", {}):
             a, b = row["pdcluster"], row["vllm"]
             row["ratio"] = round(a["tok_s"] / b["tok_s"], 2)
-            row["greedy_identical"] = f"{sum(x == y for x, y in zip(a['tokens'], b['tokens']))}/{len(reqs)}"
+            same = sum(x == y for x, y in zip(a["tokens"], b["tokens"], strict=True))
+            row["greedy_identical"] = f"{same}/{len(reqs)}"
             log(f"[{name}] pdcluster / vLLM = {row['ratio']}; greedy outputs identical for {row['greedy_identical']}")
         for side in ("pdcluster", "vllm"):
             row.get(side, {}).pop("tokens", None)

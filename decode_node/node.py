@@ -1,13 +1,14 @@
-"""The decode node: admission, KV block reservation, remote (or local) prefill, the decode loop,
-token streaming to routers.
+"""The decode node: admission, remote (or local) prefill, the decode loop, token streaming to routers.
 
-A request's path (docs/design.md §3): `Generate` from a router → reserve blocks (leading blocks already in
-this node's prefix cache are shared, not re-sent) → `Prefill` to the chosen prefill node, which
-writes the prompt's KV straight into the reserved blocks of this node's shared-memory pool → on
-`PrefillDone` + the receiver's checksum ack the sequence joins the running batch → one message per engine
-step per router: a `TokenBatch` of the new tokens of each of its requests (`Tokens` when only one has any).
-Any failure of the remote part (timeout, checksum, prefill node gone or erroring) frees the reservation and
-prefills locally (§5).
+A request's path (docs/design.md §3; the states are decode_node/request.py's): `Generate` from a router →
+`add_request(remote_kv=True)`: the engine reserves blocks for the whole prompt (leading blocks already in
+this node's prefix cache are shared, not re-sent) and reports them through the connector's
+`on_remote_reserved` → `Prefill` to the chosen prefill node, which writes the prompt's KV straight into the
+reserved blocks of this node's pool → on `PrefillDone` + the receiver's checksum ack, `remote_kv_landed`:
+the sequence joins the running batch → one message per engine step per router: a `TokenBatch` of the new
+tokens of each of its requests (`Tokens` when only one has any). Any failure of the remote part (timeout,
+checksum, prefill node gone or erroring) cancels the reservation, waits until no write can land, and hands
+the prompt back with `remote_kv_failed`: the engine prefills it locally (§5).
 
 While a request sends no token (queued, waiting on its prefill or its KV) the router hears `Progress` for
 it on admission and every `heartbeat_interval`, so its stall timer measures silence, not time to first
@@ -20,8 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Callable, Mapping
 
 from pdcluster.control.protocol import (
     Abort,
@@ -34,12 +34,14 @@ from pdcluster.control.protocol import (
     Reject,
     TokenBatch,
     Tokens,
+    logprob_from_wire,
 )
 from pdcluster.control.records import NodeInfo
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
 from pdcluster.decode_node.metrics import DecodeMetrics
-from pdcluster.decode_node.streams import step_tokens
+from pdcluster.decode_node.request import DecodeRequest, RemoteFailure, State
+from pdcluster.engine.kv_connector import KVConnector
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.kv_transfer import KVReceiver, SharedKVPool, sweep_dead_pools
@@ -49,102 +51,81 @@ from pdcluster.node.service import NodeService
 
 log = logging.getLogger(__name__)
 
-RELEASE_TIMEOUT = 10.0  # wait for the receiver to give a cancelled reservation's blocks back
 
+class RemoteKVConnector(KVConnector):
+    """The engine's decode-side hook: a `remote_kv=True` request's reserved blocks, reported on the engine
+    thread, go to `on_reserved` (which hops to the event loop)."""
 
-class RemotePrefillFailed(Exception):
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
+    def __init__(self, on_reserved: Callable[[str, list[int], int], None]) -> None:
+        self.on_reserved = on_reserved
 
-
-@dataclass
-class DecodeRequest:
-    rid: str
-    router: bytes  # zmq identity of the router's DEALER: where Tokens go
-    prompt_ids: list[int]  # Generate.prompt_ids + resume_ids
-    params: SamplingParams
-    deadline: float  # time.monotonic() seconds (0: none); from the message's timeout_s at receipt
-    prefill_node: str | None
-    phase: str = "new"  # remote (prefill elsewhere) | engine (the engine owns it)
-    blocks: list[int] = field(default_factory=list)  # held in the engine while the remote KV lands
-    prefill_done: asyncio.Future | None = None
-    prefill_path: str = "local"
-    num_cached_tokens: int = 0
-    first_sent: bool = False
-    aborted: bool = False
-    progress: str = "queued"  # Progress state while silent: queued | prefilling | waiting_kv
-    sent: int = 0  # token ids sent so far (the next Tokens.pos)
-    last_sent: float = 0.0  # monotonic time of the last message that reached the router
-    backlog: Tokens | None = None  # tokens the router could not take yet (merged), sent when it is back
-    outcome: str = ""  # set once the engine finished it while its backlog still waits for the router
+    def on_remote_reserved(self, request_id: str, block_ids: list[int], num_cached_tokens: int) -> None:
+        self.on_reserved(request_id, list(block_ids), num_cached_tokens)
 
 
 class DecodeNode(NodeService):
     role = "decode"
+    upstream = "router"
 
-    def __init__(self, config: NodeConfig, prefill_timeout: float | None = None, max_queue: int | None = None,
-                 drain_timeout: float | None = None) -> None:
-        super().__init__(config, drain_timeout=config.drain_timeout if drain_timeout is None else drain_timeout)
+    def __init__(self, config: NodeConfig, prefill_timeout: float | None = None,
+                 max_queue: int | None = None) -> None:
+        self.shm: SharedKVPool | None = None
+        args = engine_args_from_config(config, kv_pool_factory=lambda shape, dtype: self._make_shared_pool(
+            config.device, shape, dtype))
+        engine = LLMEngine(args, kv_connector=RemoteKVConnector(self._remote_reserved))   # loads the model
+        super().__init__(config, engine)
         self.prefill_timeout = config.prefill_timeout if prefill_timeout is None else prefill_timeout
+        self.kv_landing_timeout = config.kv_landing_timeout
+        self.kv_release_timeout = config.kv_release_timeout
         self.heartbeat_interval = config.heartbeat_interval
         self.router_reconnect_timeout = config.router_reconnect_timeout
         self._unreachable: dict[bytes, float] = {}  # router identity -> monotonic time its sends began failing
         self.max_in_flight = config.max_num_seqs + (config.max_num_seqs if max_queue is None else max_queue)
         self.metrics = DecodeMetrics(self.registry)
-        self.shm: SharedKVPool | None = None
-        args = engine_args_from_config(config, kv_pool_factory=self._make_shared_pool)
-        self.engine = LLMEngine(args)  # loads the model: seconds
-        pool = self.engine.kv_pool.tensor
-        if pool.device.type == "cpu":
-            self.receiver = KVReceiver(pool, host=config.host, port=config.kv_port,
-                                       shm_name=self.shm.name if self.shm else None, auth_key=self.kv_key)
-        else:  # device pool: the collective backend (hccl/nccl) writes into it, no shm
-            self.receiver = KVReceiver(pool, host=config.host, port=config.kv_port, auth_key=self.kv_key)
-        self.block_size = self.engine.block_size
-        self.max_model_len = self.engine.model_config.max_model_len
-        self.vocab_size = self.engine.model_config.vocab_size
+        pool = engine.kv_pool.tensor
+        shm_name = self.shm.name if self.shm is not None and pool.device.type == "cpu" else None
+        # A device pool: the collective backend (hccl/nccl) writes into it, no shm.
+        self.receiver = KVReceiver(pool, host=config.host, port=config.kv_port, shm_name=shm_name,
+                                   auth_key=self.kv_key)
+        self.peers = PeerDealers(self._on_peer_message, keys=self.keys)
+        self.frame_sources["peers"] = self.peers.dropped
+        self.frame_sources["kv"] = self.receiver.dropped   # refused KV connections and malformed KV frames
+        self.block_size = engine.block_size
+        self.max_model_len = engine.model_config.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
         self.requests: dict[str, DecodeRequest] = {}
-        self.peers: PeerDealers | None = None
+        self._remote_tasks: set[asyncio.Task] = set()
+        self._heartbeats: asyncio.Task | None = None
 
-    def _make_shared_pool(self, shape: tuple[int, ...], dtype) -> Any:
+    def _make_shared_pool(self, device: str | None, shape: tuple[int, ...], dtype):
         """KV pool in POSIX shm (CPU), so a same-host prefill node copies straight into it (and the engine's
         tensor-parallel ranks map it too)."""
-        if self.config.device not in ("auto", "cpu"):
+        if device not in ("auto", "cpu"):
             return None
         from pdcluster.engine.device import resolve_device
 
-        if resolve_device(None if self.config.device == "auto" else self.config.device).type != "cpu":
+        if resolve_device(None if device == "auto" else device).type != "cpu":
             return None
         for name in sweep_dead_pools():   # pools of nodes that died here before (SIGKILL, OOM kill)
             log.warning("removed the shared-memory KV pool /dev/shm/%s of a node process that is gone", name)
         self.shm = SharedKVPool.create(shape, dtype)
-        return self.shm
+        return self.shm.tensor
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def on_start(self) -> None:
-        self.start_engine_thread(self._on_outputs)
-        self.peers = PeerDealers(self._on_peer_message, keys=self.keys)
-        self._tasks_extra = [self.supervised(self._deadline_loop(), "deadlines"),
-                             self.supervised(self._heartbeat_loop(), "heartbeats")]
+        self.start_engine_thread()
+        self._heartbeats = self.supervised(self._heartbeat_loop(), "heartbeats")
 
     async def on_stop(self) -> None:
-        for task in self._tasks_extra:
+        tasks = [t for t in (self._heartbeats, *self._remote_tasks) if t is not None]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks_extra, return_exceptions=True)
-        if self.peers is not None:
-            self.peers.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.peers.close()
         self.receiver.close()
         if self.shm is not None:
             self.shm.close()
-
-    def dropped_frames(self) -> dict[str, object]:
-        peers = getattr(self, "peers", None)   # None until on_start (the registry asks at construction too)
-        peers = {"peers": peers.dropped} if peers is not None else {}
-        receiver = getattr(self, "receiver", None)   # refused KV connections and malformed KV frames
-        kv = {"kv": receiver.dropped} if receiver is not None else {}
-        return {**super().dropped_frames(), **peers, **kv}
 
     def node_info(self) -> NodeInfo:
         info = super().node_info()
@@ -152,28 +133,22 @@ class DecodeNode(NodeService):
         info.kv_backends = list(self.receiver.backends)
         return info
 
-    def num_in_flight(self) -> int:
-        return len(self.requests)
+    def in_flight(self) -> Mapping[str, DecodeRequest]:
+        return self.requests
 
     def load(self) -> Load:
         s = self.engine_stats()
-        remote = sum(1 for r in self.requests.values() if r.phase == "remote")
+        remote = sum(1 for r in self.requests.values() if r.remote)
         return Load(node_id=self.node_id, role=self.role, running=s.num_running, waiting=s.num_waiting + remote,
                     free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, block_size=self.block_size,
-                    tokens_per_s=self.rate("tokens", s.num_decode_tokens), transfer_gbps=self.transfer_gbps(),
+                    tokens_per_s=s.tokens_per_s, transfer_gbps=self.transfer_gbps(),
                     cached_block_hashes=self.cached_block_hashes())
 
-    # ---- messages --------------------------------------------------------------------------------
+    # ---- admission -------------------------------------------------------------------------------
 
     def handle(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, Generate):
             self._on_generate(identity, msg)
-        elif isinstance(msg, Abort):
-            req = self.requests.get(msg.rid)
-            if req is not None and req.router != identity:   # only the router that sent the Generate may abort
-                self.control.dropped.drop(f"Abort of request {msg.rid} from a peer that did not send it")
-                return
-            self._abort(msg.rid, "aborted by the router")
         else:
             log.warning("decode node: dropped unexpected %s message", msg.TYPE)
 
@@ -195,7 +170,7 @@ class DecodeNode(NodeService):
         sampling = dict(msg.sampling)
         resumed = len(msg.resume_ids)
         if resumed:  # migration: what was already streamed counts against the limits
-            sampling["max_tokens"] = int(sampling.get("max_tokens", 16)) - resumed
+            sampling["max_tokens"] = int(sampling.get("max_tokens", SamplingParams.max_tokens)) - resumed
             sampling["min_tokens"] = max(0, int(sampling.get("min_tokens", 0)) - resumed)
             if sampling["max_tokens"] < 1:
                 self.control.send(identity, Tokens(rid=msg.rid, ids=[], finish="length",
@@ -212,226 +187,258 @@ class DecodeNode(NodeService):
             self.metrics.requests.labels("error").inc()
             self.control.send(identity, Tokens(rid=msg.rid, ids=[], finish="error", error=str(exc)))
             return
-        req = DecodeRequest(rid=msg.rid, router=identity, prompt_ids=prompt, params=params,
+        req = DecodeRequest(rid=msg.rid, owner=identity, prompt_ids=prompt, params=params,
                             deadline=time.monotonic() + msg.timeout_s if msg.timeout_s else 0.0,
-                            prefill_node=msg.prefill_node)
+                            prefill_node=msg.prefill_node or "")
         self.requests[req.rid] = req
         self._to_router(req, Progress(rids=[req.rid], states=[req.progress]))   # the acknowledgement
         log.info("request %s admitted from router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
                  msg.router, len(prompt), resumed, msg.prefill_node or "this node", extra={"request_id": req.rid})
         peer = self.view.nodes.get(msg.prefill_node) if msg.prefill_node else None
         if peer is not None and peer.role == "prefill":
-            req.phase = "remote"
-            asyncio.create_task(self._remote_prefill(req, peer), name=f"remote-prefill:{req.rid}")
+            self._prefill_remotely(req, peer)
         else:
             if msg.prefill_node:
-                self.metrics.remote_failures.labels("unknown_node").inc()
+                self.metrics.remote_failures.labels(RemoteFailure.UNKNOWN_NODE.value).inc()
             self._prefill_locally(req)
 
     def _prefill_locally(self, req: DecodeRequest) -> None:
-        req.phase, req.prefill_path = "engine", "local"
+        req.move(State.ENGINE)
+        req.prefill_path = "local"
         self.metrics.prefills.labels("local").inc()
         rid, prompt, params = req.rid, req.prompt_ids, req.params
-        fut = self.engine_thread.call(lambda e: e.add_request(rid, prompt, params))
-        fut.add_done_callback(
-            lambda f: f.exception() and self._fail(req, f"engine rejected the request: {f.exception()}"))
+        self._engine_call(req, lambda e: e.add_request(rid, prompt, params), "engine rejected the request")
 
-    async def _remote_prefill(self, req: DecodeRequest, peer: NodeInfo) -> None:
+    def _engine_call(self, req: DecodeRequest, fn: Callable[[LLMEngine], object], error: str) -> None:
+        """`fn` on the engine thread; if it raises, the request fails with `error` (its abort frees the blocks)."""
+        def done(fut: asyncio.Future) -> None:
+            if fut.exception() is not None:
+                self._fail(req, f"{error}: {fut.exception()}")
+
+        self.engine_thread.call(fn).add_done_callback(done)
+
+    # ---- remote prefill: message handling --------------------------------------------------------
+
+    def _prefill_remotely(self, req: DecodeRequest, peer: NodeInfo) -> None:
+        req.move(State.RESERVING)
+        req.prefill_addr = peer.control_addr
+        req.remote_started = time.monotonic()
         rid, prompt, params = req.rid, req.prompt_ids, req.params
-        started = time.monotonic()
-        backend = "unknown"
+        fut = self.engine_thread.call(lambda e: e.add_request(rid, prompt, params, remote_kv=True))
+        fut.add_done_callback(lambda f: self._reserve_answered(req, f))
+
+    def _remote_reserved(self, rid: str, block_ids: list[int], num_cached_tokens: int) -> None:
+        """The connector's hook, on the engine thread (inside `add_request`): hop to the loop. The hop runs
+        before the add's own future resolves (both are queued in order on the loop)."""
+        self.loop.call_soon_threadsafe(self._on_reserved, rid, block_ids, num_cached_tokens)
+
+    def _on_reserved(self, rid: str, block_ids: list[int], num_cached_tokens: int) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.state is not State.RESERVING:
+            return   # aborted meanwhile: its engine abort, queued behind the add, frees the blocks
+        skip = num_cached_tokens // self.block_size
+        req.num_cached_tokens = num_cached_tokens
         try:
-            got = await self.engine_thread.call(lambda e: e.reserve_remote(rid, prompt, params))
-            if got is None:
-                raise RemotePrefillFailed("no_blocks", "not enough free KV blocks to reserve")
-            req.blocks, cached_tokens = got
-            if req.aborted:
-                raise RemotePrefillFailed("aborted")
-            skip = cached_tokens // self.block_size
-            dst = self.receiver.reserve(rid, req.blocks[skip:], timeout_s=self.prefill_timeout)
-            req.prefill_done = self.loop.create_future()
-            sent = self.peers.send(peer.node_id, peer.control_addr, Prefill(
-                rid=rid, prompt_ids=prompt, sampling=req.params.to_dict(), dst=dst.to_dict(),
-                decode_node=self.node_id, timeout_s=dst.timeout_s, skip_blocks=skip))
-            if not sent:
-                raise RemotePrefillFailed("send_failed", f"could not queue Prefill to {peer.node_id}")
-            req.progress = "prefilling"
-            log.info("request %s: prefill sent to %s (%d blocks reserved, %d cached here)", rid, peer.node_id,
-                     len(req.blocks) - skip, skip, extra={"request_id": rid})
-            try:
-                done: PrefillDone = await asyncio.wait_for(req.prefill_done, self.prefill_timeout)
-            except asyncio.TimeoutError:
-                raise RemotePrefillFailed(
-                    "timeout", f"no PrefillDone from {peer.node_id} in {self.prefill_timeout} s") from None
-            backend = done.kv_backend or backend
-            req.progress = "waiting_kv"
-            if done.error:
-                raise RemotePrefillFailed("prefill_error", done.error)
-            if not 0 <= done.first_token < self.vocab_size:
-                raise RemotePrefillFailed("prefill_error", f"first_token {done.first_token} is not in the vocabulary")
-            try:
-                first_lp = _logprob_entry(done.logprobs[0]) if done.logprobs else None
-            except (TypeError, ValueError, IndexError) as exc:
-                raise RemotePrefillFailed("prefill_error", f"malformed logprobs: {exc}") from None
-            try:
-                result = await self.receiver.wait(rid, timeout=5.0)
-            except ChecksumError as exc:
-                raise RemotePrefillFailed("checksum", str(exc)) from None
-            except Exception as exc:
-                raise RemotePrefillFailed("transfer", str(exc)) from None
-            if done.checksum and result.checksum != done.checksum:
-                raise RemotePrefillFailed("checksum", f"sender {done.checksum:#x} != landed {result.checksum:#x}")
-            self.metrics.received_bytes.labels(backend).inc(result.nbytes)
-            self.kv_bytes_moved += result.nbytes
+            dst = self.receiver.reserve(rid, block_ids[skip:], timeout_s=self.prefill_timeout)
         except Exception as exc:
-            reason = "aborted" if req.aborted else exc.reason if isinstance(exc, RemotePrefillFailed) else "internal"
-            if reason == "internal":
-                log.exception("request %s: remote prefill failed", rid)
-            if reason != "aborted":
-                (log.warning if reason != "no_blocks" else log.info)(
-                    "request %s: remote prefill on %s failed (%s); prefilling locally", rid, peer.node_id, exc)
-                self.metrics.remote_failures.labels(reason).inc()
-                if reason in ("checksum", "transfer"):
-                    self.metrics.transfer_failures.labels(backend).inc()
-            await self._release_reservation(req, notify=peer.node_id if reason != "no_blocks" else None)
-            if req.aborted:
-                self._forget(req, "abort")
-            else:
-                req.progress = "queued"
-                self._prefill_locally(req)
+            log.exception("request %s: the receiver refused the reservation", rid)
+            self._remote_failed(req, RemoteFailure.INTERNAL, str(exc))
             return
-        self.metrics.remote_prefill_seconds.observe(time.monotonic() - started)
-        self.metrics.prefills.labels("remote").inc()
-        log.info("request %s: prefill done on %s (%d KV bytes via %s)", rid, peer.node_id, result.nbytes, backend,
-                 extra={"request_id": rid})
-        req.blocks = []
-        req.phase, req.prefill_path = "engine", f"remote:{peer.node_id}"
-        req.num_cached_tokens = max(cached_tokens, done.num_cached_tokens)
-
-        def add(engine: LLMEngine) -> None:
-            out = engine.add_prefilled(rid, done.first_token, first_lp)
-            # From the engine thread, so the first token reaches the loop before the next step's tokens.
-            self.loop.call_soon_threadsafe(self._on_outputs, [out])
-
-        try:
-            await self.engine_thread.call(add)
-        except Exception as exc:
-            self._fail(req, f"engine refused the prefilled request: {exc}")   # its abort frees the blocks
+        sent = self.peers.send(req.prefill_node, req.prefill_addr, Prefill(
+            rid=rid, prompt_ids=req.prompt_ids, sampling=req.params.to_dict(), dst=dst.to_dict(),
+            decode_node=self.node_id, timeout_s=dst.timeout_s, skip_blocks=skip))
+        if not sent:
+            self._remote_failed(req, RemoteFailure.SEND_FAILED, f"could not queue Prefill to {req.prefill_node}")
             return
-        if req.aborted:  # aborted while the KV was landing
-            self.engine_thread.post(lambda e: e.abort(rid))
-            self._forget(req, "abort")
+        req.move(State.PREFILLING)
+        req.timer = self.loop.call_later(self.prefill_timeout, self._prefill_timed_out, req)
+        log.info("request %s: prefill sent to %s (%d blocks reserved, %d cached here)", rid, req.prefill_node,
+                 len(block_ids) - skip, skip, extra={"request_id": rid})
 
-    async def _release_reservation(self, req: DecodeRequest, notify: str | None) -> None:
-        """Cancel the receiver's reservation, wait until no write can land, then drop the engine's request
-        (and its blocks)."""
-        if notify is not None:
-            self.peers.send_existing(notify, Abort(rid=req.rid))
-        self.receiver.cancel(req.rid)
-        try:
-            await self.receiver.wait(req.rid, timeout=RELEASE_TIMEOUT)
-        except TimeoutError:
-            log.error("request %s: receiver kept the reservation past %s s; freeing its blocks anyway",
-                      req.rid, RELEASE_TIMEOUT)
-        except Exception:
-            pass  # resolved (as failed or unknown): no write can land any more
-        if req.blocks:
-            req.blocks = []
-            await self.engine_thread.call(lambda e: e.abort(req.rid))
+    def _reserve_answered(self, req: DecodeRequest, fut: asyncio.Future) -> None:
+        if fut.exception() is not None:
+            self._fail(req, f"engine rejected the request: {fut.exception()}")
+        elif fut.result() is False and req.state is State.RESERVING:   # nothing was added
+            log.info("request %s: not enough free KV blocks to reserve for a remote prefill; prefilling locally",
+                     req.rid, extra={"request_id": req.rid})
+            self.metrics.remote_failures.labels(RemoteFailure.NO_BLOCKS.value).inc()
+            self._prefill_locally(req)
+
+    def _prefill_timed_out(self, req: DecodeRequest) -> None:
+        if req.state is State.PREFILLING:
+            self._remote_failed(req, RemoteFailure.TIMEOUT,
+                                f"no PrefillDone from {req.prefill_node} in {self.prefill_timeout} s")
 
     def _on_peer_message(self, node_id: str, msg: Message) -> None:
         if not isinstance(msg, PrefillDone):
             log.warning("decode node: dropped unexpected %s from prefill node %s", msg.TYPE, node_id)
             return
         req = self.requests.get(msg.rid)
-        if req is None or req.prefill_node != node_id or req.prefill_done is None or req.prefill_done.done():
+        if req is None or req.prefill_node != node_id or req.state is not State.PREFILLING:
             return  # late reply for a request that moved on
-        req.prefill_done.set_result(msg)
+        self._prefill_answered(req, msg)
 
     def on_peer_change(self, event: str, node_id: str) -> None:
         if event != "node_removed":
             return
-        if self.peers is not None:
-            self.peers.drop(node_id)
-        for req in self.requests.values():
-            if req.prefill_node == node_id and req.prefill_done is not None and not req.prefill_done.done():
-                req.prefill_done.set_result(PrefillDone(rid=req.rid, error=f"prefill node {node_id} left the cluster"))
+        self.peers.drop(node_id)
+        for req in [r for r in self.requests.values() if r.prefill_node == node_id and r.state is State.PREFILLING]:
+            self._prefill_answered(req, PrefillDone(rid=req.rid, error=f"prefill node {node_id} left the cluster"))
 
-    # ---- aborts, deadlines, outputs ----------------------------------------------------------------
+    def _prefill_answered(self, req: DecodeRequest, done: PrefillDone) -> None:
+        req.timer.cancel()
+        backend = done.kv_backend or "unknown"
+        if done.error:
+            self._remote_failed(req, RemoteFailure.PREFILL_ERROR, done.error, backend)
+            return
+        if not 0 <= done.first_token < self.vocab_size:
+            self._remote_failed(req, RemoteFailure.PREFILL_ERROR,
+                                f"first_token {done.first_token} is not in the vocabulary", backend)
+            return
+        try:
+            first_lp = logprob_from_wire(done.logprobs[0]) if done.logprobs else None
+        except (TypeError, ValueError) as exc:
+            self._remote_failed(req, RemoteFailure.PREFILL_ERROR, f"malformed logprobs: {exc}", backend)
+            return
+        req.move(State.WAITING_KV)
+        self._spawn(self._land(req, done, first_lp, backend), f"kv-landing:{req.rid}")
 
-    def _abort(self, rid: str, reason: str, notify_router: bool = False) -> None:
+    async def _land(self, req: DecodeRequest, done: PrefillDone, first_lp, backend: str) -> None:
+        """Wait for the receiver's checksum ack of the KV, then hand the request to the engine."""
+        rid = req.rid
+        try:
+            result = await self.receiver.wait(rid, timeout=self.kv_landing_timeout)
+            if done.checksum and result.checksum != done.checksum:
+                raise ChecksumError(f"sender {done.checksum:#x} != landed {result.checksum:#x}")
+        except Exception as exc:   # TimeoutError, TransferError (ChecksumError among them)
+            if req.state is State.WAITING_KV:
+                reason = RemoteFailure.CHECKSUM if isinstance(exc, ChecksumError) else RemoteFailure.TRANSFER
+                self._remote_failed(req, reason, str(exc), backend)
+            return
+        if req.state is not State.WAITING_KV:
+            return   # aborted while the KV landed: its release frees the blocks
+        self.metrics.received_bytes.labels(backend).inc(result.nbytes)
+        self.kv_bytes_moved += result.nbytes
+        self.metrics.remote_prefill_seconds.observe(time.monotonic() - req.remote_started)
+        self.metrics.prefills.labels("remote").inc()
+        log.info("request %s: prefill done on %s (%d KV bytes via %s)", rid, req.prefill_node, result.nbytes,
+                 backend, extra={"request_id": rid})
+        req.move(State.ENGINE)
+        req.prefill_path = f"remote:{req.prefill_node}"
+        req.num_cached_tokens = max(req.num_cached_tokens, done.num_cached_tokens)
+
+        def landed(engine: LLMEngine) -> None:
+            out = engine.remote_kv_landed(rid, done.first_token, first_lp)
+            # From the engine thread, so the first token reaches the loop before the next step's tokens.
+            self.loop.call_soon_threadsafe(self.engine_outputs, [out])
+
+        self._engine_call(req, landed, "engine refused the prefilled request")
+
+    def _remote_failed(self, req: DecodeRequest, reason: RemoteFailure, detail: str, backend: str = "unknown"
+                       ) -> None:
+        log.warning("request %s: remote prefill on %s failed (%s: %s); prefilling locally", req.rid,
+                    req.prefill_node, reason.value, detail, extra={"request_id": req.rid})
+        self.metrics.remote_failures.labels(reason.value).inc()
+        if reason.counts_as_transfer_failure:
+            self.metrics.transfer_failures.labels(backend).inc()
+        req.move(State.RELEASING)
+        self._spawn(self._release(req), f"kv-release:{req.rid}")
+
+    async def _release(self, req: DecodeRequest) -> None:
+        """RELEASING / ABORTING: tell the prefill node, cancel the reservation, wait until no write can land;
+        then the engine prefills the prompt itself (`remote_kv_failed`) or, aborted, drops it."""
+        rid = req.rid
+        if req.timer is not None:
+            req.timer.cancel()
+        self.peers.send_existing(req.prefill_node, Abort(rid=rid))
+        self.receiver.cancel(rid)
+        try:
+            await self.receiver.wait(rid, timeout=self.kv_release_timeout)
+        except TimeoutError:
+            log.error("request %s: receiver kept the reservation past %s s; freeing its blocks anyway",
+                      rid, self.kv_release_timeout)
+        except Exception:
+            pass  # resolved (as failed or unknown): no write can land any more
+        if req.state is State.ABORTING:
+            self.engine_thread.post(lambda e: e.abort(rid))
+            self._forget(req, "abort")
+        elif req.state is State.RELEASING:
+            req.move(State.ENGINE)
+            req.prefill_path = "local"
+            self.metrics.prefills.labels("local").inc()
+            self._engine_call(req, lambda e: e.remote_kv_failed(rid), "engine refused the local prefill")
+
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._remote_tasks.add(task)
+        task.add_done_callback(self._remote_tasks.discard)
+
+    # ---- aborts, failures, outputs ---------------------------------------------------------------
+
+    def abort(self, rid: str, reason: str, expired: bool = False) -> None:
         req = self.requests.get(rid)
         if req is None:
             return
-        req.aborted = True
-        if notify_router:
-            self.control.send(req.router, Tokens(rid=rid, ids=[], finish="abort", error=reason))
-        if req.phase == "remote":
-            if req.prefill_done is not None and not req.prefill_done.done():
-                req.prefill_done.set_result(PrefillDone(rid=rid, error=reason))
-            # _remote_prefill frees the reservation and forgets the request
-        else:
-            self.engine_thread.post(lambda e: e.abort(rid))
+        if expired:
+            log.info("request %s: deadline passed; aborting", rid, extra={"request_id": rid})
+            self.control.send(req.owner, Tokens(rid=rid, ids=[], finish="abort", error=reason))
+        if req.state in (State.PREFILLING, State.WAITING_KV):
+            req.move(State.ABORTING)
+            self._spawn(self._release(req), f"kv-release:{rid}")
+        elif req.state is State.RELEASING:
+            req.move(State.ABORTING)   # its release is running; it drops the request when done
+        elif req.state is not State.ABORTING:
+            self.engine_thread.post(lambda e: e.abort(rid))   # queued behind any add: it frees what that took
             self._forget(req, "abort")
 
     def _fail(self, req: DecodeRequest, error: str) -> None:
         if self.requests.get(req.rid) is not req:
             return
         log.warning("request %s failed: %s", req.rid, error)
-        self.control.send(req.router, Tokens(rid=req.rid, ids=[], finish="error", error=error))
+        self.control.send(req.owner, Tokens(rid=req.rid, ids=[], finish="error", error=error))
         self.engine_thread.post(lambda e: e.abort(req.rid))
         self._forget(req, "error")
 
     def _forget(self, req: DecodeRequest, outcome: str) -> None:
         if self.requests.get(req.rid) is req:
             del self.requests[req.rid]
+            req.move(State.GONE)
+            req.outcome = outcome
             self.metrics.requests.labels(outcome).inc()
             log.info("request %s finished: %s (prefill %s)", req.rid, outcome, req.prefill_path,
                      extra={"request_id": req.rid})
 
-    async def _deadline_loop(self) -> None:
-        while True:
-            await asyncio.sleep(0.25)
-            now = time.monotonic()
-            for req in [r for r in self.requests.values() if r.deadline and now > r.deadline]:
-                log.info("request %s: deadline passed; aborting", req.rid)
-                self._abort(req.rid, "deadline exceeded", notify_router=True)
+    def on_engine_failure(self) -> None:
+        for req in list(self.requests.values()):
+            self.control.send(req.owner, Tokens(rid=req.rid, ids=[], finish="error", error="engine failure"))
+            self._forget(req, "error")
 
-    def _on_outputs(self, outputs: list[RequestOutput] | BaseException) -> None:
-        if isinstance(outputs, BaseException):  # the engine thread died: fail everything, leave
-            for req in list(self.requests.values()):
-                self.control.send(req.router, Tokens(rid=req.rid, ids=[], finish="error", error="engine failure"))
-                self._forget(req, "error")
-            self.exit_code = 1   # a failed engine: exit non-zero, so systemd restarts the node
-            self.begin_drain("engine failure")
-            return
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
         batches: dict[bytes, list[tuple[DecodeRequest, Tokens]]] = {}
         for out in outputs:
             req = self.requests.get(out.request_id)
-            if req is None or req.phase != "engine":
+            if req is None or req.state is not State.ENGINE:
                 continue
-            batches.setdefault(req.router, []).append((req, step_tokens(req, out)))
-            if out.finished:
-                req.outcome = out.finish_reason or "stop"
+            batches.setdefault(req.owner, []).append((req, req.tokens(out)))
         for router, items in batches.items():
             frame = items[0][1] if len(items) == 1 else TokenBatch(items=[msg for _, msg in items])
             if self._send_to(router, frame):
                 now = time.monotonic()
                 for req, _ in items:
-                    req.last_sent = now
-                    if req.outcome:
+                    req.delivered(now)
+                    if req.state is State.FINISHED:
                         self._forget(req, req.outcome)
             else:
                 for req, msg in items:
-                    req.backlog = msg
+                    req.hold(msg)
 
     # ---- the router link: acknowledgements, heartbeats, held tokens ---------------------------------
 
     def _to_router(self, req: DecodeRequest, msg: Message) -> bool:
         """Send to the request's router; False when it cannot take it now (disconnected or far behind)."""
-        if not self._send_to(req.router, msg):
+        if not self._send_to(req.owner, msg):
             return False
-        req.last_sent = time.monotonic()
+        req.delivered(time.monotonic())
         return True
 
     def _send_to(self, router: bytes, msg: Message) -> bool:
@@ -453,33 +460,26 @@ class DecodeNode(NodeService):
         silent: dict[bytes, list[DecodeRequest]] = {}
         for req in list(self.requests.values()):
             if req.backlog is not None:
-                if self._to_router(req, req.backlog):
-                    req.backlog = None
-                    if req.outcome:
+                if self._send_to(req.owner, req.backlog):
+                    req.backlog_delivered(now)
+                    if req.state is State.FINISHED:
                         self._forget(req, req.outcome)
-            elif not req.outcome and now - req.last_sent >= self.heartbeat_interval / 2:
-                silent.setdefault(req.router, []).append(req)
+            elif req.state is not State.FINISHED and now - req.last_sent >= self.heartbeat_interval / 2:
+                silent.setdefault(req.owner, []).append(req)
         for router, reqs in silent.items():
             if self.control.send(router, Progress(rids=[r.rid for r in reqs], states=[r.progress for r in reqs])):
                 self._unreachable.pop(router, None)
                 for r in reqs:
-                    r.last_sent = now
+                    r.delivered(now)
             else:
                 self._unreachable.setdefault(router, now)
         gone = {r for r, since in self._unreachable.items() if now - since > self.router_reconnect_timeout}
-        for req in [r for r in self.requests.values() if r.router in gone]:
-            log.warning("request %s: router %r unreachable for %s s; aborting", req.rid, req.router,
+        for req in [r for r in self.requests.values() if r.owner in gone]:
+            log.warning("request %s: router %r unreachable for %s s; aborting", req.rid, req.owner,
                         self.router_reconnect_timeout, extra={"request_id": req.rid})
-            self._abort(req.rid, "router unreachable")
+            self.abort(req.rid, "router unreachable")
         for router in gone:
             del self._unreachable[router]
-
-
-def _logprob_entry(lp: Any) -> Any:
-    """Wire list -> the engine's (logprob, [(id, logprob), ...]) tuple."""
-    if lp is None:
-        return None
-    return (float(lp[0]), [(int(t), float(v)) for t, v in lp[1]])
 
 
 def main(config: NodeConfig) -> int:

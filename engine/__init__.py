@@ -1,15 +1,22 @@
 """Model execution shared by both node kinds: loading, paged KV cache, scheduler, sampler, LLM APIs.
 
-The names re-exported here import without torch (torch loads when an engine is built), so the router
-can import the root package. `LLMEngine` itself is `pdcluster.engine.llm_engine.LLMEngine`.
+The names re-exported here are resolved on first use (`pdcluster.control.lazy`): importing a module of the
+engine (`pdcluster.engine.args`, say) does not import the rest of it. `LLMEngine` itself is
+`pdcluster.engine.llm_engine.LLMEngine`.
 """
 
-from pdcluster.control.sampling_params import SamplingParams
-from pdcluster.engine.args import AsyncEngineArgs, EngineArgs
-from pdcluster.engine.async_engine import AsyncLLMEngine
-from pdcluster.engine.llm import LLM
-from pdcluster.engine.outputs import CompletionOutput, RequestOutput
-from pdcluster.engine.weight_pool import SharedWeightPool
+from pdcluster.control.lazy import lazy_exports
 
-__all__ = ["LLM", "SamplingParams", "AsyncEngineArgs", "AsyncLLMEngine", "EngineArgs", "RequestOutput",
-           "CompletionOutput", "SharedWeightPool"]
+_EXPORTS = {
+    "LLM": "pdcluster.engine.llm",
+    "SamplingParams": "pdcluster.control.sampling_params",
+    "AsyncEngineArgs": "pdcluster.engine.args",
+    "AsyncLLMEngine": "pdcluster.engine.async_engine",
+    "EngineArgs": "pdcluster.engine.args",
+    "RequestOutput": "pdcluster.engine.outputs",
+    "CompletionOutput": "pdcluster.engine.outputs",
+    "SharedWeightPool": "pdcluster.engine.weight_pool",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+

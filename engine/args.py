@@ -77,8 +77,8 @@ class EngineArgs:
         None, help="share read-only weights with the engines on this host naming the same pool: NAME[:SIZE] "
                    "(e.g. models:8GiB; no SIZE: what /dev/shm holds; CPU only); unset: private weights")
     # Only code passes these two: an externally allocated pool tensor (e.g. shm-backed, layer-major), or a
-    # factory (shape, torch dtype) -> tensor (or an object holding it as `.tensor`, picklable into a view of the
-    # same memory, as kv_transfer's SharedKVPool: tensor-parallel ranks on CPU share the pool) that allocates it.
+    # factory (shape, torch dtype) -> tensor, or None for the engine's own pool (engine/kv_cache.py `make_pool`;
+    # tensor-parallel ranks on CPU map the tensor: torch shared memory or a shared mapping of a file).
     kv_pool_tensor: Any = knob(None, setting=False)
     kv_pool_factory: Callable[[tuple[int, ...], Any], Any] | None = knob(None, setting=False)
 
@@ -95,8 +95,8 @@ class EngineArgs:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        if (not self.enable_chunked_prefill and self.max_model_len is not None and self.max_num_batched_tokens != "auto"
-                and self.max_num_batched_tokens < self.max_model_len):
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_model_len "
                              f"({self.max_model_len}) needs enable_chunked_prefill")
         if self.dtype != "auto":

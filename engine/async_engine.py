@@ -73,7 +73,8 @@ class AsyncLLMEngine:
 
     async def generate_stream(self, prompt: str | list[int], params: SamplingParams,
                               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yields a RequestOutput per engine step that produced tokens; the last one has finished=True."""
+        """Yields a RequestOutput per engine step that produced tokens (`new_token_ids`, `logprobs`: that step's);
+        the last one has finished=True and the whole completion in `outputs[0]`, its text decoded."""
         if self._thread.stopped:
             raise RuntimeError("engine is shut down")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -92,11 +93,12 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                completion = item.outputs[0]
-                completion.text = self.tokenizer.decode(completion.token_ids,
-                                                        skip_special_tokens=params.skip_special_tokens)
                 item.prompt = prompt if isinstance(prompt, str) else None
                 finished = item.finished
+                if finished:   # the one output that carries the whole completion: detokenized once
+                    completion = item.outputs[0]
+                    completion.text = self.tokenizer.decode(completion.token_ids,
+                                                            skip_special_tokens=params.skip_special_tokens)
                 yield item
                 if finished:
                     return

@@ -40,6 +40,15 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_ids) + len(self.cached_free)
 
+    def disable_prefix_caching(self) -> None:
+        """No more lookups or publishing (StreamingLLM: moved blocks change content)."""
+        self.enable_prefix_caching = False
+
+    def record_prefix_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        """Count one admission's prefix-cache lookup: `query_tokens` asked for, `hit_tokens` served by hits."""
+        self.prefix_query_tokens += query_tokens
+        self.prefix_hit_tokens += hit_tokens
+
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Leading cached blocks of `seq`'s tokens, leaving at least its last token to compute. Reference
         counts are not touched: pass the result to `allocate`."""
@@ -67,7 +76,9 @@ class BlockManager:
             if self.ref_counts[b] == 0:
                 del self.cached_free[b]
             self.ref_counts[b] += 1
-            self.hash_to_block.move_to_end(self.block_hash[b])
+            h = self.block_hash[b]
+            assert h is not None   # a prefix hit is a published block
+            self.hash_to_block.move_to_end(h)
         if cached:
             seq.block_table, seq.num_cached_blocks = list(cached), len(cached)
         for _ in range(need):

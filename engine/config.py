@@ -91,7 +91,8 @@ class ModelConfig:
         if scaling is not None and rope_type not in ("llama3", "yarn", "linear"):
             raise ValueError(f"rope_scaling type {rope_type!r} is not supported; supported: llama3, yarn, linear")
         max_len = cfg.get("max_position_embeddings", 2048)
-        if rope_type == "yarn":   # transformers' defaults, resolved here: max_model_len may be lowered later
+        # yarn: transformers' defaults, resolved here (max_model_len may be lowered later)
+        if scaling is not None and rope_type == "yarn":
             if "original_max_position_embeddings" in cfg:   # a top-level key wins, as in transformers
                 scaling["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
             scaling.setdefault("original_max_position_embeddings", max_len)

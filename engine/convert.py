@@ -333,7 +333,7 @@ def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | No
     if missing:
         raise ValueError(f"{source.path}: tensors missing: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
     files = ["model.safetensors"] if tp == 1 else [rank_file(r, tp) for r in range(tp)]
-    for tensors, file in zip(ranks, files):
+    for tensors, file in zip(ranks, files, strict=True):
         save_file(tensors, os.path.join(out, file), metadata={"format": "pt"})
     return files
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from pdcluster.device import is_npu
 
 if TYPE_CHECKING:
     from pdcluster.engine.args import EngineArgs
@@ -29,7 +30,7 @@ def npu_available() -> bool:
         try:
             import torch_npu  # noqa: F401
 
-            _npu_available = bool(torch.npu.is_available())
+            _npu_available = bool(torch.npu.is_available())  # type: ignore[attr-defined]  # set by torch_npu
         except Exception:
             _npu_available = False
     return _npu_available
@@ -80,16 +81,6 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 NPU_BLOCK_SIZE = 128
 
 
-def is_npu(device: torch.device) -> bool:
-    """Whether tensors on `device` run torch_npu's kernels: NPU tensors; and, under the CPU emulator of torch_npu
-    (tests/fake_torch_npu) set to `npu_on_cpu`, CPU tensors, which stand in for NPU ones there (a CPU process
-    cannot hold tensors on a device named "npu": docs/engine.md "NPU emulator")."""
-    if device.type == "npu":
-        return True
-    emulator = getattr(sys.modules.get("torch_npu"), "_emulator", None)
-    return device.type == "cpu" and bool(getattr(emulator, "npu_on_cpu", False))
-
-
 def device_kind(device: torch.device) -> str:
     """npu / cuda / cpu: which kernels the device runs (`is_npu`)."""
     return "npu" if is_npu(device) else device.type
@@ -97,7 +88,7 @@ def device_kind(device: torch.device) -> str:
 
 def npu_dtype() -> torch.dtype:
     """bfloat16, or float16 on chips without bfloat16 (Atlas 300I / 310P: `torch.npu.is_bf16_supported()`)."""
-    check = getattr(torch.npu, "is_bf16_supported", None)
+    check = getattr(torch.npu, "is_bf16_supported", None)  # type: ignore[attr-defined]
     return torch.bfloat16 if check is None or check() else torch.float16
 
 
@@ -110,7 +101,7 @@ def with_device_defaults(args: "EngineArgs", device: torch.device) -> "EngineArg
     if args.dtype in ("float32", torch.float32):
         raise ValueError("dtype: float32 does not run on NPU (npu_fused_infer_attention_score takes float16 / "
                          "bfloat16); use dtype auto, bfloat16 or float16")
-    changes = {}
+    changes: dict[str, Any] = {}
     if args.block_size == 16:
         changes["block_size"] = NPU_BLOCK_SIZE
     if args.dtype == "auto":
@@ -120,22 +111,13 @@ def with_device_defaults(args: "EngineArgs", device: torch.device) -> "EngineArg
     return replace(args, **changes) if changes else args
 
 
-def bind_thread(device: torch.device) -> None:
-    """Bind the calling thread to `device`: on Ascend the device context is per thread, and a thread that never
-    called `torch.npu.set_device` fails its first device op with "the context is empty". Cheap to repeat."""
-    if is_npu(device):
-        torch.npu.set_device(device.index or 0)
-    elif device.type == "cuda":
-        torch.cuda.set_device(device)
-
-
 def free_memory_bytes(device: torch.device) -> int:
     """Free memory on the device; on CPU, available system memory (MemAvailable)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     if device.type == "npu":   # (the emulator's stand-in tensors live in host memory: counted below)
-        free, _total = torch.npu.mem_get_info(device)
+        free, _total = torch.npu.mem_get_info(device)  # type: ignore[attr-defined]
         return int(free)
     return available_memory_bytes()
 

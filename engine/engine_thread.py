@@ -66,7 +66,7 @@ class EngineThread:
     def _run(self) -> None:
         import torch
 
-        from pdcluster.engine.device import bind_thread
+        from pdcluster.device import bind_thread
 
         torch.set_grad_enabled(False)
         engine = self.engine

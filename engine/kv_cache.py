@@ -21,6 +21,9 @@ planes per layer, rank r's K and V at 2r and 2r + 1): KV transfer moves a block'
 engines of the same tensor_parallel_size (rank i's heads land in rank i's planes). A device rank's pool is
 its own slice (tp = 1 here).
 
+Construction: `make_pool` builds an engine's pool (an external tensor, a `kv_pool_factory` tensor, or its own)
+and, under tensor parallelism, the `RankPools` the other ranks bind theirs from.
+
 Allocation: the pool this module allocates starts at a `POOL_ALIGNMENT` boundary (2 MiB on a device, the
 huge-page size memory registration for RDMA / HCCL / CUDA IPC works in; a page on CPU, which shared-memory
 pools get from mmap anyway), and every plane starts at a multiple of one block's plane bytes after it.
@@ -28,18 +31,15 @@ pools get from mmap anyway), and every plane starts at a multiple of one block's
 
 from __future__ import annotations
 
+import mmap
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
+from pdcluster.device import SCALE_BYTES, SCALE_DTYPE, pool_shape, row_size
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.tp_shards import local_kv_heads
-
-SCALE_BYTES = 2        # one fp16 scale per (token, KV head) row of an int8 pool
-SCALE_DTYPE = torch.float16
-
-
-def row_size(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of one (token, KV head) row in a pool of `dtype`."""
-    return head_dim + SCALE_BYTES if dtype == torch.int8 else head_dim
 
 
 def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -87,7 +87,7 @@ class KVCachePool:
                  tp: int = 1) -> None:
         """`dtype`: the pool's (torch.int8 for an int8 KV cache with its scales inside each row);
         `num_kv_heads`: per rank; `tp`: how many ranks' slices the tensor holds."""
-        shape = _shape(num_blocks, num_layers, block_size, num_kv_heads, row_size(head_dim, dtype), tp)
+        shape = pool_shape(num_blocks, num_layers, block_size, num_kv_heads, row_size(head_dim, dtype), tp)
         if tensor is None:
             tensor = aligned_zeros(shape, dtype, device)
         else:
@@ -108,10 +108,10 @@ class KVCachePool:
         self.device = tensor.device
 
     @staticmethod
-    def shape_for(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype | None = None,
+    def shape_for(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
                   tp: int = 1) -> tuple[int, ...]:
-        return _shape(num_blocks, config.num_layers, block_size, local_kv_heads(config, tp),
-                      row_size(config.head_dim, dtype), tp)
+        return pool_shape(num_blocks, config.num_layers, block_size, local_kv_heads(config, tp),
+                          row_size(config.head_dim, dtype), tp)
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
@@ -133,5 +133,94 @@ class KVCachePool:
         return self.tensor[:, :, block_id]
 
 
-def _shape(num_blocks: int, num_layers: int, block_size: int, kv_heads: int, row: int, tp: int) -> tuple[int, ...]:
-    return (num_layers, 2 * tp, num_blocks, block_size, kv_heads, row)
+@dataclass(frozen=True)
+class MappedFile:
+    """Where a CPU pool tensor lives when it is a shared mapping of a file (e.g. kv_transfer's /dev/shm pools):
+    another process maps the same bytes by path."""
+    path: str
+    offset: int
+
+    def map(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        with open(self.path, "r+b") as f:
+            mm = mmap.mmap(f.fileno(), self.offset + nbytes, flags=mmap.MAP_SHARED)
+        return torch.frombuffer(mm, dtype=torch.uint8)[self.offset:self.offset + nbytes].view(dtype).view(shape)
+
+
+def mapped_file(tensor: torch.Tensor) -> MappedFile | None:
+    """The file a contiguous CPU tensor is a shared mapping of (read from /proc/self/maps), or None."""
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= start < hi:
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    if end > hi or "s" not in parts[1] or not path.startswith("/") or path.endswith("(deleted)"):
+                        return None
+                    return MappedFile(path, int(parts[2], 16) + start - lo)
+    except OSError:
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class RankPools:
+    """What tensor-parallel ranks 1..N-1 need to bind their KV pool (handed to them pickled)."""
+    num_blocks: int
+    block_size: int
+    kv_heads: int                                   # per rank
+    dtype: torch.dtype
+    shared: torch.Tensor | MappedFile | None = None  # CPU: rank 0's pool of every rank's heads; None: own slices
+
+    def pool(self, config: ModelConfig, device: torch.device, tp: int) -> KVCachePool:
+        """This rank's view: the shared pool (every rank's planes) or its own slice on `device`."""
+        if self.shared is None:
+            return KVCachePool(self.num_blocks, config.num_layers, self.block_size, self.kv_heads, config.head_dim,
+                               self.dtype, device)
+        shape = pool_shape(self.num_blocks, config.num_layers, self.block_size, self.kv_heads,
+                           row_size(config.head_dim, self.dtype), tp)
+        t = self.shared if isinstance(self.shared, torch.Tensor) else self.shared.map(shape, self.dtype)
+        return KVCachePool(self.num_blocks, config.num_layers, self.block_size, self.kv_heads, config.head_dim,
+                           self.dtype, device, tensor=t, tp=tp)
+
+
+PoolFactory = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
+
+
+def make_pool(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, tp: int,
+              num_blocks_for: Callable[[int], int], tensor: torch.Tensor | None = None,
+              factory: PoolFactory | None = None) -> tuple[KVCachePool, RankPools | None]:
+    """An engine's KV pool of `dtype`: `tensor` when given (its block count is its own), else one of
+    `num_blocks_for(bytes per block)` blocks from `factory(shape, dtype)` (None: allocated here). With `tp` > 1
+    also the `RankPools` of the other ranks: on CPU the pool holds every rank's heads in memory they map (a
+    torch shared-memory tensor, or a shared mapping of a file), on a device each rank allocates its own slice
+    of the same number of blocks."""
+    shared = tp > 1 and device.type == "cpu"
+    pool_tp = tp if shared else 1
+    if tensor is not None:
+        num_blocks = tensor.shape[2]
+    else:
+        num_blocks = num_blocks_for(KVCachePool.bytes_per_block(config, block_size, dtype, pool_tp))
+        shape = KVCachePool.shape_for(config, num_blocks, block_size, dtype, pool_tp)
+        if factory is not None:
+            tensor = factory(shape, dtype)
+            if tensor is not None and not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"kv_pool_factory: must return a torch.Tensor or None, got {type(tensor).__name__}")
+        if tensor is None and shared:
+            tensor = torch.zeros(shape, dtype=dtype).share_memory_()
+    kv_heads = local_kv_heads(config, tp)
+    pool = KVCachePool(num_blocks, config.num_layers, block_size, kv_heads, config.head_dim, dtype, device,
+                       tensor=tensor, tp=pool_tp)
+    if tp == 1:
+        return pool, None
+    ranks = RankPools(num_blocks, block_size, kv_heads, dtype)
+    if not shared:
+        return pool, ranks
+    where = pool.tensor if pool.tensor.is_shared() else mapped_file(pool.tensor)
+    if where is None:
+        raise ValueError("kv_pool_tensor / kv_pool_factory: with tensor_parallel_size > 1 on CPU the pool must be "
+                         "memory the worker ranks can map (tensor.share_memory_() or a shared mapping of a file, "
+                         "as kv_transfer's SharedKVPool)")
+    return pool, RankPools(num_blocks, block_size, kv_heads, dtype, shared=where)

@@ -1,8 +1,12 @@
-"""The engine's hooks for a node that ships prompt KV elsewhere while it is computed (the prefill node).
+"""The engine's hooks for a node that moves prompt KV between engines, called on the engine thread.
 
-The engine calls them on its own thread during `step()`: which prompts finish in this step and where their
-KV lives, each layer as it is done, and each prompt once its KV is complete. Nothing else of the engine's
-state is needed to send KV layer by layer.
+Prefill side (a node that ships prompt KV elsewhere while it is computed), during `step()`: which prompts
+finish in this step and where their KV lives, each layer as it is done, and each prompt once its KV is
+complete. Nothing else of the engine's state is needed to send KV layer by layer.
+
+Decode side (a node whose prompt KV another node computes): `add_request(..., remote_kv=True)` reserves the
+blocks and reports them through `on_remote_reserved` before it returns; the node then tells the engine
+`remote_kv_landed` or `remote_kv_failed` (llm_engine.py).
 """
 
 from __future__ import annotations
@@ -29,3 +33,7 @@ class KVConnector:
 
     def on_prompt_done(self, request_id: str, block_ids: list[int]) -> None:
         """The prompt's KV is complete in `block_ids` (after the forward pass, before the step's outputs)."""
+
+    def on_remote_reserved(self, request_id: str, block_ids: list[int], num_cached_tokens: int) -> None:
+        """A `remote_kv=True` request holds `block_ids` for its whole prompt; its first `num_cached_tokens`
+        tokens are prefix-cache hits already in place, so the remote side writes from there on."""

@@ -42,7 +42,7 @@ class LLM:
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
         order: dict[str, int] = {}
         texts: list[str | None] = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
             if isinstance(prompt, str):
                 ids = self.tokenizer.encode(prompt)
                 texts.append(prompt)

@@ -6,23 +6,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import fields
-
-import torch
 
 from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.device import bind_thread
 from pdcluster.engine.args import EngineArgs
-from pdcluster.engine.block_manager import BlockManager
 from pdcluster.engine.config import ModelConfig, resolve_dtype
 from pdcluster.engine.device import (
-    bind_thread,
     collective_headroom_bytes,
     default_cpu_kv_cache_bytes,
     free_memory_bytes,
     resolve_device,
     with_device_defaults,
 )
-from pdcluster.engine.kv_cache import KVCachePool, resolve_kv_dtype
+from pdcluster.engine.kv_cache import make_pool, resolve_kv_dtype
 from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.engine.loader import load_eos_token_ids, load_tokenizer
 from pdcluster.engine.model_runner import ModelRunner
@@ -32,7 +28,6 @@ from pdcluster.engine.scheduler import ScheduledBatch, Scheduler, resolve_batche
 from pdcluster.engine.sequence import Sequence
 from pdcluster.engine.stats import EngineStats
 from pdcluster.engine.tp_executor import TPWorkers
-from pdcluster.engine.tp_shards import local_kv_heads
 from pdcluster.engine.weight_pool import SharedWeightPool
 
 log = logging.getLogger(__name__)
@@ -69,9 +64,12 @@ class LLMEngine:
                                       enforce_eager=args.enforce_eager)
             if workers is not None:
                 workers.wait_ready()
-            self.kv_pool, handle = self._make_pool()
+            kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
+            self.kv_pool, rank_pools = make_pool(cfg, args.block_size, kv_dtype, self.device, self.tp_size,
+                                                 self._num_blocks, args.kv_pool_tensor, args.kv_pool_factory)
             if workers is not None:
-                workers.bind_pool(handle)
+                assert rank_pools is not None   # made for every tensor_parallel_size > 1
+                workers.bind_pool(rank_pools)
         except BaseException:
             if workers is not None:
                 workers.close()
@@ -83,10 +81,9 @@ class LLMEngine:
             log.warning("KV pool holds %d tokens < max_model_len %d: capping max_model_len", pool_tokens,
                         cfg.max_model_len)
             cfg.max_model_len = pool_tokens
-        self.block_manager = BlockManager(self.kv_pool.num_blocks, self.block_size, args.enable_prefix_caching)
         budget = resolve_batched_tokens(args.max_num_batched_tokens, cfg.max_model_len, args.enable_chunked_prefill)
-        self.scheduler = Scheduler(self.block_manager, args.max_num_seqs, budget,
-                                   args.enable_chunked_prefill, sliding_window=cfg.kv_window)
+        self.scheduler = Scheduler(self.kv_pool.num_blocks, self.block_size, args.max_num_seqs, budget,
+                                   args.enable_chunked_prefill, args.enable_prefix_caching, cfg.kv_window)
         if args.streaming_window or args.attention_sinks:
             self.scheduler.enable_streaming(args.attention_sinks, args.streaming_window, self.kv_pool, cfg,
                                             self.tp_size)
@@ -101,49 +98,6 @@ class LLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs, kv_connector: KVConnector | None = None) -> "LLMEngine":
         return cls(args, kv_connector)
-
-    @classmethod
-    def from_args(cls, model: str, **kwargs) -> "LLMEngine":
-        known = {f.name for f in fields(EngineArgs)}
-        unknown = set(kwargs) - known
-        if unknown:
-            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
-        return cls(EngineArgs(model=model, **kwargs))
-
-    def _make_pool(self) -> tuple[KVCachePool, dict | None]:
-        """The KV pool, and for tensor-parallel workers what they need to bind theirs: on CPU the pool holds
-        every rank's heads in shared memory (the handle shares it), on a device each rank allocates its own
-        slice of the same number of blocks."""
-        a, cfg, tp = self.args, self.model_config, self.tp_size
-        shared = tp > 1 and self.device.type == "cpu"
-        pool_tp = tp if shared else 1
-        kv_heads = local_kv_heads(cfg, tp)
-        kv_dtype = resolve_kv_dtype(a.kv_cache_dtype, self.dtype)
-        per_block = KVCachePool.bytes_per_block(cfg, a.block_size, kv_dtype, pool_tp)
-        if a.kv_pool_tensor is not None:
-            num_blocks, made = a.kv_pool_tensor.shape[2], a.kv_pool_tensor
-        else:
-            num_blocks, made = self._num_blocks(per_block), None
-            if a.kv_pool_factory is not None:
-                made = a.kv_pool_factory(KVCachePool.shape_for(cfg, num_blocks, a.block_size, kv_dtype, pool_tp),
-                                         kv_dtype)
-        tensor = made.tensor if made is not None and not isinstance(made, torch.Tensor) else made
-        if shared:
-            if tensor is None:
-                made = tensor = torch.zeros(KVCachePool.shape_for(cfg, num_blocks, a.block_size, kv_dtype, tp),
-                                            dtype=kv_dtype).share_memory_()
-            elif isinstance(made, torch.Tensor) and not made.is_shared():
-                raise ValueError("kv_pool_tensor / kv_pool_factory: with tensor_parallel_size > 1 on CPU the pool "
-                                 "must be shared memory the worker ranks can map (tensor.share_memory_() or a "
-                                 "SharedKVPool)")
-        pool = KVCachePool(num_blocks, cfg.num_layers, a.block_size, kv_heads, cfg.head_dim, kv_dtype,
-                           self.device, tensor=tensor, tp=pool_tp)
-        if tp == 1:
-            return pool, None
-        if shared:
-            return pool, {"kind": "shared", "tensor": made, "block_size": a.block_size, "kv_heads": kv_heads}
-        return pool, {"kind": "alloc", "num_blocks": num_blocks, "block_size": a.block_size, "kv_heads": kv_heads,
-                      "dtype": str(kv_dtype).removeprefix("torch.")}
 
     def _num_blocks(self, per_block: int) -> int:
         a = self.args
@@ -194,16 +148,42 @@ class LLMEngine:
                         self._arrivals, hold_blocks)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    hold_blocks: bool = False) -> None:
-        self.scheduler.add(self._new_sequence(request_id, prompt_token_ids, params, hold_blocks))
+                    hold_blocks: bool = False, remote_kv: bool = False) -> bool:
+        """Queue a request. `hold_blocks`: a finished request keeps its blocks (and reports them in
+        `block_ids`) until `abort`. `remote_kv`: another node computes the prompt's KV: blocks for the whole
+        prompt are reserved now (leading prefix-cache hits shared), `kv_connector.on_remote_reserved` gets them
+        before this returns, and the request waits (never scheduled) for `remote_kv_landed` or
+        `remote_kv_failed`; False, adding nothing, when too few blocks are free. True otherwise."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, hold_blocks)
+        if not remote_kv:
+            self.scheduler.add(seq)
+            return True
+        if not self.scheduler.add_remote(seq):
+            return False
+        if self.kv_connector is not None:
+            try:
+                self.kv_connector.on_remote_reserved(request_id, list(seq.block_table), seq.num_cached_tokens)
+            except BaseException:
+                self.scheduler.abort(request_id)
+                raise
+        return True
+
+    def remote_kv_landed(self, request_id: str, first_token: int, first_logprobs=None) -> RequestOutput:
+        """The prompt KV of a `remote_kv` request is in its blocks: it runs from `first_token` (sampled by the
+        remote side) on. The returned output reports that token (and whether the request finished on it).
+        ValueError when the request is not waiting for remote KV, or the token is outside the vocabulary."""
+        if not 0 <= int(first_token) < self.model_config.vocab_size:
+            raise ValueError(f"first_token: {first_token} is not in [0, {self.model_config.vocab_size})")
+        return _request_output(self.scheduler.remote_kv_landed(request_id, int(first_token), first_logprobs))
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """The remote prefill of a `remote_kv` request is given up (no write can land any more): its reserved
+        blocks are freed and it waits as an ordinary request (a local prefill). Unknown ids are a no-op."""
+        self.scheduler.remote_kv_failed(request_id)
 
     def abort(self, request_id: str) -> None:
         """Stop a request (waiting, running, waiting for remote KV, or finished and holding its blocks) and
-        free its blocks now. Unknown ids are a no-op."""
-        self.scheduler.abort(request_id)
-
-    def release(self, request_id: str) -> None:
-        """Free the blocks of a finished hold_blocks request (they stay in the prefix cache)."""
+        free its blocks now (full ones stay in the prefix cache). Unknown ids are a no-op."""
         self.scheduler.abort(request_id)
 
     def abort_all(self) -> None:
@@ -231,7 +211,7 @@ class LLMEngine:
         if not batch.seqs:
             return []
         self.num_steps += 1
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self.num_decode_tokens += n
             else:
@@ -250,36 +230,12 @@ class LLMEngine:
         self._drop_old_rate_marks()
         return [_request_output(seq) for seq in self.scheduler.update_from_output(batch, sampled, tokens, logprobs)]
 
-    # ---- remote prefill (decode node) -----------------------------------------------------------
-
-    def reserve_remote(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-                       ) -> tuple[list[int], int] | None:
-        """Admit a request whose prompt KV another node computes: blocks for the whole prompt, leading ones
-        shared from the prefix cache. Returns (block ids, number of leading prompt tokens already cached:
-        the remote side writes from there on), or None when too few blocks are free. The request then waits
-        for `add_prefilled` (or `abort`) and is never scheduled before."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
-        if not self.scheduler.reserve(seq):
-            return None
-        return list(seq.block_table), seq.num_cached_tokens
-
-    def add_prefilled(self, request_id: str, first_token: int, first_logprobs=None) -> RequestOutput:
-        """The prompt KV of a `reserve_remote` request is in its blocks: it decodes from `first_token` on.
-        The returned output reports that token (and whether the request already finished on it)."""
-        seq = self.scheduler.waiting_for_kv.get(request_id)
-        if seq is None:
-            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV (see reserve_remote)")
-        if not 0 <= int(first_token) < self.model_config.vocab_size:
-            raise ValueError(f"first_token: {first_token} is not in [0, {self.model_config.vocab_size})")
-        self.scheduler.add_prefilled(seq, int(first_token), first_logprobs)
-        return _request_output(seq)
-
     # ---- stats ----------------------------------------------------------------------------------
 
     def cached_block_hashes(self, limit: int = 4096) -> list[int]:
         """Stable hashes (`pdcluster.control.block_hash`) of blocks in the prefix cache, most recently used
         first: what prefix-aware routing may count on this engine holding."""
-        return self.block_manager.cached_hashes(limit)
+        return self.scheduler.block_manager.cached_hashes(limit)
 
     def tokens_per_s(self) -> float:
         """Generated tokens per second over about the last RATE_INTERVAL_S (0 once the engine idles that long)."""
@@ -294,7 +250,8 @@ class LLMEngine:
         return now
 
     def get_stats(self) -> EngineStats:
-        sched, bm = self.scheduler, self.block_manager
+        sched = self.scheduler
+        bm = sched.block_manager
         return EngineStats(
             num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
             num_reserved_blocks=sched.num_reserved_blocks(), num_running=len(sched.running),
@@ -307,20 +264,23 @@ class LLMEngine:
 
 def _prompts_finishing(batch: ScheduledBatch) -> list[PromptInStep]:
     return [PromptInStep(seq.request_id, list(seq.block_table), seq.num_prompt_tokens)
-            for seq, n in zip(batch.seqs, batch.num_new_tokens)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
             if seq.num_computed_tokens < seq.num_prompt_tokens <= seq.num_computed_tokens + n]
 
 
 def _request_output(seq: Sequence) -> RequestOutput:
-    """The output of a sequence that just got one token (every step adds at most one per sequence)."""
+    """The output of a sequence that just got one token (every step adds at most one per sequence): that
+    token, O(1) in the output length; the whole completion only once the sequence finished."""
     want_lp = seq.params.logprobs is not None
-    cum = sum(lp[0] for lp in seq.output_logprobs if lp is not None) if want_lp and seq.output_logprobs else None
-    completion = CompletionOutput(
-        index=0, text="", token_ids=list(seq.output_token_ids), cumulative_logprob=cum,
-        logprobs=list(seq.output_logprobs) if want_lp else None,
-        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+    completions = []
+    if seq.stopped:
+        completions.append(CompletionOutput(
+            index=0, text="", token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if want_lp and seq.output_logprobs else None,
+            logprobs=list(seq.output_logprobs) if want_lp else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
     return RequestOutput(
-        request_id=seq.request_id, prompt=None, prompt_token_ids=seq.prompt_token_ids, outputs=[completion],
+        request_id=seq.request_id, prompt=None, prompt_token_ids=seq.prompt_token_ids, outputs=completions,
         finished=seq.stopped, new_token_ids=seq.output_token_ids[-1:],
-        logprobs=seq.output_logprobs[-1:] if want_lp else None, num_cached_tokens=seq.num_cached_tokens,
-        block_ids=list(seq.block_table) if seq.hold_blocks else None)
+        logprobs=seq.output_logprobs[-1:] if want_lp else None, finish_reason=seq.finish_reason,
+        num_cached_tokens=seq.num_cached_tokens, block_ids=list(seq.block_table) if seq.hold_blocks else None)

@@ -73,6 +73,8 @@ def iter_weights(model_dir: str, config: ModelConfig | None = None,
                 if size == 1 or presharded:
                     yield name, f.get_tensor(name)
                     continue
+                if config is None:
+                    raise ValueError("iter_weights: slicing the weights for tensor parallelism needs `config`")
                 part = f.get_slice(name)
                 cut = shard_slice(name, tuple(part.get_shape()), config, rank, size)
                 if cut is None:

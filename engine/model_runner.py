@@ -12,7 +12,6 @@ from typing import Callable
 
 import torch
 
-from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.attention import AttentionMetadata, PrefillChunk, get_backend_class
 from pdcluster.engine.compiled import CompiledBody
 from pdcluster.engine.config import ModelConfig
@@ -62,7 +61,7 @@ class ModelRunner:
         for i, attn in enumerate(self.model.attention_layers()):
             attn.k_cache, attn.v_cache = pool.layer_views(i, rank)
 
-    def _prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
+    def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
         """Flattened inputs (on CPU); decodes (one new token) first, then prefill chunks. Also the sequences
         that get a token this step, in the order of `sample_rows`."""
         bs = self.block_size
@@ -78,7 +77,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prefills: list[tuple[int, int, int, int]] = []   # (row in batch, start, end, num_cached)
-        for row, (seq, n) in enumerate(zip(seqs, counts)):
+        for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             start = len(ids)
             c = seq.num_computed_tokens
             if n == 1:
@@ -130,8 +129,9 @@ class ModelRunner:
             hidden = hidden.index_select(0, torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device))
         return self.model.compute_logits(hidden)
 
-    def _execute_everywhere(self, inputs: StepInputs,
-                            layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor | None:
+    def execute_all_ranks(self, inputs: StepInputs,
+                          layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """`execute` here and on the other tensor-parallel ranks (they get `inputs` first)."""
         if self.workers is None:
             return self.execute(inputs, layer_done_callback)
         self.workers.broadcast(inputs)
@@ -142,8 +142,8 @@ class ModelRunner:
 
     def run(self, batch: ScheduledBatch, layer_done_callback: Callable[[int], None] | None = None):
         """Returns (sequences that got a token, tokens, logprobs)."""
-        inputs, sample_seqs = self._prepare(batch)
-        logits = self._execute_everywhere(inputs, layer_done_callback)
+        inputs, sample_seqs = self.prepare(batch)
+        logits = self.execute_all_ranks(inputs, layer_done_callback)
         if logits is None:
             return [], [], []
         requests = [SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids)
@@ -151,11 +151,3 @@ class ModelRunner:
         with torch.inference_mode():
             tokens, logprobs = self.sampler(logits, requests)
         return sample_seqs, tokens, logprobs
-
-    def prefill_logits(self, token_ids: list[int], block_table: list[int]) -> torch.Tensor:
-        """Logits for every position of one prompt computed from scratch into `block_table` (testing aid)."""
-        seq = Sequence("_logits", token_ids, SamplingParams(max_tokens=1), [], len(token_ids) + 1, 0)
-        seq.block_table = list(block_table)
-        inputs, _ = self._prepare(ScheduledBatch([seq], [len(token_ids)]))
-        inputs.sample_rows = list(range(len(token_ids)))
-        return self._execute_everywhere(inputs).float()

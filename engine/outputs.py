@@ -1,4 +1,9 @@
-"""Request results (vLLM-shaped)."""
+"""Request results (vLLM-shaped).
+
+The engine's `step()` returns one `RequestOutput` per request that got a token, carrying that step's delta
+(`new_token_ids`, `logprobs`, O(1) in the output length); the whole completion (`outputs[0]`: every token id,
+logprob and the cumulative logprob) is built once, on the output that finishes the request. `LLM.generate`
+and `AsyncLLMEngine.generate` return those finished outputs."""
 
 from __future__ import annotations
 
@@ -24,17 +29,14 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]   # the whole completion, on the finished output only ([] before)
     finished: bool
     new_token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None      # entries for new_token_ids only
+    finish_reason: str | None = None  # "stop" | "length" once finished
     num_cached_tokens: int = 0
     block_ids: list[int] | None = None   # set when the request was added with hold_blocks=True
 
     @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
     def text(self) -> str:
-        return self.outputs[0].text
+        return self.outputs[0].text if self.outputs else ""

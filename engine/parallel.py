@@ -62,20 +62,21 @@ class TPGroup:
             x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
         x = x.contiguous()
         start = time.perf_counter()
+        parts: list[torch.Tensor] | None
         if self.shm is not None and self.shm.fits(x):
             parts = self.shm.gather(x, self.timeout_s)
         elif self.backend == "hccl":
-            parts = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
+            flat = x.new_empty((self.size * x.shape[0], *x.shape[1:]))
             (getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor)(
-                parts, x)   # all_gather_single: the newer name (torch >= 2.12)
-            parts = list(parts.view(self.size, *x.shape))
+                flat, x)   # all_gather_single: the newer name (torch >= 2.12)
+            parts = list(flat.view(self.size, *x.shape))
         else:
             parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
             torch.distributed.gather(x, parts, dst=0)
         self.collective_seconds += time.perf_counter() - start
-        if self.rank != 0:
+        if self.rank != 0 or parts is None:   # (rank 0 always has the parts)
             return None
-        return torch.cat([part[..., :n] for part, n in zip(parts, sizes)], dim=-1)
+        return torch.cat([part[..., :n] for part, n in zip(parts, sizes, strict=True)], dim=-1)
 
 
 def backend_for(device_type: str) -> str:
@@ -125,7 +126,7 @@ def set_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif device.type == "npu":
-        torch.npu.set_device(device)
+        torch.npu.set_device(device)  # type: ignore[attr-defined]  # set by torch_npu
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int, device: torch.device, weight_pool=None) -> None:
@@ -149,5 +150,5 @@ def visible_devices(device_type: str) -> int:
     if device_type == "npu":
         import torch_npu  # noqa: F401  (registers torch.npu)
 
-        return torch.npu.device_count()
+        return torch.npu.device_count()  # type: ignore[attr-defined]
     return os.cpu_count() or 1

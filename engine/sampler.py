@@ -80,7 +80,8 @@ class Sampler:
                 requests: list[SampleRequest]) -> tuple[list[int], list[Logprobs | None]]:
         device = logits.device
         x = logits.to(torch.float32, copy=True)
-        lp_rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+        lp_tops = {i: r.params.logprobs for i, r in enumerate(requests) if r.params.logprobs is not None}
+        lp_rows = list(lp_tops)
         raw_logprobs = torch.log_softmax(x[lp_rows], dim=-1) if lp_rows else None
 
         pen_rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
@@ -103,10 +104,9 @@ class Sampler:
         token_list = tokens.tolist()
 
         logprobs: list[Logprobs | None] = [None] * len(requests)
-        if lp_rows:
-            entries = _gather_logprobs(raw_logprobs, [token_list[i] for i in lp_rows],
-                                       [requests[i].params.logprobs for i in lp_rows])
-            for i, entry in zip(lp_rows, entries):
+        if raw_logprobs is not None:   # some rows asked for logprobs
+            entries = _gather_logprobs(raw_logprobs, [token_list[i] for i in lp_rows], list(lp_tops.values()))
+            for i, entry in zip(lp_rows, entries, strict=True):
                 logprobs[i] = entry
         return token_list, logprobs
 
@@ -260,11 +260,13 @@ def _gather_logprobs(raw: torch.Tensor, tokens: list[int], tops: list[int]) -> l
     device = raw.device
     sampled = raw.gather(1, torch.tensor(tokens, device=device).unsqueeze(1)).squeeze(1).tolist()
     max_top = max(tops)
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
     if max_top > 0:
         values, ids = torch.topk(raw, max_top, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
+        top_values, top_ids = values.tolist(), ids.tolist()
     out: list[Logprobs] = []
     for j, n in enumerate(tops):
-        top = list(zip(ids[j][:n], values[j][:n])) if n > 0 else []
+        top = list(zip(top_ids[j][:n], top_values[j][:n], strict=True)) if n > 0 else []
         out.append((sampled[j], top))
     return out

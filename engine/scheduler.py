@@ -4,8 +4,13 @@ Each step every sequence just needs "its uncomputed tokens": a decoding sequence
 preempted one has its prompt (+ outputs so far). Running sequences go first (oldest first), then
 waiting ones join while the token budget, `max_num_seqs` and free blocks allow; prompts are chunked
 to fit the budget when chunked prefill is on. When blocks run out, the newest running sequence is
-preempted (its blocks freed, recomputed later) instead of failing. A sequence waiting for remote KV
-holds its blocks but is never scheduled until `add_prefilled` moves it to the running set.
+preempted (its blocks freed, recomputed later) instead of failing.
+
+Remote prefill (the decode node): `add_remote` reserves blocks for a new request's whole prompt (leading
+prefix-cache hits shared) and parks it WAITING_FOR_REMOTE_KV: it holds its blocks and is never scheduled.
+`remote_kv_landed` moves it to the running set from its first token on; `remote_kv_failed` frees its blocks
+and queues it as an ordinary waiting request (a local prefill). The scheduler owns its `BlockManager` and is
+the one writer of every sequence's status (`Sequence.move_to`, the moves in sequence.py).
 
 With `sliding_window` (the window that bounds every layer, `ModelConfig.kv_window`) a running sequence's
 blocks that fell out of it are released after each step, so its block count stays bounded by the window plus
@@ -53,10 +58,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, sliding_window: int = 0) -> None:
-        self.bm = block_manager
-        self.block_size = block_manager.block_size
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool, enable_prefix_caching: bool = True, sliding_window: int = 0) -> None:
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -80,6 +85,7 @@ class Scheduler:
     # ---- scheduling -----------------------------------------------------------------------------
 
     def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
@@ -87,7 +93,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+            while not bm.allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -102,18 +108,18 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = self.bm.match_prefix(seq)
+            hits = bm.match_prefix(seq)
             num_cached = len(hits) * self.block_size
             remaining = seq.num_tokens - num_cached
             n = min(remaining, budget)
             if n < remaining and not self.enable_chunked_prefill:
                 break
-            if not self.bm.allocate(seq, num_cached + n, hits):
+            if not bm.allocate(seq, num_cached + n, hits):
                 break
             seq.num_computed_tokens = num_cached
             if not seq.output_token_ids:
                 self._count_prefix_hit(seq, num_cached)
-            seq.status = SequenceStatus.RUNNING
+            seq.move_to(SequenceStatus.RUNNING)
             self.waiting.popleft()
             self.running.append(seq)
             batch.seqs.append(seq)
@@ -123,16 +129,15 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the blocks; everything (prompt + outputs so far) is recomputed later."""
-        self.bm.free(seq)
+        self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        seq.move_to(SequenceStatus.WAITING)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def _count_prefix_hit(self, seq: Sequence, num_cached: int) -> None:
         seq.num_cached_tokens = num_cached
-        self.bm.prefix_query_tokens += seq.num_tokens
-        self.bm.prefix_hit_tokens += num_cached
+        self.block_manager.record_prefix_lookup(seq.num_tokens, num_cached)
 
     def enable_streaming(self, attention_sinks: int, streaming_window: int, pool, config, tp_size: int = 1) -> None:
         """StreamingLLM for every sequence of this engine (module docstring); `pool` and `config` give the keys
@@ -151,7 +156,7 @@ class Scheduler:
         self.on_evict = key_rerotator(pool, config.head_dim, config.rope_theta, config.rope_scaling, tp_size)
         self.sink_tokens, self.streaming_window = sink_tokens, streaming_window
         self.sliding_window = 0                   # the stream bounds the KV already: one positional scheme
-        self.bm.enable_prefix_caching = False     # moved blocks change content
+        self.block_manager.disable_prefix_caching()   # moved blocks change content
 
     # ---- results --------------------------------------------------------------------------------
 
@@ -159,14 +164,15 @@ class Scheduler:
                            logprobs: list) -> list[Sequence]:
         """Apply a step: the scheduled tokens are computed (full blocks go to the prefix cache), the sampled
         sequences get their token, the ones that stopped finish. Returns the sampled sequences."""
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        bm = self.block_manager
+        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
-            self.bm.cache_full_blocks(seq)
+            bm.cache_full_blocks(seq)
             if self.sliding_window and not seq.hold_blocks:
-                self.bm.free_outside_window(seq, self.sliding_window)
+                bm.free_outside_window(seq, self.sliding_window)
             if self.streaming_window and not seq.hold_blocks:
                 self._evict_streaming(seq)
-        for seq, token, lp in zip(sampled, tokens, logprobs):
+        for seq, token, lp in zip(sampled, tokens, logprobs, strict=True):
             self._append(seq, token, lp)
         return sampled
 
@@ -175,47 +181,69 @@ class Scheduler:
         sink, bs = self.sink_tokens, self.block_size
         dropped = 0
         while seq.num_computed_tokens - sink - bs >= self.streaming_window:
-            self.bm.drop_block(seq, sink // bs)
-            del seq.token_ids[sink:sink + bs]
+            self.block_manager.drop_block(seq, sink // bs)
+            seq.drop_tokens(sink, bs)
             seq.num_computed_tokens -= bs
             dropped += bs
-        if dropped:
-            seq.num_evicted_tokens += dropped
-            if self.on_evict is not None:
-                self.on_evict(seq.block_table[sink // bs:], -dropped)
+        if dropped and self.on_evict is not None:
+            self.on_evict(seq.block_table[sink // bs:], -dropped)
 
     def _append(self, seq: Sequence, token: int, logprob) -> None:
         seq.append_token(token, logprob)
         if seq.stopped:
             self.running.remove(seq)
-            seq.status = SequenceStatus.FINISHED
+            seq.move_to(SequenceStatus.FINISHED)
             if not seq.hold_blocks:
-                self.bm.free(seq)
+                self.block_manager.free(seq)
                 del self.requests[seq.request_id]
 
     # ---- remote prefill (decode node) -----------------------------------------------------------
 
-    def reserve(self, seq: Sequence) -> bool:
-        """Blocks for `seq`'s whole prompt (leading prefix-cache hits shared), held while another node
-        writes the rest of its KV. False when too few blocks are free."""
-        hits = self.bm.match_prefix(seq)
-        if not self.bm.allocate(seq, seq.num_prompt_tokens, hits):
+    def add_remote(self, seq: Sequence) -> bool:
+        """Admit a new `seq` whose prompt KV another node writes: blocks for its whole prompt (leading
+        prefix-cache hits shared), status WAITING_FOR_REMOTE_KV. False, adding nothing, when too few blocks
+        are free."""
+        hits = self.block_manager.match_prefix(seq)
+        if not self.block_manager.allocate(seq, seq.num_prompt_tokens, hits):
             return False
         self._count_prefix_hit(seq, len(hits) * self.block_size)
         seq.num_computed_tokens = seq.num_cached_tokens
-        seq.status = SequenceStatus.WAITING_FOR_REMOTE_KV
+        seq.move_to(SequenceStatus.WAITING_FOR_REMOTE_KV)
         self.requests[seq.request_id] = seq
         self.waiting_for_kv[seq.request_id] = seq
         return True
 
-    def add_prefilled(self, seq: Sequence, first_token: int, logprob) -> None:
-        """The remote KV of `seq`'s prompt landed: it runs from its first sampled token on."""
-        del self.waiting_for_kv[seq.request_id]
+    def remote_kv_landed(self, request_id: str, first_token: int, logprob=None) -> Sequence:
+        """The remote KV of the request's prompt is in its blocks: it runs from its first sampled token on
+        (and may finish on it). ValueError when the request is not waiting for remote KV."""
+        seq = self._waiting_for_kv(request_id)
+        del self.waiting_for_kv[request_id]
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self.bm.cache_full_blocks(seq)
-        seq.status = SequenceStatus.RUNNING
+        self.block_manager.cache_full_blocks(seq)
+        seq.move_to(SequenceStatus.RUNNING)
         self.running.append(seq)
         self._append(seq, first_token, logprob)
+        return seq
+
+    def remote_kv_failed(self, request_id: str) -> None:
+        """The remote prefill is given up: free the reserved blocks (nothing they hold was published) and queue
+        the request as an ordinary waiting one; its prefix hits are matched again when it is scheduled. Unknown
+        ids are a no-op; a known request that is not waiting for remote KV raises ValueError."""
+        if request_id not in self.requests:
+            return
+        seq = self._waiting_for_kv(request_id)
+        del self.waiting_for_kv[request_id]
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.move_to(SequenceStatus.WAITING)
+        self.waiting.append(seq)
+
+    def _waiting_for_kv(self, request_id: str) -> Sequence:
+        seq = self.waiting_for_kv.get(request_id)
+        if seq is None:
+            state = self.requests[request_id].status.value if request_id in self.requests else "unknown"
+            raise ValueError(f"request_id {request_id!r} is not waiting for remote KV ({state})")
+        return seq
 
     def num_reserved_blocks(self) -> int:
         return sum(len(seq.block_table) for seq in self.waiting_for_kv.values())
@@ -223,7 +251,8 @@ class Scheduler:
     # ---- removal --------------------------------------------------------------------------------
 
     def abort(self, request_id: str) -> None:
-        """Take the request out of whichever queue holds it and free its blocks. Unknown ids are a no-op."""
+        """Take the request out of whichever queue holds it and free its blocks (a finished hold_blocks
+        request's full blocks stay in the prefix cache). Unknown ids are a no-op."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return
@@ -233,5 +262,6 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
             del self.waiting_for_kv[request_id]
-        self.bm.free(seq)
-        seq.status = SequenceStatus.FINISHED
+        self.block_manager.free(seq)
+        if seq.status is not SequenceStatus.FINISHED:
+            seq.move_to(SequenceStatus.FINISHED)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from pdcluster.control.block_hash import chain_hash
+from pdcluster.control.lifecycle import check_move
 from pdcluster.control.sampling_params import SamplingParams
 
 
@@ -13,6 +14,19 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"   # blocks held; another node writes the prompt's KV
     FINISHED = "finished"
+
+
+# The moves the scheduler makes (it is the one writer of a sequence's status):
+#   WAITING ──admitted──► RUNNING ──stopped / aborted──► FINISHED
+#      ▲                     │
+#      └────preempted────────┘
+#   new, remote_kv ──► WAITING_FOR_REMOTE_KV ──landed──► RUNNING;  ──failed──► WAITING;  ──aborted──► FINISHED
+_NEXT = {
+    SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_REMOTE_KV, SequenceStatus.FINISHED},
+    SequenceStatus.RUNNING: {SequenceStatus.WAITING, SequenceStatus.FINISHED},
+    SequenceStatus.WAITING_FOR_REMOTE_KV: {SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED},
+    SequenceStatus.FINISHED: set(),
+}
 
 
 class Sequence:
@@ -28,6 +42,7 @@ class Sequence:
         self.output_token_ids: list[int] = []
         self.token_ids = list(prompt_token_ids)     # prompt + outputs
         self.output_logprobs: list = []
+        self.cumulative_logprob = 0.0               # sum of the sampled tokens' logprobs (when logprobs are asked)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0                # tokens whose KV is in the cache
@@ -47,19 +62,32 @@ class Sequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    def move_to(self, status: SequenceStatus) -> None:
+        """Change the status along one of the moves of `_NEXT`; any other move is a bug and raises."""
+        self.status = check_move(_NEXT, self.status, status, f"request {self.request_id!r}")
+
     def block_hashes(self, block_size: int) -> list[int]:
-        """Chained hashes (`pdcluster.control.block_hash`) of every full block of the tokens so far; each block
-        is hashed once (tokens only grow, so the list stays valid across preemption)."""
+        """Chained hashes (`pdcluster.control.block_hash`) of every full block of `token_ids`. Each block is
+        hashed once while tokens are only appended (preemption keeps them); `drop_tokens` forgets them."""
         hashes = self._block_hashes
         for i in range(len(hashes), self.num_tokens // block_size):
             hashes.append(chain_hash(hashes[-1] if hashes else 0, self.token_ids[i * block_size:(i + 1) * block_size]))
         return hashes
+
+    def drop_tokens(self, start: int, count: int) -> None:
+        """StreamingLLM: remove `token_ids[start:start + count]` (cache positions; outputs keep every token).
+        The block hashes of the shortened tokens differ: they are recomputed when next asked for."""
+        del self.token_ids[start:start + count]
+        self.num_evicted_tokens += count
+        self._block_hashes = []
 
     def append_token(self, token: int, logprob=None) -> None:
         self.output_token_ids.append(token)
         self.token_ids.append(token)
         if self.params.logprobs is not None:
             self.output_logprobs.append(logprob)
+            if logprob is not None:
+                self.cumulative_logprob += logprob[0]
         self._check_stop(token)
 
     def _check_stop(self, token: int) -> None:

@@ -80,29 +80,36 @@ class ShmCollectives:
 
     def all_reduce(self, x: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """Sum of every rank's `x`, written into `x`."""
-        parts = self._exchange(x, timeout_s, read=True)
+        parts = self._exchange(x, timeout_s)
         torch.add(parts[0], parts[1], out=x) if self.size == 2 else _sum_into(x, parts)
         return x
 
     def gather(self, x: torch.Tensor, timeout_s: float) -> list[torch.Tensor] | None:
         """Every rank's `x` (same shape everywhere), on rank 0; None on the others. The parts are views of the
         shared slots: valid until this rank's next collective but one."""
-        return self._exchange(x, timeout_s, read=self.rank == 0)
+        if self.rank == 0:
+            return self._exchange(x, timeout_s)
+        self._write(x, timeout_s)
+        return None
 
-    def _exchange(self, x: torch.Tensor, timeout_s: float, read: bool) -> list[torch.Tensor] | None:
+    def _exchange(self, x: torch.Tensor, timeout_s: float) -> list[torch.Tensor]:
+        """Every rank's `x`, once all have written theirs."""
+        m, deadline = self._write(x, timeout_s)
+        self._wait_all(m, deadline)
+        buf = self._slots[m % 2]
+        nbytes = x.numel() * x.element_size()
+        return [buf[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.size)]
+
+    def _write(self, x: torch.Tensor, timeout_s: float) -> tuple[int, float]:
+        """`x` into this rank's slot of the next collective, flag raised; returns (its number, its deadline)."""
         self.count += 1
         m = self.count
         deadline = time.monotonic() + timeout_s
         self._wait_all(m - 1, deadline)   # everyone is done reading this buffer's previous use
-        buf = self._slots[m % 2]
         nbytes = x.numel() * x.element_size()
-        x = x.contiguous()
-        buf[self.rank, :nbytes].copy_(x.view(-1).view(torch.uint8))
+        self._slots[m % 2][self.rank, :nbytes].copy_(x.contiguous().view(-1).view(torch.uint8))
         FLAG.pack_into(self._mm, self.rank * FLAG_STRIDE, m)
-        if not read:
-            return None
-        self._wait_all(m, deadline)
-        return [buf[r, :nbytes].view(x.dtype).view(x.shape) for r in range(self.size)]
+        return m, deadline
 
     def _flags(self) -> list[int]:
         return [FLAG.unpack_from(self._mm, r * FLAG_STRIDE)[0] for r in range(self.size)]
@@ -131,7 +138,7 @@ class ShmCollectives:
                 time.sleep(0.0001)
 
     def close(self) -> None:
-        self._slots = None
+        self._slots = torch.empty((2, 0, 0), dtype=torch.uint8)   # drop the views of the mapping, so it can close
         try:
             self._mm.close()
         except BufferError:   # a view is still alive; the mapping goes with the process

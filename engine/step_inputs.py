@@ -42,11 +42,13 @@ def _pack(t: torch.Tensor | None):
     return [str(t.dtype).removeprefix("torch."), list(t.shape), t.numpy().tobytes()]
 
 
-def _unpack(v) -> torch.Tensor | None:
-    if v is None:
-        return None
+def _unpack(v) -> torch.Tensor:
     dtype, shape, data = v
     return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+
+
+def _unpack_optional(v) -> torch.Tensor | None:
+    return None if v is None else _unpack(v)
 
 
 def encode(inputs: StepInputs) -> bytes:
@@ -62,7 +64,8 @@ def encode(inputs: StepInputs) -> bytes:
 
 def decode(data: bytes) -> StepInputs:
     d = msgpack.unpackb(data)
-    ids, positions, slot_mapping, tables, lens = (_unpack(v) for v in d["t"])
+    ids, positions, slot_mapping = (_unpack(v) for v in d["t"][:3])
+    tables, lens = (_unpack_optional(v) for v in d["t"][3:])
     meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=d["nd"],
                              decode_block_tables=tables, decode_context_lens=lens,
                              prefills=[PrefillChunk(s, e, c, _unpack(t)) for s, e, c, t in d["pf"]])

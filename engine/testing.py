@@ -1,8 +1,10 @@
-"""Tiny deterministic random HF checkpoints + a tokenizer, for tests, the demo and benchmarks.
+"""Tiny deterministic random HF checkpoints + a tokenizer, for tests, the demo and benchmarks, and the
+teacher-forced logits of an engine.
 
 `make_tiny_model(path, arch="llama", **overrides)` writes config.json, safetensors weights,
 generation_config.json, tokenizer.json and tokenizer_config.json (with a chat template) into `path`
-and returns it. Same arguments, same bytes: weights come from a fixed seed.
+and returns it. Same arguments, same bytes: weights come from a fixed seed. `prefill_logits(engine, ids)`:
+the logits at every position of a prompt, computed through the engine's model and KV pool.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import os
 from typing import Any
 
 import torch
+
+from pdcluster.control.sampling_params import SamplingParams
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 CHAT_TEMPLATE = (
@@ -57,9 +61,9 @@ def tiny_config(arch: str = "llama", **overrides):
 
     if arch not in _BASE:
         raise ValueError(f"arch must be one of {sorted(_BASE)}, got {arch!r}")
-    values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512,
-                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-                  pad_token_id=0, initializer_range=0.1)
+    values: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512,
+                                  max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                                  pad_token_id=0, initializer_range=0.1)
     values.update(_BASE[arch])
     values.update(overrides)
     model_type = values.pop("model_type")
@@ -102,3 +106,24 @@ def load_hf_model(path: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+def prefill_logits(engine, token_ids: list[int], block_table: list[int] | None = None) -> torch.Tensor:
+    """fp32 logits at every position of `token_ids`, computed from scratch (on every tensor-parallel rank) into
+    `block_table`, or into blocks taken from the engine's allocator for the call. The engine must be idle."""
+    from pdcluster.engine.scheduler import ScheduledBatch
+    from pdcluster.engine.sequence import Sequence
+
+    seq = Sequence("_logits", token_ids, SamplingParams(max_tokens=1), [], len(token_ids) + 1, 0)
+    bm = engine.scheduler.block_manager if block_table is None else None
+    if bm is not None and not bm.allocate(seq, len(token_ids)):
+        raise ValueError(f"prefill_logits: no room for {len(token_ids)} tokens in the KV pool")
+    if block_table is not None:
+        seq.block_table = list(block_table)
+    try:
+        inputs, _ = engine.runner.prepare(ScheduledBatch([seq], [len(token_ids)]))
+        inputs.sample_rows = list(range(len(token_ids)))
+        return engine.runner.execute_all_ranks(inputs).float()
+    finally:
+        if bm is not None:
+            bm.free(seq)

@@ -14,10 +14,12 @@ import multiprocessing as mp
 import pickle
 import threading
 import time
+from multiprocessing.connection import Connection
 
 import torch
 
 from pdcluster.engine.config import ModelConfig
+from pdcluster.engine.kv_cache import RankPools
 from pdcluster.engine.parallel import TPGroup, init_group, leave_group
 from pdcluster.engine.shm_collectives import ShmCollectives, supported
 from pdcluster.engine.shm_ring import BroadcastRing
@@ -46,7 +48,7 @@ class TPWorkers:
         store = torch.distributed.TCPStore("127.0.0.1", 0, size, True, wait_for_workers=False,
                                            timeout=datetime.timedelta(seconds=timeout_s))
         self.procs: list[mp.process.BaseProcess] = []
-        self.conns = []
+        self.conns: list[Connection] = []
         self.ring = BroadcastRing.create(size - 1)
         self.shm = _shm_collectives(device, size)
         try:
@@ -61,7 +63,7 @@ class TPWorkers:
         atexit.register(self.close)
 
     def _start(self, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               attention_backend: str | None, store: torch.distributed.Store) -> None:
+               attention_backend: str | None, store: torch.distributed.TCPStore) -> None:
         size, timeout_s = self.size, self.timeout_s
         threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
         if device.type == "cpu":   # the ranks share this host's cores
@@ -93,8 +95,8 @@ class TPWorkers:
             self.shm.unlink()
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
-    def bind_pool(self, handle: dict) -> None:
-        self.ring.send_control(("pool", handle), self.conns)
+    def bind_pool(self, pools: RankPools) -> None:
+        self.ring.send_control(("pool", pools), self.conns)
         for rank, reply in enumerate(self._replies(self.timeout_s), start=1):
             if reply[0] != "bound":
                 raise TPWorkerError(f"tensor-parallel rank {rank}: unexpected reply {reply!r}")
@@ -149,7 +151,7 @@ class TPWorkers:
 
     def _replies(self, timeout_s: float):
         """One reply per worker, in rank order; a worker that exits first or stays silent raises."""
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns), start=1):
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True), start=1):
             deadline = time.monotonic() + timeout_s
             while not conn.poll(0.1):
                 if not proc.is_alive():
@@ -172,8 +174,9 @@ class TPWorkers:
         ready = wait(list(sentinels))
         if self._closed:
             return
-        for sentinel in ready:
-            sentinels[sentinel][1].join(1.0)   # the sentinel fires as the process exits; reap it for its code
+        for sentinel, (_rank, proc) in sentinels.items():
+            if sentinel in ready:
+                proc.join(1.0)   # the sentinel fires as the process exits; reap it for its code
         dead = ", ".join(f"rank {r} (pid {p.pid}) exited with code {p.exitcode}"
                          for r, p in sentinels.values() if p.exitcode is not None)
         self.dead = TPWorkerError(f"tensor-parallel worker died: {dead}")
@@ -185,7 +188,7 @@ class TPWorkers:
             return
         self._closed = True
         try:
-            self.ring.send_control(("stop",), [c for c, p in zip(self.conns, self.procs) if p.is_alive()])
+            self.ring.send_control(("stop",), [c for c, p in zip(self.conns, self.procs, strict=True) if p.is_alive()])
         except OSError:
             pass
         for proc in self.procs:

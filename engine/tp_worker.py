@@ -48,7 +48,6 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C goes to the whole group; rank 0 stops us
     import torch
 
-    from pdcluster.engine.kv_cache import KVCachePool
     from pdcluster.engine.model_runner import ModelRunner
     from pdcluster.engine.parallel import init_group, leave_group, rank_device, set_device
     from pdcluster.engine.shm_collectives import ShmCollectives
@@ -87,7 +86,7 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
                 runner.execute(decode(body))
                 ring.mark_done(reader)
             elif body[0] == "pool":
-                runner.bind_kv_pool(_pool(body[1], spec, device, KVCachePool, torch))
+                runner.bind_kv_pool(body[1].pool(spec.config, device, spec.size))
                 reply(conn, "bound")
             elif body[0] == "stop":
                 return 0
@@ -98,15 +97,3 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
         return 1
     finally:
         leave_group()
-
-
-def _pool(handle, spec: WorkerSpec, device, KVCachePool, torch):
-    """The pool rank 0 shared (CPU: every rank's slices in shared memory), or this rank's own slice on its
-    device, of the size rank 0 chose."""
-    if handle["kind"] == "shared":
-        t = handle["tensor"]
-        t = t if isinstance(t, torch.Tensor) else t.tensor
-        return KVCachePool(t.shape[2], spec.config.num_layers, handle["block_size"], handle["kv_heads"],
-                           spec.config.head_dim, t.dtype, device, tensor=t, tp=spec.size)
-    return KVCachePool(handle["num_blocks"], spec.config.num_layers, handle["block_size"], handle["kv_heads"],
-                       spec.config.head_dim, getattr(torch, handle["dtype"]), device)

@@ -307,7 +307,7 @@ def _model_key(model_dir: str, dtype: Any, architecture: str) -> tuple[str, list
 def _bytes(t: torch.Tensor) -> memoryview:
     import torch
 
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _write_json(path: str, data: Any) -> None:

@@ -10,7 +10,7 @@ from pdcluster.kv_transfer.channel import Channel, PoolViews
 from pdcluster.kv_transfer.cuda_ipc_channel import CudaIpcChannel
 from pdcluster.kv_transfer.destination import Destination
 from pdcluster.kv_transfer.dist_channel import GlooChannel, HcclChannel, NcclChannel
-from pdcluster.kv_transfer.errors import TransferError
+from pdcluster.kv_transfer.errors import LayoutMismatchError
 from pdcluster.kv_transfer.int8_channel import Int8Channel
 from pdcluster.kv_transfer.shm_channel import ShmChannel
 from pdcluster.kv_transfer.tcp_channel import TcpChannel
@@ -34,11 +34,11 @@ def choose(backend: str, quant: str | None, pool: PoolViews, dst: Destination) -
             if cls.offer in dst.backends and (rank := cls.auto_rank(pool, dst)) is not None
         ]  # fmt: skip
         if not ranked:
-            raise TransferError(f"no common KV backend with {dst.address} (it offers {dst.backends})")
+            raise LayoutMismatchError(f"no common KV backend with {dst.address} (it offers {dst.backends})")
         backend = min(ranked)[1]
     cls = CHANNELS[backend]
     if quant is not None:
         cls = CHANNELS.get(f"{cls.offer}+{quant}", cls)
     if cls.offer not in dst.backends:
-        raise TransferError(f"backend {cls.offer!r} not offered by {dst.address} ({dst.backends})")
+        raise LayoutMismatchError(f"backend {cls.offer!r} not offered by {dst.address} ({dst.backends})")
     return cls

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
+import numpy as np
 import torch
 
 from pdcluster.kv_transfer.checksum import words
@@ -28,13 +29,6 @@ Runs = list[tuple[int, int, int]]  # (dst_start, src_start, n): blocks consecuti
 DstRuns = list[tuple[int, int]]  # (dst_start, n), as a write header carries them
 
 
-def bind_thread(device: torch.device) -> None:
-    """Ascend device contexts are per thread: a thread that moves an NPU pool's blocks (a channel's connect,
-    writes and receives) binds itself first, or its first device op fails with "the context is empty"."""
-    if device.type == "npu":
-        torch.npu.set_device(device.index or 0)
-
-
 class PoolViews:
     """A local KV pool and the views channels read and write it through (built once per endpoint)."""
 
@@ -43,9 +37,11 @@ class PoolViews:
         self.layout = KVLayout.of(pool)
         self.words = words(byte_view(pool))  # [planes, blocks, words per plane]: numpy on CPU, torch else
         self.on_cpu = pool.device.type == "cpu"
-        self.np_bytes = byte_view(pool).numpy() if self.on_cpu else None  # [planes, blocks, plane bytes]
-        # the pool's bytes as one flat memoryview: slicing it is ~30x cheaper than a numpy view per piece
-        self.flat = memoryview(self.np_bytes.reshape(-1)) if self.on_cpu else None
+        self.np_bytes: np.ndarray | None = None  # [planes, blocks, plane bytes] (CPU pools)
+        self.flat: memoryview | None = None  # the pool's bytes as one flat memoryview (CPU pools): slicing it
+        if self.on_cpu:  # is ~30x cheaper than a numpy view per piece
+            self.np_bytes = byte_view(pool).numpy()
+            self.flat = self.np_bytes.reshape(-1).data
         self.planes = pool.flatten(0, 1)  # [planes, num_blocks, block_size, heads, row]: one cache per plane
 
     def plane_range(self, l0: int, l1: int) -> tuple[int, int]:
@@ -111,11 +107,14 @@ class Channel:
 
     # ---- sender ------------------------------------------------------------------------------------
 
-    def write_runs(self, token: str, part: Runs, l0: int, l1: int, header: Callable[[int], dict[str, Any]]) -> int:
-        """Send layers [l0, l1) of the runs as one write; `header(checksum)` is the frame's map without
-        the channel's own fields. Returns the write's checksum."""
+    def write_runs(
+        self, token: str, part: Runs, l0: int, l1: int, header: Callable[[int, int], dict[str, Any]]
+    ) -> int:
+        """Send layers [l0, l1) of the runs as one write; `header(checksum, nbytes)` is the frame's map
+        without the channel's own fields. Returns the write's checksum."""
         staged = self.stage(token, part, l0, l1)
-        self.ship({**header(staged.checksum), "nbytes": staged.nbytes, "checksum": staged.checksum}, staged)
+        self.ship({**header(staged.checksum, staged.nbytes), "nbytes": staged.nbytes, "checksum": staged.checksum},
+                  staged)
         return staged.checksum
 
     def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:

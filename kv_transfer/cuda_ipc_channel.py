@@ -30,7 +30,7 @@ import torch
 from pdcluster.kv_transfer.channel import Channel, DstRuns, PoolViews, Runs, Staged
 from pdcluster.kv_transfer.checksum import checksum_runs
 from pdcluster.kv_transfer.destination import Destination, host_id
-from pdcluster.kv_transfer.errors import TransferError
+from pdcluster.kv_transfer.errors import LayoutMismatchError, TransferError, from_code
 from pdcluster.kv_transfer.tcp import FrameError, Wire
 
 CPU_PATH_ENV = "PDCLUSTER_KV_CUDA_IPC_ON_CPU"
@@ -127,12 +127,12 @@ class CudaIpcChannel(Channel):
     def connect(cls, wire: Wire, pool: PoolViews, hello_ok: dict[str, Any], **_: Any) -> "CudaIpcChannel":
         mine, theirs = device_uuid(pool.tensor.device), hello_ok.get("device_uuid")
         if theirs != mine:
-            raise TransferError(f"cuda_ipc: the receiver's pool is on {theirs!r}, this one on {mine!r}: CUDA IPC "
-                                "here moves KV between processes of one GPU (use nccl across GPUs)")
+            raise LayoutMismatchError(f"cuda_ipc: the receiver's pool is on {theirs!r}, this one on {mine!r}: CUDA "
+                                      "IPC here moves KV between processes of one GPU (use nccl across GPUs)")
         wire.send({"op": "ipc_pool", "pool": export_pool(pool.tensor)})
         reply = wire.recv()
         if reply.get("op") != "ipc_ok":
-            raise TransferError(f"cuda_ipc: the receiver could not map this pool: {reply.get('error')}")
+            raise from_code(reply.get("code"), f"cuda_ipc: the receiver could not map this pool: {reply.get('error')}")
         return cls(wire, pool)
 
     @classmethod
@@ -149,7 +149,7 @@ class CudaIpcChannel(Channel):
                 raise FrameError(f"cuda_ipc: the sender's pool {tuple(remote.shape)} {remote.dtype} does not match "
                                  f"this pool's planes ({tuple(mine.shape)} {mine.dtype})")
         except (FrameError, RuntimeError) as exc:
-            wire.send({"op": "error", "rid": None, "error": str(exc)})
+            wire.send({"op": "error", "rid": None, "code": "failed", "error": str(exc)})
             raise FrameError(str(exc)) from None
         wire.send({"op": "ipc_ok"})
         return cls(wire, pool, remote)
@@ -163,7 +163,8 @@ class CudaIpcChannel(Channel):
         return IpcStaged(checksum_runs(self.pool.words, src_runs, p0, p1),
                          self.wire_bytes(sum(n for _, n in src_runs), l0, l1), src=[s for s, _ in src_runs])
 
-    def ship(self, body: dict[str, Any], staged: IpcStaged) -> None:
+    def ship(self, body: dict[str, Any], staged: Staged) -> None:
+        assert isinstance(staged, IpcStaged), "cuda_ipc ships what its own stage made"
         super().ship({**body, "src": staged.src}, staged)
 
     # ---- receiver: copy from the mapped pool ------------------------------------------------------------
@@ -172,13 +173,15 @@ class CudaIpcChannel(Channel):
         src = frame.get("src")
         if not isinstance(src, list) or len(src) != len(runs) or not all(isinstance(s, int) for s in src):
             raise FrameError("write.src: expected one source block per run")
-        blocks = self.remote_planes.shape[1]
-        for s, (_, n) in zip(src, runs):
+        remote = self.remote_planes
+        assert remote is not None, "a write before the handshake mapped the sender's pool"
+        blocks = remote.shape[1]
+        for s, (_, n) in zip(src, runs, strict=True):
             if not 0 <= s <= blocks - n:
                 raise FrameError(f"write.src: blocks {s}..{s + n - 1} outside the sender's {blocks}-block pool")
         p0, p1 = self.pool.plane_range(l0, l1)
-        for s, (d, n) in zip(src, runs):
-            self.pool.planes[p0:p1, d:d + n].copy_(self.remote_planes[p0:p1, s:s + n])
+        for s, (d, n) in zip(src, runs, strict=True):
+            self.pool.planes[p0:p1, d:d + n].copy_(remote[p0:p1, s:s + n])
         return checksum_runs(self.pool.words, runs, p0, p1)   # reads the landed bytes back (after the copies)
 
     def discard(self, nbytes: int) -> None:

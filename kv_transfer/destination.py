@@ -51,7 +51,7 @@ class Destination:
     def from_dict(cls, d: dict[str, Any]) -> "Destination":
         if not isinstance(d, dict):
             raise ValueError("destination: expected a map")
-        checks = {
+        checks: dict[str, type | tuple[type, ...]] = {
             "request_id": str, "address": str, "token": str, "deadline": (int, float),
             "backends": list, "layout": dict, "block_ids": list,
         }  # fmt: skip

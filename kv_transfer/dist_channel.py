@@ -122,7 +122,7 @@ class GlooChannel(DistChannel):
 
     @classmethod
     def make_group(cls, store: dist.Store, rank: int, local_host: str, timeout: datetime.timedelta) -> Any:
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's private, not in its stubs
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_host)]
         opts._timeout = timeout
         return dist.ProcessGroupGloo(store, rank, 2, opts)

@@ -28,19 +28,16 @@ from typing import Any, Callable
 import msgpack
 
 from pdcluster.control.transport import DroppedFrames
-from pdcluster.kv_transfer.errors import LayoutMismatchError, TransferError
+from pdcluster.kv_transfer.errors import HandshakeRefused, from_code
 from pdcluster.kv_transfer.tcp import WIRE_VERSION, FrameError, Wire, pack_frame
 
 log = logging.getLogger(__name__)
 
 NONCE_BYTES = 32
-AUTH_FAILED = "authentication failed"
 MAX_HELLO_BYTES = 16 * 1024   # an unauthenticated peer gets no bigger buffer than this
 _LEN = struct.Struct("!I")
 
-
-class HandshakeRefused(TransferError):
-    """The two sides did not authenticate each other (or speak different versions)."""
+__all__ = ["Gate", "HandshakeRefused", "client_handshake", "hello_mac", "hello_ok_mac"]
 
 
 def hello_mac(key: bytes, challenge: bytes, nonce: bytes, session: str) -> bytes:
@@ -53,14 +50,15 @@ def hello_ok_mac(key: bytes, challenge: bytes, nonce: bytes) -> bytes:
 
 def client_handshake(wire: Wire, key: bytes | None, hello: dict[str, Any], where: str) -> dict[str, Any]:
     """Sender side: read the challenge, send `hello` with its proof, return the receiver's `hello_ok` once it
-    proved itself. Raises HandshakeRefused when either side cannot prove it holds the secret, LayoutMismatchError
-    when the receiver refuses the backend or layout."""
+    proved itself. Raises HandshakeRefused when either side cannot prove it holds the secret (code "auth"), the
+    receiver is full ("busy") or speaks another version ("version"), LayoutMismatchError ("layout") when the
+    receiver refuses the backend or layout: the class and code are the receiver's `code`, never its message."""
     challenge = wire.recv()
     if challenge.get("op") == "error":
-        raise HandshakeRefused(f"receiver {where} refused the connection: {challenge.get('error')}")
+        raise from_code(challenge.get("code"), f"receiver {where} refused the connection: {challenge.get('error')}")
     if challenge.get("op") != "challenge" or challenge.get("version") != WIRE_VERSION:
         raise HandshakeRefused(f"receiver {where} speaks another KV wire version "
-                               f"({challenge.get('version')!r}, this sender {WIRE_VERSION})")
+                               f"({challenge.get('version')!r}, this sender {WIRE_VERSION})", "version")
     nonce_r = challenge.get("nonce")
     if not isinstance(nonce_r, bytes) or len(nonce_r) != NONCE_BYTES:
         raise FrameError("challenge.nonce: expected 32 bytes")
@@ -73,9 +71,7 @@ def client_handshake(wire: Wire, key: bytes | None, hello: dict[str, Any], where
     wire.send({**hello, "nonce": nonce, "mac": mac})
     reply = wire.recv()
     if reply["op"] != "hello_ok":
-        error = str(reply.get("error"))
-        cls = HandshakeRefused if error.startswith(AUTH_FAILED) else LayoutMismatchError   # else: layout, backend
-        raise cls(f"receiver {where} refused the handshake: {error}")
+        raise from_code(reply.get("code"), f"receiver {where} refused the handshake: {reply.get('error')}")
     if key is not None and not hmac.compare_digest(_bytes(reply.get("mac")), hello_ok_mac(key, nonce_r, nonce)):
         raise HandshakeRefused(f"receiver {where} could not prove it holds the cluster secret")
     return reply
@@ -151,7 +147,7 @@ class Gate:
             if self.active() >= self.max_connections:
                 why = f"{self.max_connections} connections already open"
                 self.dropped.drop(f"{peer}: refused, {why}")
-                _try_send(sock, {"op": "error", "rid": None, "error": why})
+                _try_send(sock, {"op": "error", "rid": None, "code": "busy", "error": why})
                 sock.close()
                 continue
             if len(self.pending) >= self.max_pending:
@@ -193,9 +189,9 @@ class Gate:
         except Exception:
             self._refuse(p, "an undecodable hello")
             return
-        error = self._check(hello, p.challenge)
-        if error is not None:
-            self._refuse(p, error, reply=error)
+        refusal = self._check(hello, p.challenge)
+        if refusal is not None:
+            self._refuse(p, refusal[1], code=refusal[0])
             return
         self._sel.unregister(p.sock)
         del self.pending[p.sock]
@@ -206,22 +202,23 @@ class Gate:
             log.exception("kv receiver: taking an authenticated connection from %s failed", p.peer)
             p.sock.close()
 
-    def _check(self, hello: Any, challenge: bytes) -> str | None:
-        """None when `hello` is a well-formed hello with a valid proof, else why not."""
+    def _check(self, hello: Any, challenge: bytes) -> tuple[str, str] | None:
+        """None when `hello` is a well-formed hello with a valid proof, else (code, why not)."""
         if not isinstance(hello, dict) or hello.get("op") != "hello" or hello.get("version") != WIRE_VERSION:
-            return f"expected a hello of version {WIRE_VERSION}"
+            return "version", f"expected a hello of version {WIRE_VERSION}"
         nonce, session = hello.get("nonce"), hello.get("session")
         if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES or not isinstance(session, str):
-            return "hello.nonce / hello.session: malformed"
+            return "failed", "hello.nonce / hello.session: malformed"
         if self.key is not None and not hmac.compare_digest(
                 _bytes(hello.get("mac")), hello_mac(self.key, challenge, nonce, session)):
-            return f"{AUTH_FAILED}: the sender does not hold this cluster's secret"
+            return "auth", "authentication failed: the sender does not hold this cluster's secret"
         return None
 
-    def _refuse(self, p: _Pending, why: str, reply: str | None = None) -> None:
+    def _refuse(self, p: _Pending, why: str, code: str | None = None) -> None:
+        """Drop a pending connection; with `code`, tell the peer why first."""
         self.dropped.drop(f"{p.peer}: {why}")
-        if reply is not None:
-            _try_send(p.sock, {"op": "error", "rid": None, "error": reply})
+        if code is not None:
+            _try_send(p.sock, {"op": "error", "rid": None, "code": code, "error": why})
         self._close(p)
 
     def _close(self, p: _Pending) -> None:

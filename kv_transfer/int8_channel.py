@@ -33,7 +33,7 @@ class Int8Channel(TcpChannel):
         p0, p1 = self.pool.plane_range(l0, l1)
         planes = self.pool.planes[p0:p1]
         payload = quant.quantize(torch.cat([planes[:, s : s + n] for _, s, n in part], dim=1))
-        return Staged(checksum_bytes(payload), payload.numel(), views=[memoryview(payload.numpy())])
+        return Staged(checksum_bytes(payload), payload.numel(), views=[payload.numpy().data])
 
     def wire_bytes(self, nblocks: int, l0: int, l1: int) -> int:
         lay = self.pool.layout
@@ -45,7 +45,7 @@ class Int8Channel(TcpChannel):
         planes = self.pool.planes[p0:p1]
         nblocks = sum(n for _, n in runs)
         staging = torch.empty(self.wire_bytes(nblocks, l0, l1), dtype=torch.uint8)
-        recv_into_views(self.wire.sock, [memoryview(staging.numpy())])
+        recv_into_views(self.wire.sock, [staging.numpy().data])
         shape = (p1 - p0, nblocks, lay.block_size, lay.num_kv_heads, lay.head_dim)
         kv = quant.dequantize(staging, shape, planes.dtype)
         i = 0

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
+from pdcluster.device import pool_shape, row_scale_bytes
 from pdcluster.kv_transfer.errors import LayoutMismatchError
 
 LAYOUT_VERSION = 2
 _CHECKED_FIELDS = ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "tensor_parallel_size",
                    "scale_bytes")
-INT8_SCALE_BYTES = 2   # the fp16 scale after each int8 row (engine/kv_cache.py)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class KVLayout:
         if not pool.is_contiguous():
             raise ValueError("pool: must be contiguous (layer-major)")
         nl, kv, nb, bs, nh, row = pool.shape
-        scale = INT8_SCALE_BYTES if pool.dtype == torch.int8 else 0
+        scale = row_scale_bytes(pool.dtype)
         if row <= scale:
             raise ValueError(f"pool: an int8 pool's last dim is head_dim + {scale} scale bytes, got {row}")
         return cls(str(pool.dtype).removeprefix("torch."), nb, nl, bs, nh, row - scale, tensor_parallel_size=kv // 2,
@@ -90,7 +90,8 @@ class KVLayout:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self.num_layers, self.kv_planes, self.num_blocks, self.block_size, self.num_kv_heads, self.row)
+        return pool_shape(self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads, self.row,
+                          self.tensor_parallel_size)
 
     def planes(self, l0: int, l1: int) -> range:
         """The planes (first dim of `plane_view`) holding layers [l0, l1)."""
@@ -141,7 +142,7 @@ def runs(ids: list[int], paired: list[int] | None = None) -> list[tuple[int, int
     """Coalesce ids into (start, paired_start, length) runs consecutive in both lists."""
     paired = ids if paired is None else paired
     out: list[tuple[int, int, int]] = []
-    for i, p in zip(ids, paired):
+    for i, p in zip(ids, paired, strict=True):
         if out:
             s, ps, n = out[-1]
             if i == s + n and p == ps + n:

@@ -3,8 +3,9 @@
 Threads: the gate (handshake.py: accepts and authenticates connections, all on one selector thread), one
 thread per authenticated sender connection (its channel reads straight into the pool; at most
 `max_connections`), and a reaper that expires reservations past their deadline. Results reach the owner
-through `on_done` (called on an I/O thread), or `poll` / `wait_blocking` / `await wait`. Who may write what
-is the reservation table's call (reservations.py); how bytes land is the connection's channel's (channel.py).
+through one call, `await wait(request_id, timeout)`. Who may write what is the reservation table's call
+(reservations.py); how bytes land is the connection's channel's (channel.py). A refusal goes back to the
+sender as an `error` frame with a machine `code` (errors.CODES) and the message beside it.
 
 Wire ops on a connection (see tcp.py for framing, docs/kv_transfer.md for the fields): challenge (from the
 receiver) → hello → hello_ok | error; open → (error); write (+ the channel's bytes); done → ack | error;
@@ -17,17 +18,19 @@ import asyncio
 import logging
 import socket
 import threading
-from typing import Any, Callable
+import time
+from typing import Any, Callable, cast
 
 import torch
 
 from pdcluster.control.transport import DroppedFrames
+from pdcluster.device import bind_thread
 from pdcluster.kv_transfer.backends import CHANNELS, offered
-from pdcluster.kv_transfer.channel import Channel, PoolViews, bind_thread
+from pdcluster.kv_transfer.channel import Channel, PoolViews
 from pdcluster.kv_transfer.checksum import MASK64
 from pdcluster.kv_transfer.cuda_ipc_channel import device_uuid
 from pdcluster.kv_transfer.destination import Destination, host_id
-from pdcluster.kv_transfer.errors import ChecksumError, LayoutMismatchError, TransferError
+from pdcluster.kv_transfer.errors import LayoutMismatchError, TransferError
 from pdcluster.kv_transfer.handshake import Gate, hello_ok_mac
 from pdcluster.kv_transfer.layout import KVLayout
 from pdcluster.kv_transfer.reservations import Reservation, ReservationTable, State, TransferResult
@@ -37,6 +40,12 @@ from pdcluster.kv_transfer.tcp import FrameError, IdleTimeout, Wire, configure
 log = logging.getLogger(__name__)
 
 __all__ = ["KVReceiver", "TransferResult"]
+
+REAP_INTERVAL_S = 0.05  # how often reservations past their deadline are failed and quiet ones handed back
+CLOSE_JOIN_S = 2.0  # close() waits this long for each of the gate and reaper threads
+# A result nobody came for is dropped this long after it resolved: its owner stopped waiting (its wait timed
+# out, its engine failed) and attempt ids are never reused, so it would otherwise stay for the node's life.
+RESULT_TTL_S = 60.0
 
 
 class _Conn:
@@ -61,7 +70,6 @@ class KVReceiver:
         port: int = 0,
         advertise_host: str | None = None,
         shm_name: str | None = None,
-        on_done: Callable[[str, TransferResult], None] | None = None,
         io_timeout: float = 5.0,
         shm_grace_s: float = 0.5,
         auth_key: bytes | None = None,
@@ -70,11 +78,13 @@ class KVReceiver:
         auth_timeout: float = 2.0,
     ):
         """`auth_key` (the cluster secret's KV key): a connection must prove it holds it before anything is
-        done for it; None accepts any sender (no cluster secret configured)."""
+        done for it; None accepts any sender (no cluster secret configured). `io_timeout`: a sender
+        connection's socket timeout (keepalive notices a silent peer sooner); `shm_grace_s`: how long a failed
+        reservation a same-host copy may still touch holds its blocks; `auth_timeout`: how long an
+        unauthenticated connection may take to send its hello."""
         self.pool = pool
         self.views = PoolViews(pool)
         self.layout = self.views.layout
-        self.on_done = on_done
         self.io_timeout = io_timeout
         self.shm_name = shm_name
         self.backends = offered(self.views, shm_name)
@@ -85,8 +95,10 @@ class KVReceiver:
         self._table = ReservationTable(
             self.layout.num_blocks, grace_s=shm_grace_s if shm_name else 0.0, on_fail=self._failed_locked
         )
-        self._results: dict[str, TransferResult] = {}
+        # resolved, nobody waiting yet: (result, monotonic time it is dropped); in order of that time
+        self._results: dict[str, tuple[TransferResult, float]] = {}
         self._waiters: dict[str, list[Callable[[TransferResult], None]]] = {}
+        self._bytes_received = 0  # wire bytes of completed reservations (under _lock)
         self._conns: set[_Conn] = set()
         self._closed = threading.Event()
 
@@ -106,6 +118,12 @@ class KVReceiver:
             t.start()
 
     # ---- owner API -------------------------------------------------------------------------------
+
+    @property
+    def bytes_received(self) -> int:
+        """Wire bytes of every reservation completed so far (read-only; the receiver counts them)."""
+        with self._lock:
+            return self._bytes_received
 
     @property
     def num_active_reservations(self) -> int:
@@ -134,66 +152,74 @@ class KVReceiver:
         )
 
     def cancel(self, request_id: str) -> None:
-        """Stop accepting writes; the blocks come back through on_done / wait once no write is in flight."""
+        """Stop accepting writes; `wait` answers (failed, code "cancelled") once no write is in flight."""
         with self._lock:
             self._table.cancel(request_id)
         self._release_ready()
 
-    def poll(self, request_id: str) -> TransferResult | None:
-        """The result if resolved (consumed: a second poll returns None), else None."""
-        with self._lock:
-            return self._results.pop(request_id, None)
-
-    def wait_blocking(self, request_id: str, timeout: float) -> TransferResult:
-        done = threading.Event()
-        box: list[TransferResult] = []
-        self._add_waiter(request_id, lambda r: (box.append(r), done.set()))
-        if not done.wait(timeout):
-            self._drop_waiters(request_id)
-            raise TimeoutError(f"kv transfer {request_id!r}: no result within {timeout} s")
-        return _raise_if_failed(box[0])
-
     async def wait(self, request_id: str, timeout: float) -> TransferResult:
+        """The reservation's result once it resolved: complete (its blocks hold the sender's bytes), or
+        failed and no write can land any more. Raises the failure's TransferError subclass (its `code` says
+        why; "missing": no such reservation, or its result was already taken) and TimeoutError (builtin)
+        when `timeout` passes first. Each result is handed to one waiter."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[TransferResult] = loop.create_future()
 
         def deliver(r: TransferResult) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
+            def resolve() -> None:
+                if not fut.done():
+                    fut.set_result(r)
+
+            loop.call_soon_threadsafe(resolve)
 
         self._add_waiter(request_id, deliver)
         try:
             result = await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            self._drop_waiters(request_id)
+            self._drop_waiter(request_id, deliver)
             raise TimeoutError(f"kv transfer {request_id!r}: no result within {timeout} s") from None
-        return _raise_if_failed(result)
+        return result.raise_if_failed()
 
     def close(self) -> None:
+        """Stop serving; whoever still waits gets a failed result (code "closed")."""
         self._closed.set()
         for t in self._threads:
-            t.join(timeout=2)
+            t.join(timeout=CLOSE_JOIN_S)
         self._listener.close()
         with self._lock:
             conns = list(self._conns)
+            waiters, self._waiters = self._waiters, {}
         for c in conns:
             c.wire.close()
+        for rid, fns in waiters.items():
+            result = TransferResult(rid, False, "the receiver closed", code="closed")
+            for fn in fns:
+                try:
+                    fn(result)
+                except RuntimeError:  # the waiter's event loop is already closed
+                    pass
 
     # ---- resolution --------------------------------------------------------------------------------
 
     def _add_waiter(self, request_id: str, fn: Callable[[TransferResult], None]) -> None:
         with self._lock:
-            result = self._results.pop(request_id, None)
+            stored = self._results.pop(request_id, None)
+            result = stored[0] if stored is not None else None
             if result is None:
                 if request_id not in self._table:
-                    result = TransferResult(request_id, False, "no such reservation")
+                    result = TransferResult(request_id, False, "no such reservation", code="missing")
                 else:
                     self._waiters.setdefault(request_id, []).append(fn)
                     return
         fn(result)
 
-    def _drop_waiters(self, request_id: str) -> None:
+    def _drop_waiter(self, request_id: str, fn: Callable[[TransferResult], None]) -> None:
         with self._lock:
-            self._waiters.pop(request_id, None)
+            fns = self._waiters.get(request_id, [])
+            if fn in fns:
+                fns.remove(fn)
+            if not fns:
+                self._waiters.pop(request_id, None)
 
     def _failed_locked(self, res: Reservation) -> None:
         """The table's on_fail: close the blocks to shm writers at once and answer a pending done."""
@@ -201,7 +227,7 @@ class KVReceiver:
         log.warning("kv receiver: reservation %s failed: %s", res.request_id, res.error)
         if res.notify is not None:
             conn, xid = res.notify
-            conn.reply({"op": "error", "rid": res.request_id, "xid": xid, "error": res.error})
+            conn.reply(_error_frame(res.request_id, xid, res.code, res.error))
             res.notify = None
 
     def _clear_tags(self, res: Reservation) -> None:
@@ -216,6 +242,7 @@ class KVReceiver:
             call()
 
     def _complete_locked(self, res: Reservation) -> Callable[[], None]:
+        self._bytes_received += res.nbytes
         if res.notify is not None:
             conn, xid = res.notify
             conn.reply({"op": "ack", "rid": res.request_id, "xid": xid, "checksum": res.landed_checksum})
@@ -225,24 +252,32 @@ class KVReceiver:
         """The reservation left the table: hand its result over (returns the call to make unlocked)."""
         self._clear_tags(res)
         result = res.result()
-        if self.on_done is not None:
-            return lambda: self._call_on_done(result)
         waiters = self._waiters.pop(result.request_id, [])
         if not waiters:
-            self._results[result.request_id] = result
-        return lambda: [fn(result) for fn in waiters]
+            self._results.pop(result.request_id, None)   # re-inserted last: the dict stays in order of drop time
+            self._results[result.request_id] = (result, time.monotonic() + RESULT_TTL_S)
 
-    def _call_on_done(self, result: TransferResult) -> None:
-        try:
-            self.on_done(result.request_id, result)
-        except Exception:
-            log.exception("kv receiver: on_done callback raised")
+        def hand_over() -> None:
+            for fn in waiters:
+                fn(result)
+
+        return hand_over
 
     def _reaper_loop(self) -> None:
-        while not self._closed.wait(0.05):
+        while not self._closed.wait(REAP_INTERVAL_S):
             with self._lock:
                 self._table.expire()
+                self._drop_stale_results_locked(time.monotonic())
             self._release_ready()
+
+    def _drop_stale_results_locked(self, now: float) -> None:
+        """Drop the results past RESULT_TTL_S; the oldest come first, so this stops at the first that is not."""
+        results = self._results
+        while results:
+            request_id, (_, drop_at) = next(iter(results.items()))
+            if drop_at > now:
+                return
+            del results[request_id]
 
     # ---- connections -------------------------------------------------------------------------------
 
@@ -281,6 +316,7 @@ class KVReceiver:
             with self._lock:
                 self._conns.discard(conn)
                 if conn.session is not None:
+                    assert conn.channel is not None  # _handshake sets the channel before the session
                     self._table.drop_owner(conn.session, f"sender connection lost ({conn.channel.name})")
             self._release_ready()
 
@@ -293,11 +329,12 @@ class KVReceiver:
                 raise LayoutMismatchError(f"backend {backend!r} not offered (receiver offers {self.backends})")
             if not isinstance(session, str):
                 raise FrameError("hello.session: expected a string")
-            self.layout.check_compatible(KVLayout.from_dict(hello.get("layout")))
+            layout = cast("dict[str, Any]", hello.get("layout"))  # from_dict checks that it is a map
+            self.layout.check_compatible(KVLayout.from_dict(layout))
         except (ValueError, LayoutMismatchError) as exc:
-            conn.reply({"op": "error", "rid": None, "error": str(exc)})
+            conn.reply(_error_frame(None, None, LayoutMismatchError.code, str(exc)))
             raise LayoutMismatchError(str(exc)) from None
-        hello_ok = {"op": "hello_ok", "layout": self.layout.to_dict(), "shm_name": self.shm_name}
+        hello_ok: dict[str, Any] = {"op": "hello_ok", "layout": self.layout.to_dict(), "shm_name": self.shm_name}
         if self.auth_key is not None:
             hello_ok["mac"] = hello_ok_mac(self.auth_key, challenge, hello["nonce"])
         conn.channel = cls.accept(conn.wire, self.views, hello_ok, session=session, timeout=self.io_timeout)
@@ -310,6 +347,7 @@ class KVReceiver:
             return
         if op not in ("open", "done", "abort"):
             raise FrameError(f"unknown op {op!r}")
+        assert conn.session is not None and conn.channel is not None  # frames come after _handshake
         rid, token, xid = frame.get("rid"), frame.get("token"), frame.get("xid")
         if op == "done":
             writes, checksum = _parse_done(frame)
@@ -329,7 +367,7 @@ class KVReceiver:
             except TransferError as exc:
                 log.warning("kv receiver: %s rejected: %s", op, exc)
                 if op != "abort":
-                    conn.reply({"op": "error", "rid": rid, "xid": xid, "error": str(exc)})
+                    conn.reply(_error_frame(rid, xid, exc.code, str(exc)))
                 return
         if completed is not None:
             completed()
@@ -339,6 +377,7 @@ class KVReceiver:
     def _parse_write(self, conn: _Conn, frame: dict[str, Any]) -> tuple[list[tuple[int, int]], int, int, int, int]:
         runs, l0, l1 = frame.get("runs"), frame.get("l0"), frame.get("l1")
         nbytes, checksum = frame.get("nbytes"), frame.get("checksum")
+        assert conn.channel is not None  # frames come after _handshake
         if not isinstance(runs, list) or not runs or not all(
             isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r) and r[1] > 0 for r in runs
         ):
@@ -357,16 +396,17 @@ class KVReceiver:
 
     def _handle_write(self, conn: _Conn, frame: dict[str, Any]) -> None:
         runs, l0, l1, nbytes, checksum = self._parse_write(conn, frame)
+        assert conn.session is not None and conn.channel is not None  # frames come after _handshake
         done = _parse_done(frame["done"]) if "done" in frame else None  # the sender's last write may carry it
         rid, xid = frame.get("rid"), frame.get("xid")
         with self._lock:
             try:
                 res = self._table.begin_write(rid, frame.get("token"), conn.session, runs, conn.channel.direct)
             except TransferError as exc:
-                res, reason = None, str(exc)
+                res, refusal = None, exc
         if res is None:
-            log.warning("kv receiver: write rejected: %s", reason)
-            conn.reply({"op": "error", "rid": rid, "xid": xid, "error": reason})
+            log.warning("kv receiver: write rejected: %s", refusal)
+            conn.reply(_error_frame(rid, xid, refusal.code, str(refusal)))
             conn.channel.discard(nbytes)
             return
         try:
@@ -384,7 +424,7 @@ class KVReceiver:
                 if res.state is State.COMPLETE:
                     completed = self._complete_locked(res)
             except TransferError as exc:  # a checksum mismatch (the reservation failed) or a bad done
-                conn.reply({"op": "error", "rid": rid, "xid": xid, "error": str(exc)})
+                conn.reply(_error_frame(rid, xid, exc.code, str(exc)))
         if completed is not None:
             completed()
         else:
@@ -399,8 +439,6 @@ def _parse_done(body: Any) -> tuple[int, int]:
     return writes, checksum & MASK64
 
 
-def _raise_if_failed(result: TransferResult) -> TransferResult:
-    if not result.ok:
-        cls = ChecksumError if result.error and "checksum mismatch" in result.error else TransferError
-        raise cls(f"kv transfer {result.request_id!r} failed: {result.error}")
-    return result
+def _error_frame(rid: Any, xid: Any, code: str | None, error: str | None) -> dict[str, Any]:
+    """A refusal as the sender reads it: the machine code, and the message for people."""
+    return {"op": "error", "rid": rid, "xid": xid, "code": code or "failed", "error": error or ""}

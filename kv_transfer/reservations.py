@@ -20,8 +20,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from pdcluster.control.lifecycle import check_move
 from pdcluster.kv_transfer.checksum import combine
-from pdcluster.kv_transfer.errors import ChecksumError, TransferError
+from pdcluster.kv_transfer.errors import ChecksumError, TransferError, from_code
 
 
 class State(enum.Enum):
@@ -45,9 +46,15 @@ _NEXT = {
 class TransferResult:
     request_id: str
     ok: bool
-    error: str | None = None
+    error: str | None = None  # the human message of a failure
     checksum: int = 0
     nbytes: int = 0
+    code: str | None = None  # the failure's machine code (errors.CODES); None when ok
+
+    def raise_if_failed(self) -> "TransferResult":
+        if not self.ok:
+            raise from_code(self.code, f"kv transfer {self.request_id!r} failed: {self.error}")
+        return self
 
 
 @dataclass
@@ -67,6 +74,7 @@ class Reservation:
     landed_checksum: int = 0
     nbytes: int = 0
     error: str | None = None
+    code: str | None = None  # the failure's machine code (errors.CODES)
     release_at: float = 0.0
     notify: Any = None  # opaque to the table: whom the receiver answers when done resolves
 
@@ -75,13 +83,10 @@ class Reservation:
 
     def result(self) -> TransferResult:
         ok = self.state is State.COMPLETE
-        return TransferResult(self.request_id, ok, self.error, self.landed_checksum, self.nbytes)
+        return TransferResult(self.request_id, ok, self.error, self.landed_checksum, self.nbytes, self.code)
 
     def _move(self, state: State) -> None:
-        if state not in _NEXT[self.state]:
-            move = f"{self.state.value} -> {state.value}"
-            raise RuntimeError(f"reservation {self.request_id!r}: {move} is not a transition")
-        self.state = state
+        self.state = check_move(_NEXT, self.state, state, f"reservation {self.request_id!r}")
 
 
 class ReservationTable:
@@ -99,7 +104,7 @@ class ReservationTable:
         self.on_fail = on_fail  # called as a reservation turns FAILED (its error is set)
         self._active: dict[str, Reservation] = {}
         self._held: set[int] = set()
-        self._recent_failures: OrderedDict[str, str] = OrderedDict()  # so late frames learn why
+        self._recent_failures: OrderedDict[str, tuple[str, str]] = OrderedDict()  # (code, error): late frames learn why
 
     def __len__(self) -> int:
         return len(self._active)
@@ -133,7 +138,7 @@ class ReservationTable:
         res = self.check(request_id, token)
         outside = [b for b in blocks if not isinstance(b, int) or b not in res.block_set]
         if outside:
-            raise TransferError(f"open names blocks not reserved by {request_id!r}: {outside[:5]}")
+            raise TransferError(f"open names blocks not reserved by {request_id!r}: {outside[:5]}", "refused")
         self._claim(res, owner, direct)
         return res
 
@@ -145,7 +150,7 @@ class ReservationTable:
         res = self.check(request_id, token)
         outside = [b for s, n in runs for b in range(s, s + n) if b not in res.block_set]
         if outside:
-            raise TransferError(f"blocks {outside[:5]} are not reserved by {res.request_id!r}")
+            raise TransferError(f"blocks {outside[:5]} are not reserved by {res.request_id!r}", "refused")
         self._claim(res, owner, direct)
         res.inflight += 1
         return res
@@ -159,14 +164,14 @@ class ReservationTable:
         res.landed_checksum = combine(res.landed_checksum, landed)
         if landed != checksum:
             error = f"checksum mismatch on a write of {nbytes} bytes: sent {checksum:#x}, landed {landed:#x}"
-            self.fail(res, error)
+            self.fail(res, error, "checksum")
             raise ChecksumError(error)
         self._try_complete(res)
 
     def abort_write(self, res: Reservation, error: str) -> None:
         """A write broke off midway (its bytes may be partly in the pool)."""
         res.inflight -= 1
-        self.fail(res, error)
+        self.fail(res, error, "lost")
 
     def done(
         self, request_id: Any, token: Any, owner: str, writes: int, checksum: int, notify: Any = None
@@ -176,44 +181,45 @@ class ReservationTable:
         if res.state is not State.OPEN or res.owner != owner:
             # e.g. a sender whose open was rejected but that sent done before hearing so: it must not
             # bind the reservation (its connection's close would then fail it).
-            raise TransferError(f"done for {request_id!r} without an accepted open")
+            raise TransferError(f"done for {request_id!r} without an accepted open", "refused")
         res.expected_writes, res.done_checksum, res.notify = writes, checksum, notify
         self._try_complete(res)
         return res
 
     def abort(self, request_id: Any, token: Any, reason: str) -> None:
         """The sender gives up (the token is its authority, whichever connection it uses)."""
-        self.fail(self.check(request_id, token), f"aborted by the sender: {reason}")
+        self.fail(self.check(request_id, token), f"aborted by the sender: {reason}", "aborted")
 
     def cancel(self, request_id: str, reason: str = "cancelled by the receiver's owner") -> bool:
         res = self._active.get(request_id)
         if res is None:
             return False
-        self.fail(res, reason)
+        self.fail(res, reason, "cancelled")
         return True
 
     def expire(self) -> list[Reservation]:
         now = self.clock()
         late = [r for r in self._active.values() if r.state is not State.FAILED and now > r.deadline]
         for r in late:
-            self.fail(r, f"deadline exceeded ({now - r.deadline:.2f} s late)")
+            self.fail(r, f"deadline exceeded ({now - r.deadline:.2f} s late)", "expired")
         return late
 
     def drop_owner(self, owner: str, reason: str) -> list[Reservation]:
         """The owner's connection is gone: fail what it holds."""
         lost = [r for r in self._active.values() if r.owner == owner and r.state is not State.FAILED]
         for r in lost:
-            self.fail(r, reason)
+            self.fail(r, reason, "lost")
         return lost
 
-    def fail(self, res: Reservation, error: str) -> None:
+    def fail(self, res: Reservation, error: str, code: str = "failed") -> None:
+        """Fail `res` with a human `error` and a machine `code` (errors.CODES); failing twice keeps the first."""
         if res.state is State.FAILED:
             return
         # A direct writer checks the block tags right before copying and does not wait for its open to
         # be seen: one may be copying without having said a word, so hold the blocks back a while.
         grace = self.grace_s if res.direct or res.state is State.RESERVED else 0.0
         res._move(State.FAILED)
-        res.error, res.release_at = error, self.clock() + grace
+        res.error, res.code, res.release_at = error, code, self.clock() + grace
         if self.on_fail is not None:
             self.on_fail(res)
 
@@ -226,7 +232,7 @@ class ReservationTable:
         for r in ready:
             r._move(State.RELEASED)
             self._remove(r)
-            self._recent_failures[r.request_id] = r.error or ""
+            self._recent_failures[r.request_id] = (r.code or "failed", r.error or "")
             while len(self._recent_failures) > 1024:
                 self._recent_failures.popitem(last=False)
         return ready
@@ -234,18 +240,21 @@ class ReservationTable:
     # ---- checks ------------------------------------------------------------------------------------
 
     def check(self, request_id: Any, token: Any) -> Reservation:
-        """The live reservation a sender's frame may act on; TransferError with the reason otherwise."""
+        """The live reservation a sender's frame may act on; a TransferError with the reason otherwise (a
+        frame for a failed reservation gets that failure's code: a late write after a checksum mismatch is a
+        ChecksumError too)."""
         res = self._active.get(request_id) if isinstance(request_id, str) else None
         if res is None:
-            if request_id in self._recent_failures:
-                raise TransferError(f"reservation {request_id!r} already failed: {self._recent_failures[request_id]}")
-            raise TransferError(f"no active reservation {request_id!r}")
+            if isinstance(request_id, str) and request_id in self._recent_failures:
+                code, error = self._recent_failures[request_id]
+                raise from_code(code, f"reservation {request_id!r} already failed: {error}")
+            raise TransferError(f"no active reservation {request_id!r}", "missing")
         if not isinstance(token, str) or not hmac.compare_digest(token, res.token):
-            raise TransferError(f"bad token for reservation {request_id!r}")
+            raise TransferError(f"bad token for reservation {request_id!r}", "refused")
         if res.state is State.FAILED:
-            raise TransferError(f"reservation {request_id!r} already failed: {res.error}")
+            raise from_code(res.code, f"reservation {request_id!r} already failed: {res.error}")
         if self.clock() > res.deadline:
-            raise TransferError(f"reservation {request_id!r} is past its deadline")
+            raise TransferError(f"reservation {request_id!r} is past its deadline", "expired")
         return res
 
     def _claim(self, res: Reservation, owner: str, direct: bool) -> None:
@@ -253,7 +262,7 @@ class ReservationTable:
             res._move(State.OPEN)
             res.owner, res.direct = owner, direct
         elif res.owner != owner:
-            raise TransferError(f"reservation {res.request_id!r} is open to another sender")
+            raise TransferError(f"reservation {res.request_id!r} is open to another sender", "refused")
 
     def _try_complete(self, res: Reservation) -> None:
         if res.expected_writes is None or res.writes < res.expected_writes or res.state is not State.OPEN:
@@ -263,6 +272,7 @@ class ReservationTable:
                 res,
                 f"checksum mismatch: sender total {res.done_checksum:#x} over {res.expected_writes} writes, "
                 f"landed {res.landed_checksum:#x} over {res.writes} writes",
+                "checksum",
             )
             return
         res._move(State.COMPLETE)

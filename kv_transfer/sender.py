@@ -6,26 +6,32 @@ receiver connection ("stream") a worker thread has the stream's channel send the
 thread routes replies. `finish` blocks until the receiver acknowledged every byte (checksums matched)
 or fails. The engine must not overwrite source blocks until `finish` returns. The channel class is
 picked once per destination and connection (backends.choose); nothing here depends on which it is.
+A transfer's state is `Transfer.state` (a TransferState); a failure is a TransferError whose `code` the
+receiver sent (errors.CODES), never read out of its message.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import socket
 import threading
 import time
 import uuid
+from functools import partial
 from itertools import count
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
+from pdcluster.control.lifecycle import check_move
+from pdcluster.device import bind_thread
 from pdcluster.kv_transfer.backends import CHANNELS, choose
-from pdcluster.kv_transfer.channel import Channel, PoolViews, bind_thread
+from pdcluster.kv_transfer.channel import Channel, PoolViews
 from pdcluster.kv_transfer.checksum import combine
 from pdcluster.kv_transfer.destination import Destination
-from pdcluster.kv_transfer.errors import ChecksumError, StaleReservationError, TransferError
+from pdcluster.kv_transfer.errors import ChecksumError, StaleReservationError, TransferError, from_code
 from pdcluster.kv_transfer.handshake import client_handshake
 from pdcluster.kv_transfer.layout import KVLayout, runs
 from pdcluster.kv_transfer.tcp import WIRE_VERSION, IdleTimeout, Wire, configure
@@ -34,87 +40,212 @@ log = logging.getLogger(__name__)
 
 _xids = count(1)
 
+STALE_ANSWER_WAIT_S = 0.5  # an shm write that found its tags withdrawn waits this long for the receiver's why
+
+
+class TransferState(enum.Enum):
+    SENDING = "sending"  # writes may be queued (send_layers)
+    FINISHING = "finishing"  # finish() called: no more writes; the done goes out once every write is sent
+    AWAITING_ACK = "awaiting_ack"  # the done went out (in its own frame or with the last write)
+    COMPLETE = "complete"  # the receiver acknowledged the total that was sent (terminal)
+    FAILED = "failed"  # terminal; `error` says why (its `code`)
+
+
+_NEXT = {
+    TransferState.SENDING: {TransferState.FINISHING, TransferState.FAILED},
+    TransferState.FINISHING: {TransferState.AWAITING_ACK, TransferState.FAILED},
+    TransferState.AWAITING_ACK: {TransferState.COMPLETE, TransferState.FAILED},
+    TransferState.COMPLETE: set(),
+    TransferState.FAILED: set(),
+}
+_TERMINAL = (TransferState.COMPLETE, TransferState.FAILED)
+
+
+class ByteCount:
+    """A running total that several threads add to (the streams' reply readers) and anyone reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self._total += n
+
+    @property
+    def total(self) -> int:
+        return self._total
+
 
 class Transfer:
-    """One request's KV going to one destination; create with KVSender.start."""
+    """One request's KV going to one destination; create with KVSender.start.
 
-    def __init__(self, sender: "KVSender", peer: "_Peer", dst: Destination, src_ids: list[int], dst_ids: list[int]):
+        SENDING ──finish()──► FINISHING ──every write sent, done out──► AWAITING_ACK ──ack──► COMPLETE
+           └──────────────────────┴── fail / abort / lost / refused / timeout ──┴──────────► FAILED
+
+    Three kinds of thread change it, each only through a method here and under its one condition variable:
+    the caller (send_layers, finish, abort), each stream's worker (write_header, take_done) and reply reader
+    (acked, fail). The first outcome wins: a terminal state never changes again.
+    """
+
+    def __init__(self, peer: "_Peer", dst: Destination, src_ids: list[int], dst_ids: list[int], *,
+                 num_layers: int, delivered: ByteCount):
         self.request_id = dst.request_id
         self.xid = next(_xids)  # echoed in replies: tells apart two transfers of one request id
         self.backend = peer.channel_cls.name
         self.dst = dst
-        self._sender, self._peer = sender, peer
-        self._runs = runs(dst_ids, src_ids)  # (dst_start, src_start, n)
-        self._lock = threading.Condition()
-        self._writes = 0  # write frames planned
-        self._pending = 0  # write frames not yet sent
-        self._checksum = 0
-        self._error: BaseException | None = None
-        self._finished = threading.Event()
-        self._finish_queued = False
-        self._done_sent = False  # "done" went out with the last write
-        self._done_checksum: int | None = None  # the total the done frame announced
-        self.checksum: int | None = None
+        self.runs = runs(dst_ids, src_ids)  # (dst_start, src_start, n)
+        self._peer = peer
+        self._num_layers = num_layers
+        self._delivered = delivered  # the sender's total of acknowledged bytes
+        self._cond = threading.Condition()
+        self._state = TransferState.SENDING
+        self._writes = 0  # write frames queued
+        self._unsent = 0  # of those, the ones whose header has not gone out yet
+        self._sent_checksum = 0  # combined over the writes sent
+        self._sent_bytes = 0  # their wire bytes
+        self._done_checksum: int | None = None  # the total the done announced
+        self._checksum: int | None = None  # the receiver's ack
+        self._error: TransferError | None = None
 
-    def send_layers(self, l0: int, l1: int) -> None:
-        """Queue layers [l0, l1) of every block; returns at once."""
-        if not 0 <= l0 < l1 <= self._sender.layout.num_layers:
-            raise ValueError(f"layers: expected 0 <= l0 < l1 <= {self._sender.layout.num_layers}, got [{l0}, {l1})")
-        if self._finish_queued:
-            raise TransferError(f"kv transfer {self.request_id!r}: send after finish")
-        parts = _split(self._runs, len(self._peer.streams))
-        with self._lock:
-            self._writes += len(parts)
-            self._pending += len(parts)
-        for stream, part in zip(self._peer.streams, parts):
-            stream.submit(self, lambda s, part=part: s.write(self, part, l0, l1))
-
-    def send_all(self) -> None:
-        self.send_layers(0, self._sender.layout.num_layers)
-
-    def finish(self, timeout: float = 10.0) -> int:
-        """Block until the receiver acknowledged the whole transfer; returns the end-to-end checksum."""
-        if not self._finish_queued:
-            self._finish_queued = True
-            self._peer.streams[0].submit(self, lambda s: s.done(self, timeout))
-        if not self._finished.wait(timeout):
-            self._fail(TransferError(f"kv transfer {self.request_id!r}: no acknowledgement within {timeout} s"))
-            self.abort("sender timed out waiting for the ack")
-        self._peer.forget(self)
-        if self._error is not None:
-            raise self._error
-        return self.checksum
-
-    def abort(self, reason: str = "") -> None:
-        """Tell the receiver to drop the reservation (its blocks go back to its owner)."""
-        self._fail(TransferError(f"kv transfer {self.request_id!r} aborted: {reason}"))
-        self._peer.streams[0].submit(self, lambda s: s.abort(self, reason), even_if_failed=True)
+    @property
+    def state(self) -> TransferState:
+        return self._state
 
     @property
     def failed(self) -> bool:
-        return self._error is not None
+        return self._state is TransferState.FAILED
 
-    def _fail(self, exc: BaseException) -> None:
-        with self._lock:
-            if self._error is None and not self._finished.is_set():
-                self._error = exc
-            self._lock.notify_all()
-        self._finished.set()
+    @property
+    def error(self) -> TransferError | None:
+        """Why it failed (its `code` is machine-readable); None unless FAILED."""
+        return self._error
 
-    def _sent(self, checksum: int) -> None:
-        with self._lock:
-            self._checksum = combine(self._checksum, checksum)
-            self._pending -= 1
-            self._lock.notify_all()
+    @property
+    def checksum(self) -> int | None:
+        """The checksum the receiver acknowledged; None before the ack."""
+        return self._checksum
 
-    def _acked(self, checksum: int) -> None:
-        with self._lock:
-            if self._error is None and checksum != self._done_checksum:
+    # ---- the caller's thread -----------------------------------------------------------------------
+
+    def send_layers(self, l0: int, l1: int) -> None:
+        """Queue layers [l0, l1) of every block; returns at once. Ignored once the transfer failed."""
+        if not 0 <= l0 < l1 <= self._num_layers:
+            raise ValueError(f"layers: expected 0 <= l0 < l1 <= {self._num_layers}, got [{l0}, {l1})")
+        streams = self._peer.streams
+        parts = _split(self.runs, len(streams))
+        with self._cond:
+            if self._state is TransferState.FAILED:
+                return
+            if self._state is not TransferState.SENDING:
+                raise TransferError(f"kv transfer {self.request_id!r}: send after finish")
+            self._writes += len(parts)
+            self._unsent += len(parts)
+        for stream, part in zip(streams, parts, strict=False):   # parts may be fewer
+            stream.submit(self, partial(_Stream.write, t=self, part=part, l0=l0, l1=l1))
+
+    def send_all(self) -> None:
+        self.send_layers(0, self._num_layers)
+
+    def finish(self, timeout: float = 10.0) -> int:
+        """Block until the receiver acknowledged the whole transfer; returns the end-to-end checksum.
+        Raises the failure's TransferError (code "timeout" when no ack came within `timeout`)."""
+        with self._cond:
+            queue_done = self._state is TransferState.SENDING
+            if queue_done:
+                self._move(TransferState.FINISHING)
+        if queue_done:
+            self._peer.streams[0].submit(self, lambda s: s.done(self, timeout))
+        if not self.settle(timeout):
+            self.fail(TransferError(f"kv transfer {self.request_id!r}: no acknowledgement within {timeout} s",
+                                    "timeout"))
+            self.abort("sender timed out waiting for the ack")
+        if self._error is not None:
+            raise self._error
+        assert self._checksum is not None  # terminal and no error: COMPLETE, so acked
+        return self._checksum
+
+    def abort(self, reason: str = "") -> None:
+        """Tell the receiver to drop the reservation (its blocks go back to its owner); no-op once acknowledged."""
+        self.fail(TransferError(f"kv transfer {self.request_id!r} aborted: {reason}", "aborted"))
+        if self._state is not TransferState.COMPLETE:
+            self._peer.streams[0].submit(self, lambda s: s.abort(self, reason), even_if_failed=True)
+
+    def settle(self, timeout: float) -> bool:
+        """Wait up to `timeout` for COMPLETE or FAILED; whether it got there."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._state in _TERMINAL, timeout)
+
+    # ---- the streams' threads ----------------------------------------------------------------------
+
+    def write_header(self, checksum: int, nbytes: int) -> dict[str, int] | None:
+        """A write's header is going out (a worker): it counts as sent. When finish() was already called and
+        this is the last unsent write, returns the done it carries ({writes, checksum}; one frame and one
+        receiver wake-up less) and the transfer awaits the ack."""
+        with self._cond:
+            self._unsent -= 1
+            self._sent_checksum = combine(self._sent_checksum, checksum)
+            self._sent_bytes += nbytes
+            self._cond.notify_all()
+            if self._state is TransferState.FINISHING and self._unsent == 0:
+                return self._announce_done()
+        return None
+
+    def take_done(self, timeout: float) -> dict[str, int] | None:
+        """After finish() (stream 0's worker): wait until every write is sent; returns the done frame's
+        {writes, checksum}, or None when the last write carried it or the transfer failed meanwhile."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._unsent > 0 and self._state is TransferState.FINISHING:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferError(f"kv transfer {self.request_id!r}: writes not sent within {timeout} s",
+                                        "timeout")
+                self._cond.wait(left)
+            if self._state is not TransferState.FINISHING:
+                return None
+            return self._announce_done()
+
+    def acked(self, checksum: int) -> None:
+        """The receiver's ack (a reply reader): COMPLETE when it is the total the done announced, else FAILED
+        with ChecksumError. Ignored once FAILED (e.g. timed out); an ack before the done went out, or a
+        second one, is refused (RuntimeError: the reader drops the connection)."""
+        with self._cond:
+            if self._state is TransferState.FAILED:
+                return
+            if self._state is not TransferState.AWAITING_ACK:
+                raise RuntimeError(f"kv transfer {self.request_id!r}: an ack in state {self._state.value}")
+            self._checksum = checksum
+            if checksum == self._done_checksum:
+                self._move(TransferState.COMPLETE)
+            else:
                 self._error = ChecksumError(
                     f"kv transfer {self.request_id!r}: ack checksum {checksum:#x} != sent {self._done_checksum!r}"
                 )
-            self.checksum = checksum
-        self._finished.set()
+                self._move(TransferState.FAILED)
+            self._cond.notify_all()
+            delivered = self._sent_bytes if self._state is TransferState.COMPLETE else 0
+        if delivered:
+            self._delivered.add(delivered)
+
+    def fail(self, exc: TransferError) -> None:
+        """FAILED with `exc` (its code says why), from any state that is not terminal."""
+        with self._cond:
+            if self._state in _TERMINAL:
+                return
+            self._error = exc
+            self._move(TransferState.FAILED)
+            self._cond.notify_all()
+
+    def _announce_done(self) -> dict[str, int]:
+        self._move(TransferState.AWAITING_ACK)
+        self._done_checksum = self._sent_checksum
+        return {"writes": self._writes, "checksum": self._done_checksum}
+
+    def _move(self, state: TransferState) -> None:
+        self._state = check_move(_NEXT, self._state, state, f"kv transfer {self.request_id!r}")
+        if state in _TERMINAL:   # no reply can change it any more: it leaves its peer's table (finished or not)
+            self._peer.forget(self)
 
 
 def _split(run_list: list[tuple[int, int, int]], parts: int) -> list[list[tuple[int, int, int]]]:
@@ -147,7 +278,7 @@ class _Stream:
             sock = socket.create_connection(peer.dst.host_port, timeout=sender.connect_timeout)
         except OSError as exc:
             raise TransferError(f"kv receiver {peer.dst.address}: no connection within "
-                                f"{sender.connect_timeout} s: {exc}") from None
+                                f"{sender.connect_timeout} s: {exc}", "unreachable") from None
         configure(sock, sender.connect_timeout)  # a receiver that accepts but never answers fails as fast
         self.wire = Wire(sock)
         try:
@@ -172,16 +303,19 @@ class _Stream:
 
     def submit(self, transfer: Transfer, fn: Callable[["_Stream"], None], even_if_failed: bool = False) -> None:
         if self.dead is not None:
-            transfer._fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {self.dead}"))
+            transfer.fail(self._lost(transfer))
             return
         self.queue.put((transfer, fn, even_if_failed))
 
     def run_now(self, transfer: Transfer, fn: Callable[["_Stream"], None]) -> None:
         """Run a short op (one small frame) on the caller's thread, sparing the hand-off to the worker."""
         if self.dead is not None:
-            transfer._fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {self.dead}"))
+            transfer.fail(self._lost(transfer))
             return
         self._run(transfer, fn)
+
+    def _lost(self, transfer: Transfer) -> TransferError:
+        return TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {self.dead}", "lost")
 
     def close(self) -> None:
         self.queue.put(None)
@@ -191,51 +325,35 @@ class _Stream:
     # ---- ops (run on the worker thread) ---------------------------------------------------------
 
     def open(self, t: Transfer) -> None:
-        blocks = [d + i for d, _, n in t._runs for i in range(n)]
+        blocks = [d + i for d, _, n in t.runs for i in range(n)]
         if max(blocks) >= self.remote_layout.num_blocks:
             raise TransferError(
-                f"kv transfer {t.request_id!r}: destination block {max(blocks)} outside the receiver pool"
+                f"kv transfer {t.request_id!r}: destination block {max(blocks)} outside the receiver pool", "refused"
             )
         self.wire.send({"op": "open", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "blocks": blocks})
 
     def write(self, t: Transfer, part: list[tuple[int, int, int]], l0: int, l1: int) -> None:
         if time.monotonic() > t.dst.expires:
-            raise TransferError(f"kv transfer {t.request_id!r}: destination deadline passed")
+            raise TransferError(f"kv transfer {t.request_id!r}: destination deadline passed", "expired")
         base = {
             "op": "write", "rid": t.request_id, "xid": t.xid, "token": t.dst.token,
             "runs": [[d, n] for d, _, n in part], "l0": l0, "l1": l1,
         }  # fmt: skip
-        try:
-            checksum = self.channel.write_runs(t.dst.token, part, l0, l1, lambda c: {**base, **self._done_fields(t, c)})
-        except StaleReservationError as exc:
-            t._finished.wait(0.5)  # the receiver's error answer to our open, if it comes, says why
-            raise t._error or TransferError(f"kv transfer {t.request_id!r}: {exc}") from None
-        t._sent(checksum)
 
-    def _done_fields(self, t: Transfer, checksum: int) -> dict[str, Any]:
-        """When finish() was already called and this is the transfer's last unsent write, the write
-        carries the "done" too: one frame and one receiver wake-up less per transfer."""
-        with t._lock:
-            if t._finish_queued and t._pending == 1 and not t._done_sent and t._error is None:
-                t._done_sent = True
-                t._done_checksum = combine(t._checksum, checksum)
-                return {"done": {"writes": t._writes, "checksum": t._done_checksum}}
-        return {}
+        def header(checksum: int, nbytes: int) -> dict[str, Any]:
+            done = t.write_header(checksum, nbytes)   # the last write after finish() carries the done
+            return base if done is None else {**base, "done": done}
+
+        try:
+            self.channel.write_runs(t.dst.token, part, l0, l1, header)
+        except StaleReservationError as exc:
+            t.settle(STALE_ANSWER_WAIT_S)  # the receiver's error answer to our open, if it comes, says why
+            raise t.error or StaleReservationError(f"kv transfer {t.request_id!r}: {exc}") from None
 
     def done(self, t: Transfer, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        with t._lock:
-            while t._pending > 0 and t._error is None:
-                if not t._lock.wait(max(0.0, deadline - time.monotonic())):
-                    raise TransferError(f"kv transfer {t.request_id!r}: writes not sent within {timeout} s")
-            writes, checksum = t._writes, t._checksum
-            if not t._done_sent:
-                t._done_checksum = checksum
-        if t._error is None and not t._done_sent:
-            self.wire.send({
-                "op": "done", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "writes": writes,
-                "checksum": checksum,
-            })  # fmt: skip
+        done = t.take_done(timeout)
+        if done is not None:
+            self.wire.send({"op": "done", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, **done})
 
     def abort(self, t: Transfer, reason: str) -> None:
         self.wire.send({"op": "abort", "rid": t.request_id, "xid": t.xid, "token": t.dst.token, "reason": reason})
@@ -250,7 +368,7 @@ class _Stream:
                 return
             transfer, fn, even_if_failed = item
             if self.dead is not None:
-                transfer._fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {self.dead}"))
+                transfer.fail(self._lost(transfer))
                 continue
             if transfer.failed and not even_if_failed:
                 continue
@@ -259,13 +377,13 @@ class _Stream:
     def _run(self, transfer: Transfer, fn: Callable[["_Stream"], None]) -> None:
         try:
             fn(self)
-        except (OSError, ConnectionError) as exc:
+        except OSError as exc:   # ConnectionError, socket.timeout included
             self._die(exc)
-            transfer._fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {exc}"))
+            transfer.fail(TransferError(f"kv transfer {transfer.request_id!r}: connection lost: {exc}", "lost"))
+        except TransferError as exc:
+            transfer.fail(exc)
         except Exception as exc:
-            if not isinstance(exc, TransferError):
-                exc = TransferError(f"kv transfer {transfer.request_id!r}: {type(exc).__name__}: {exc}")
-            transfer._fail(exc)
+            transfer.fail(TransferError(f"kv transfer {transfer.request_id!r}: {type(exc).__name__}: {exc}"))
 
     def _read_loop(self) -> None:
         try:
@@ -274,16 +392,15 @@ class _Stream:
                     frame = self.wire.recv(idle_ok=True)
                 except IdleTimeout:
                     continue
-                t = self.peer.transfers.get(frame.get("xid"))
+                t = self.peer.transfers.get(frame.get("xid", 0))  # 0: no transfer's (xids start at 1)
                 if t is None:
                     continue
                 op = frame["op"]
                 if op == "ack":
-                    t._acked(int(frame.get("checksum", -1)))
+                    t.acked(int(frame.get("checksum", -1)))
                 elif op == "error":
-                    err = str(frame.get("error"))
-                    cls = ChecksumError if "checksum mismatch" in err else TransferError
-                    t._fail(cls(f"kv transfer {t.request_id!r} rejected by the receiver: {err}"))
+                    why = f"kv transfer {t.request_id!r} rejected by the receiver: {frame.get('error')}"
+                    t.fail(from_code(frame.get("code"), why))
         except Exception as exc:
             self._die(exc)
 
@@ -303,16 +420,22 @@ class _Peer:
         self.dead: BaseException | None = None
         nstreams = sender.num_streams if channel_cls.parallel_streams else 1
         self.streams = [_Stream(self, 0)]
-        self.streams += [_Stream(self, i) for i in range(1, nstreams)]
+        try:
+            for i in range(1, nstreams):
+                self.streams.append(_Stream(self, i))
+        except BaseException:   # the streams already open must not stay open, unseen
+            self.close()
+            raise
 
     def forget(self, t: Transfer) -> None:
         self.transfers.pop(t.xid, None)
 
     def broken(self, exc: BaseException) -> None:
         self.dead = exc
+        self.sender.drop(self)
         self.close()
         for t in list(self.transfers.values()):
-            t._fail(TransferError(f"kv transfer {t.request_id!r}: connection to {self.dst.address} lost: {exc}"))
+            t.fail(TransferError(f"kv transfer {t.request_id!r}: connection to {self.dst.address} lost: {exc}", "lost"))
 
     def close(self) -> None:
         for s in self.streams:
@@ -349,6 +472,7 @@ class KVSender:
         self.connect_timeout = connect_timeout
         self.io_timeout = io_timeout
         self.auth_key = auth_key
+        self._delivered = ByteCount()  # wire bytes of acknowledged transfers (the reply readers add)
         self._peers: dict[tuple[str, str], _Peer] = {}
         self._gates: dict[tuple[str, str], threading.Lock] = {}   # per receiver: serializes its connects
         self._lock = threading.Lock()
@@ -364,16 +488,20 @@ class KVSender:
             self._peer(dst, choose(self.backend, self.quant, self.views, dst))
         except OSError as exc:   # socket.timeout in the handshake, resets
             raise TransferError(f"kv receiver {dst.address}: handshake not done within {self.connect_timeout} s: "
-                                f"{exc or type(exc).__name__}") from None
+                                f"{exc or type(exc).__name__}", "unreachable") from None
 
-    def start(self, dst: Destination | dict, src_block_ids: list[int], skip_blocks: int = 0,
-              connect: bool = True) -> Transfer:
-        """Open a transfer of src_block_ids into dst.block_ids[skip_blocks:] (same count). With
-        `connect=False` (the engine thread) nothing blocks: no connection is opened (TransferError when none is
-        open; see `connect`) and the open frame is queued behind the stream's other work."""
+    @property
+    def bytes_sent(self) -> int:
+        """Wire bytes of every transfer the receiver acknowledged so far (read-only; counted here)."""
+        return self._delivered.total
+
+    def start(self, dst: Destination | dict, src_block_ids: list[int], connect: bool = True) -> Transfer:
+        """Open a transfer of src_block_ids into dst.block_ids (same count). With `connect=False` (the engine
+        thread) nothing blocks: no connection is opened (TransferError when none is open; see `connect`) and
+        the open frame is queued behind the stream's other work."""
         if isinstance(dst, dict):
             dst = Destination.from_dict(dst)
-        dst_ids = dst.block_ids[skip_blocks:]
+        dst_ids = dst.block_ids
         if len(src_block_ids) != len(dst_ids):
             raise ValueError(f"src_block_ids: {len(src_block_ids)} blocks for {len(dst_ids)} destination blocks")
         bad = [b for b in src_block_ids if not 0 <= b < self.layout.num_blocks]
@@ -381,7 +509,8 @@ class KVSender:
             raise ValueError(f"src_block_ids: {bad[:5]} outside 0..{self.layout.num_blocks - 1}")
         self.layout.check_compatible(KVLayout.from_dict(dst.layout), mine="sender", theirs="receiver")
         peer = self._peer(dst, choose(self.backend, self.quant, self.views, dst), connect=connect)
-        t = Transfer(self, peer, dst, list(src_block_ids), dst_ids)
+        t = Transfer(peer, dst, list(src_block_ids), dst_ids, num_layers=self.layout.num_layers,
+                     delivered=self._delivered)
         peer.transfers[t.xid] = t
         if connect or len(peer.streams) > 1:   # other streams' writes must not overtake the open
             peer.streams[0].run_now(t, lambda s: s.open(t))
@@ -401,6 +530,30 @@ class KVSender:
         for p in peers:
             p.close()
 
+    def forget_peer(self, address: str) -> None:
+        """Close the connections to the receiver at `address` (e.g. its node left the cluster view) and forget
+        it; its transfers still in flight fail ("lost"). A later transfer to it connects again."""
+        with self._lock:
+            peers = [p for key, p in self._peers.items() if key[0] == address]
+        for p in peers:
+            self.drop(p)
+            p.close()
+
+    def keep_peers(self, addresses: Iterable[str]) -> None:
+        """forget_peer every receiver whose address is not in `addresses` (e.g. the decode nodes in the view)."""
+        keep = set(addresses)
+        with self._lock:
+            gone = {key[0] for key in self._peers if key[0] not in keep}
+        for address in gone:
+            self.forget_peer(address)
+
+    def drop(self, peer: _Peer) -> None:
+        """Take `peer` out of the table (its connection broke or it was forgotten)."""
+        key = (peer.dst.address, peer.channel_cls.name)
+        with self._lock:
+            if self._peers.get(key) is peer:
+                del self._peers[key]
+
     def _peer(self, dst: Destination, channel_cls: type[Channel], connect: bool = True) -> _Peer:
         """The live peer for dst's receiver; opened here if `connect`. A connect holds only its receiver's
         gate, never the sender's lock: a receiver that does not answer delays nobody else."""
@@ -410,14 +563,26 @@ class KVSender:
             if peer is not None and peer.dead is None:
                 return peer
             if not connect:
-                raise TransferError(f"kv transfer {dst.request_id!r}: no open connection to {dst.address}")
+                raise TransferError(f"kv transfer {dst.request_id!r}: no open connection to {dst.address}",
+                                    "unreachable")
             gate = self._gates.setdefault(key, threading.Lock())
-        with gate:   # one connect per receiver at a time; who waited reuses its result
-            with self._lock:
-                peer = self._peers.get(key)
-                if peer is not None and peer.dead is None:
-                    return peer
-            peer = _Peer(self, dst, channel_cls)
-            with self._lock:
-                self._peers[key] = peer
-            return peer
+        try:
+            with gate:   # one connect per receiver at a time; who waited reuses its result
+                with self._lock:
+                    peer = self._peers.get(key)
+                    if peer is not None and peer.dead is None:
+                        return peer
+                peer = _Peer(self, dst, channel_cls)
+                with self._lock:
+                    current = self._peers.get(key)
+                    if current is None or current.dead is not None:
+                        if peer.dead is None:   # one that broke already stays out (broken() dropped it before)
+                            self._peers[key] = peer
+                        return peer
+                # a connect through a newer gate (see below) won meanwhile: use its peer, not a second one
+                peer.close()
+                return current
+        finally:
+            with self._lock:   # gates only live while connects wait on them (a receiver never reached leaves none)
+                if self._gates.get(key) is gate and not gate.locked():
+                    del self._gates[key]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -31,9 +31,9 @@ class ShmChannel(Channel):
 
     def __init__(self, wire: Wire, pool: PoolViews, remote: SharedKVPool | None = None):
         super().__init__(wire, pool)
-        self.remote = remote  # sender side: the receiver's pool, mapped here
-        if remote is not None:
-            self.remote_words = words(byte_view(remote.tensor))  # [planes, blocks, words per plane]
+        self.remote = remote  # sender side: the receiver's pool, mapped here (None once closed)
+        # [planes, blocks, words per plane]; numpy: the mapped pool is a CPU tensor
+        self.remote_words = None if remote is None else cast(np.ndarray, words(byte_view(remote.tensor)))
 
     @classmethod
     def offered(cls, pool: PoolViews, shm_name: str | None) -> bool:
@@ -63,13 +63,26 @@ class ShmChannel(Channel):
         tag = token_tag(token)
         self._check_tags(dst_ids, tag, "is not open to this transfer")
         p0, p1 = self.pool.plane_range(l0, l1)
-        sent, landed = copy_blocks(self.remote_words, self.pool.words, dst_ids, src_ids, p0, p1)
+        src_words = cast(np.ndarray, self.pool.words)  # shm pools are CPU pools (auto_rank)
+        dst_words = self.remote_words
+        if dst_words is None:
+            raise ConnectionError("shm channel closed")
+        sent, landed = copy_blocks(dst_words, src_words, dst_ids, src_ids, p0, p1)
         self._check_tags(dst_ids, tag, "was withdrawn during the copy")
         nbytes = len(dst_ids) * (l1 - l0) * self.pool.layout.layer_bytes
         return Staged(weighted(sent), nbytes, landed=weighted(landed))
 
+    def close(self) -> None:
+        # Drop the receiver's mapped pool: the mapping goes with the last reference (a copy still under way
+        # holds its own), so a peer that is gone does not keep its pool in this process's memory.
+        self.remote = None
+        self.remote_words = None
+
     def _check_tags(self, dst_ids: np.ndarray, tag: int, what: str) -> None:
-        if not (self.remote.tags[dst_ids] == tag).all():
+        remote = self.remote  # sender side: connect() mapped it; None once closed
+        if remote is None:
+            raise ConnectionError("shm channel closed")
+        if not (remote.tags[dst_ids] == tag).all():
             raise StaleReservationError(f"reservation {what} (failed, expired or cancelled)")
 
     def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:

@@ -44,5 +44,6 @@ class TcpChannel(Channel):
 
 def _views(pool: PoolViews, runs: list[tuple[int, int]], p0: int, p1: int) -> list[memoryview]:
     flat, step = pool.flat, pool.layout.plane_bytes
+    assert flat is not None, "tcp reads and writes CPU pools only"
     plane = pool.layout.num_blocks * step
     return [flat[p * plane + s * step : p * plane + (s + n) * step] for p in range(p0, p1) for s, n in runs]

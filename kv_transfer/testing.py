@@ -27,7 +27,7 @@ class CorruptingChannel(Channel):
     def __init__(self, inner: Channel):
         super().__init__(inner.wire, inner.pool)
         self.inner = inner
-        self.name = inner.name
+        self.name = inner.name  # type: ignore[misc]  # the wrapper speaks as the channel it wraps
 
     def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:
         staged = self.inner.stage(token, part, l0, l1)
@@ -40,6 +40,7 @@ class CorruptingChannel(Channel):
             x.view(-1).view(torch.uint8)[0] ^= 1
             staged.tensors[0] = x
         else:
+            assert staged.landed is not None, "a channel stages views, tensors or a landed checksum"
             staged.landed ^= 1
         return staged
 

@@ -23,7 +23,11 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from itertools import pairwise
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    import psutil
 
 SPREAD_THRESHOLD = 0.15   # a tokens/s spread above this (relative to the mean) is flagged
 KV_FULL_RATIO = 0.95      # KV blocks used / total counted as a full pool (with requests waiting)
@@ -42,7 +46,7 @@ class DeviceReader:
 
     def __init__(self, kind: str, index: int = 0) -> None:
         self.kind, self.index = kind, index
-        self._process = None   # psutil.Process: cpu_percent measures since the previous call on the same object
+        self._process: psutil.Process | None = None   # cpu_percent measures since the previous call on this object
         self._nvml = None
 
     def read(self) -> dict[str, Any]:
@@ -96,6 +100,8 @@ class DeviceReader:
         except Exception:
             pass
         torch = sys.modules.get("torch")
+        if torch is None:
+            return
         try:
             free, total = torch.cuda.mem_get_info(self.index)
         except Exception:
@@ -185,7 +191,8 @@ def figures_from_metrics(values: dict[str, float], labels: dict[str, dict[str, s
 
     out: dict[str, Any] = {k: None for k in KEYS}
     if "pdcluster_device_memory_total_bytes" in values or "pdcluster_device_utilization_ratio" in values:
-        lab = labels.get("pdcluster_device_memory_total_bytes") or labels.get("pdcluster_device_utilization_ratio")
+        lab = labels.get("pdcluster_device_memory_total_bytes") or labels.get("pdcluster_device_utilization_ratio") \
+            or {}
         out["device_kind"], out["device_index"] = lab.get("device_type"), int(lab.get("device", 0))
         util = num("pdcluster_device_utilization_ratio")
         out["device_memory_used_bytes"] = num("pdcluster_device_memory_used_bytes", int)
@@ -236,7 +243,7 @@ def analyze(samples: list[dict[str, Any]], threshold: float = SPREAD_THRESHOLD) 
     report = SpreadReport(threshold=threshold)
     busy = [s for s in samples if (s.get("running") or 0) + (s.get("waiting") or 0) > 0]
     busy_ids = {id(s) for s in busy}
-    for before, after in zip(samples, samples[1:]):
+    for before, after in pairwise(samples):
         dt = after["timestamp"] - before["timestamp"]
         tokens = (after.get("generated_tokens") or 0) - (before.get("generated_tokens") or 0)
         if dt > 0 and (tokens > 0 or id(after) in busy_ids):
@@ -296,6 +303,7 @@ class NPUMonitor:
         """Device and engine figures now: a dict with the keys in `KEYS`."""
         if isinstance(self.target, str):
             return read_node_metrics(self.target)
+        assert self._device is not None   # set for every target but an address
         out = self._device.read()
         out.update(engine_figures(self.target.get_stats()), timestamp=time.time())
         return out

@@ -1,81 +1,80 @@
 """The prefill node: runs prompts (max_tokens=1, blocks held) and writes their KV into a decode
 node's reserved blocks, layer by layer while the next layer computes.
 
-Threads: the asyncio loop (control socket, Load, deadlines), a small pool that opens the connection to
-each job's KV receiver before the job reaches the engine (one connect per receiver at a time; a receiver
-that does not answer within `kv_connect_timeout` fails only its own jobs), the engine thread (steps; starts
-each transfer and queues layer writes from the engine's KV-connector hooks, on connections already open:
-it never connects), and a small pool that waits for the receivers' checksum acks, then releases the held
-blocks (they stay in the prefix cache) and answers the decode node with `PrefillDone`.
+Threads: the asyncio loop (control socket, Load, deadlines, every `PrefillJob`: prefill_node/job.py), a
+small pool that opens the connection to each job's KV receiver before the job reaches the engine (one connect
+per receiver at a time; a receiver that does not answer within `kv_connect_timeout` fails only its own jobs),
+the engine thread (steps; `TransferConnector` starts each transfer and queues layer writes from the engine's
+KV-connector hooks, on connections already open: it never connects, and hands each transfer to the loop
+when its prompt is done), and a small pool that waits for the receivers' checksum acks for the loop, which
+then frees the held blocks (they stay in the prefix cache) and answers the decode node with `PrefillDone`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import Mapping
 
-import torch
-
-from pdcluster.control.protocol import Abort, Load, Message, Prefill, PrefillDone
+from pdcluster.control.protocol import Load, Message, Prefill, PrefillDone, logprob_to_wire
 from pdcluster.control.sampling_params import SamplingParams
-from pdcluster.engine.engine_thread import EngineThread
-from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
-from pdcluster.kv_transfer import Destination, KVSender, Transfer
+from pdcluster.kv_transfer import Destination, KVSender
 from pdcluster.node.config import NodeConfig, engine_args_from_config
 from pdcluster.node.service import NodeService
+from pdcluster.prefill_node.connector import TransferConnector
+from pdcluster.prefill_node.job import JobState, Outgoing, PrefillJob
 from pdcluster.prefill_node.metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class PrefillJob:
-    rid: str
-    decode: bytes  # zmq identity of the decode node's DEALER
-    prompt_ids: list[int]
-    dst: Destination
-    skip_blocks: int
-    deadline: float  # time.monotonic() seconds, from the Prefill message's timeout_s at receipt
-    state: str = "connecting"  # connecting (to the KV receiver) | queued (engine) | sending (ack awaited) | done
-    transfer: Transfer | None = None
-    transfer_error: str | None = None
-    nbytes: int = 0
-    first_write: float = 0.0
-    aborted: bool = False
 
+def started_pool(workers: int, name: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads all exist from the start: an idle node's thread count does not depend on
+    the most concurrent load it ever saw (the soak test checks it comes back to its idle value)."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+    ready = threading.Barrier(workers)   # each task holds its thread until all are started
+    for _ in range(workers):
+        pool.submit(ready.wait, 5.0)
+    return pool
 
 class PrefillNode(NodeService):
     role = "prefill"
+    upstream = "decode node"
 
-    def __init__(self, config: NodeConfig, max_jobs: int | None = None, layerwise: bool = True,
-                 drain_timeout: float | None = None) -> None:
-        super().__init__(config, drain_timeout=config.drain_timeout if drain_timeout is None else drain_timeout)
+    def __init__(self, config: NodeConfig, max_jobs: int | None = None, layerwise: bool = True) -> None:
+        self.connector = TransferConnector(layerwise, self._handover)
+        super().__init__(config, LLMEngine(engine_args_from_config(config), kv_connector=self.connector))
         self.metrics = PrefillMetrics(self.registry)
-        self.engine = LLMEngine(engine_args_from_config(config), kv_connector=TransferConnector(self))
         self.block_size = self.engine.block_size
         self.num_layers = self.engine.model_config.num_layers
         self.sender = KVSender(self.engine.kv_pool.tensor, backend=config.kv_backend,
                                connect_timeout=config.kv_connect_timeout, auth_key=self.kv_key)
-        self.layerwise = layerwise
+        self.connector.sender = self.sender
         self.max_jobs = max_jobs or 2 * config.max_num_seqs
-        self.jobs: dict[str, PrefillJob] = {}  # loop side: not yet answered
-        self._engine_jobs: dict[str, PrefillJob] = {}  # engine-thread side: in the engine or sending
-        self._acks = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-ack")
+        self.jobs: dict[str, PrefillJob] = {}  # not yet answered (CONNECTING, QUEUED, SENDING)
+        self._held: dict[str, PrefillJob] = {}  # their request is in the engine (QUEUED, SENDING, ABANDONED)
         self.kv_connect_timeout = config.kv_connect_timeout
         self.kv_ack_timeout = config.kv_ack_timeout
-        self._connects = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kv-connect")
+        self._acks = started_pool(4, "kv-ack")
+        self._connects = started_pool(8, "kv-connect")
         self._connecting: dict[str, asyncio.Future] = {}  # receiver address -> its connect in flight
-        self._admitting: set[asyncio.Task] = set()
+        self._tasks_extra: set[asyncio.Task] = set()   # admissions and ack waits in flight
+
+    def on_peer_change(self, event: str, node_id: str) -> None:
+        """A decode node left: forget the KV connections of every receiver no longer in the view (a restarted
+        node has a new address; off the loop, since closing a collective's group may block)."""
+        if event == "node_removed":
+            live = [n.kv_addr for n in self.view.nodes_by_role("decode")]
+            self._connects.submit(self.sender.keep_peers, live)
 
     async def on_start(self) -> None:
-        self.engine_thread = EngineThread(self.engine, self._after_step)
-        self.engine_thread.start()
-        self._tasks_extra = [self.supervised(self._deadline_loop(), "deadlines")]
+        self.start_engine_thread()
 
     async def on_stop(self) -> None:
         for task in self._tasks_extra:
@@ -85,28 +84,28 @@ class PrefillNode(NodeService):
         self._connects.shutdown(wait=False, cancel_futures=True)   # a connect in flight ends by its timeout
         self.sender.close()
 
-    def num_in_flight(self) -> int:
-        return len(self.jobs)
+    def in_flight(self) -> Mapping[str, PrefillJob]:
+        return self.jobs
 
     def load(self) -> Load:
         s = self.engine_stats()
-        queued = sum(len(j.prompt_ids) for j in self.jobs.values() if j.state in ("connecting", "queued"))
+        queued = sum(len(j.prompt_ids) for j in self.jobs.values() if j.queued)
         return Load(node_id=self.node_id, role=self.role, running=s.num_running, waiting=s.num_waiting,
                     free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, block_size=self.block_size,
-                    queued_prefill_tokens=queued, tokens_per_s=self.rate("tokens", s.num_prefill_tokens),
+                    queued_prefill_tokens=queued, tokens_per_s=s.tokens_per_s,
+                    prefill_tokens_per_s=self.rate("prefill_tokens", s.num_prefill_tokens),
                     transfer_gbps=self.transfer_gbps(), cached_block_hashes=self.cached_block_hashes())
+
+    def _spawn(self, coro, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks_extra.add(task)
+        task.add_done_callback(self._tasks_extra.discard)
 
     # ---- messages (loop) ----------------------------------------------------------------------------
 
     def handle(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, Prefill):
             self._on_prefill(identity, msg)
-        elif isinstance(msg, Abort):
-            job = self.jobs.get(msg.rid)
-            if job is not None and job.decode != identity:   # only the decode node that sent the Prefill may abort
-                self.control.dropped.drop(f"Abort of request {msg.rid} from a peer that did not send it")
-                return
-            self._abort(msg.rid, "aborted by the decode node")
         else:
             log.warning("prefill node: dropped unexpected %s message", msg.TYPE)
 
@@ -137,16 +136,14 @@ class PrefillNode(NodeService):
         except (ValueError, TypeError) as exc:
             self._reply_error(identity, msg.rid, f"bad Prefill: {exc}", "error")
             return
-        job = PrefillJob(rid=msg.rid, decode=identity, prompt_ids=list(msg.prompt_ids), dst=dst,
+        job = PrefillJob(rid=msg.rid, owner=identity, prompt_ids=list(msg.prompt_ids), dst=dst,
                          skip_blocks=msg.skip_blocks, deadline=time.monotonic() + msg.timeout_s)
         self.jobs[job.rid] = job
         log.info("prefill %s queued: %d prompt tokens (%d blocks cached on the decode node) for %s",
                  job.rid, len(job.prompt_ids), job.skip_blocks, msg.decode_node, extra={"request_id": job.rid})
-        task = asyncio.create_task(self._admit(job, params), name=f"admit:{job.rid}")
-        self._admitting.add(task)
-        task.add_done_callback(self._admitting.discard)
+        self._spawn(self._admit(job, params, num_blocks), f"admit:{job.rid}")
 
-    async def _admit(self, job: PrefillJob, params: SamplingParams) -> None:
+    async def _admit(self, job: PrefillJob, params: SamplingParams, num_blocks: int) -> None:
         """Connect to the job's KV receiver (off the engine thread), then hand the prompt to the engine."""
         try:
             await asyncio.wait_for(asyncio.shield(self._connect(job.dst)), self.kv_connect_timeout)
@@ -155,17 +152,21 @@ class PrefillNode(NodeService):
                 exc, asyncio.TimeoutError) else str(exc)
             self._answer(job, error=f"kv destination {job.dst.address} unreachable: {detail}")
             return
-        if self.jobs.get(job.rid) is not job:   # aborted, or its deadline passed, meanwhile
+        if job.answered:   # aborted, or its deadline passed, meanwhile
             return
-        job.state = "queued"
+        job.move(JobState.QUEUED)
+        self._held[job.rid] = job
+        rid, prompt = job.rid, job.prompt_ids
+        outgoing = Outgoing(rid, job.dst, first_block=job.skip_blocks, num_blocks=num_blocks)   # the engine's now
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(job.rid, job.prompt_ids, params, hold_blocks=True)
-            self._engine_jobs[job.rid] = job
+            engine.add_request(rid, prompt, params, hold_blocks=True)
+            self.connector.add(outgoing)
 
         try:
             await self.engine_thread.call(add)
         except Exception as exc:
+            self._held.pop(rid, None)
             self._answer(job, error=f"engine refused: {exc}")
 
     def _connect(self, dst: Destination) -> asyncio.Future:
@@ -181,138 +182,98 @@ class PrefillNode(NodeService):
         if not fut.cancelled() and fut.exception() is not None:   # retrieved here: its jobs may all have given up
             log.warning("kv receiver %s: %s", address, fut.exception())
 
-    def _abort(self, rid: str, reason: str) -> None:
+    def abort(self, rid: str, reason: str, expired: bool = False) -> None:
         job = self.jobs.get(rid)
         if job is None:
             return
-        job.aborted = True
-        self.engine_thread.post(lambda e: self._abort_in_engine(e, job, reason))
-        self._answer(job, error=reason, outcome="aborted")
+        if job.state is JobState.QUEUED:   # in the engine: drop it there (and its transfer, if it started)
+            self._held.pop(rid, None)
 
-    async def _deadline_loop(self) -> None:
-        while True:
-            await asyncio.sleep(0.25)
-            now = time.monotonic()
-            for job in [j for j in self.jobs.values() if now > j.deadline]:
-                self._abort(job.rid, "deadline exceeded")
+            def drop(engine: LLMEngine) -> None:
+                self.connector.abort(rid, reason)
+                engine.abort(rid)
+
+            self.engine_thread.post(drop)
+        elif job.state is JobState.SENDING and job.outgoing is not None and job.outgoing.transfer is not None:
+            job.outgoing.transfer.abort(reason)   # the ack waiter returns and frees the blocks
+        self._answer(job, error=reason, outcome="aborted")
 
     def _answer(self, job: PrefillJob, out: RequestOutput | None = None, checksum: int = 0,
                 error: str | None = None, outcome: str | None = None) -> None:
-        """Reply once per job (late completions of aborted jobs are dropped)."""
+        """Reply once per job (late completions of answered jobs are dropped)."""
         if self.jobs.get(job.rid) is not job:
             return
         del self.jobs[job.rid]
-        self.metrics.requests.labels(outcome or ("error" if error else "ok")).inc()
-        if error is not None:
+        job.outcome = outcome or ("error" if error else "ok")
+        job.move(JobState.ABANDONED if job.state is JobState.SENDING and job.aborted else JobState.DONE)
+        self.metrics.requests.labels(job.outcome).inc()
+        outgoing = job.outgoing
+        transfer = outgoing.transfer if outgoing is not None else None
+        if error is not None or out is None or outgoing is None or transfer is None:
             log.info("prefill %s %s: %s", job.rid, outcome or "failed", error, extra={"request_id": job.rid})
-            self.control.send(job.decode, PrefillDone(rid=job.rid, error=error,
-                                                      kv_backend=job.transfer.backend if job.transfer else ""))
+            self.control.send(job.owner, PrefillDone(rid=job.rid, error=error or "no kv transfer",
+                                                     kv_backend=transfer.backend if transfer else ""))
             return
         lp = out.logprobs[0] if out.logprobs else None
-        log.info("prefill %s done: %d KV bytes via %s, %d tokens from the prefix cache", job.rid, job.nbytes,
-                 job.transfer.backend, out.num_cached_tokens, extra={"request_id": job.rid})
-        self.control.send(job.decode, PrefillDone(
+        log.info("prefill %s done: %d KV bytes via %s, %d tokens from the prefix cache", job.rid,
+                 outgoing.nbytes, transfer.backend, out.num_cached_tokens, extra={"request_id": job.rid})
+        self.control.send(job.owner, PrefillDone(
             rid=job.rid, first_token=int(out.new_token_ids[0]), checksum=checksum,
-            logprobs=[[float(lp[0]), [[int(t), float(v)] for t, v in lp[1]]]] if lp is not None else None,
-            num_cached_tokens=out.num_cached_tokens, kv_backend=job.transfer.backend))
+            logprobs=[logprob_to_wire(lp)] if lp is not None else None,
+            num_cached_tokens=out.num_cached_tokens, kv_backend=transfer.backend))
 
-    def _on_engine_failure(self) -> None:
+    def on_engine_failure(self) -> None:
         for job in list(self.jobs.values()):
             self._answer(job, error="prefill engine failure")
-        self.exit_code = 1   # a failed engine: exit non-zero, so systemd restarts the node
-        self.begin_drain("engine failure")
 
-    # ---- engine thread -------------------------------------------------------------------------------
+    # ---- a prompt done: its KV handed over, its ack awaited, its blocks freed (loop) ---------------------
 
-    def _start_transfer(self, job: PrefillJob, block_table: list[int]) -> None:
-        num_blocks = -(-len(job.prompt_ids) // self.block_size)
-        src = block_table[job.skip_blocks:num_blocks]
-        job.nbytes = len(src) * self.sender.layout.block_bytes
-        job.first_write = time.monotonic()
-        try:
-            # Tensors the sender creates here (e.g. its shm mapping of the destination pool) are written by
-            # its own threads, so they must be normal even if the engine thread runs under inference mode.
-            with torch.inference_mode(False):
-                job.transfer = self.sender.start(job.dst, src, connect=False)   # connected by _admit
-        except Exception as exc:
-            job.transfer_error = f"kv transfer to {job.dst.address} failed to start: {exc}"
-            log.warning("request %s: %s", job.rid, job.transfer_error)
+    def _handover(self, outgoing: Outgoing) -> None:
+        """The connector's, on the engine thread: the prompt is done; its transfer is the loop's now. Queued
+        before the step's outputs, so the loop has it when the finished output comes."""
+        self.loop.call_soon_threadsafe(self._handed_over, outgoing)
 
-    def _after_step(self, outputs: list[RequestOutput] | BaseException) -> None:
-        """Each step's outputs, on the engine thread: finished prompts (their KV is sent or failed to start)
-        wait for the receiver's ack on the ack pool, which answers them."""
-        if isinstance(outputs, BaseException):
-            self.loop.call_soon_threadsafe(self._on_engine_failure)
+    def _handed_over(self, outgoing: Outgoing) -> None:
+        job = self._held.get(outgoing.rid)
+        if job is None or job.state is not JobState.QUEUED:   # aborted as the prompt finished
+            if outgoing.transfer is not None:
+                outgoing.transfer.abort("aborted")
             return
-        for out in outputs:
-            job = self._engine_jobs.get(out.request_id)
-            if job is None or not out.finished:
-                continue
-            job.state = "sending"
-            self._acks.submit(self._await_ack, job, out)
+        job.outgoing = outgoing
 
-    def _await_ack(self, job: PrefillJob, out: RequestOutput) -> None:
-        """On an ack thread: wait for the receiver's checksum ack, then release and answer."""
-        error, checksum = job.transfer_error, 0
-        backend = job.transfer.backend if job.transfer else "unknown"
-        if job.transfer is not None:
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            job = self._held.get(out.request_id)
+            if job is None or not out.finished or job.state is not JobState.QUEUED:
+                continue
+            job.move(JobState.SENDING)
+            self._spawn(self._await_ack(job, out), f"kv-ack:{job.rid}")
+
+    async def _await_ack(self, job: PrefillJob, out: RequestOutput) -> None:
+        """Wait (on the ack pool) for the receiver's checksum ack; then free the blocks and answer."""
+        outgoing = job.outgoing or Outgoing(job.rid, job.dst, job.skip_blocks, 0, error="kv transfer never started")
+        error, checksum = outgoing.error, 0
+        transfer = outgoing.transfer
+        backend = transfer.backend if transfer is not None else "unknown"
+        if transfer is not None:
             try:
-                checksum = job.transfer.finish(self.kv_ack_timeout)
+                checksum = await self.loop.run_in_executor(self._acks, transfer.finish, self.kv_ack_timeout)
                 self.metrics.transfers.labels(backend).inc()
-                self.metrics.transfer_bytes.labels(backend).inc(job.nbytes)
-                self.kv_bytes_moved += job.nbytes
-                self.metrics.transfer_seconds.labels(backend).observe(time.monotonic() - job.first_write)
+                self.metrics.transfer_bytes.labels(backend).inc(outgoing.nbytes)
+                self.kv_bytes_moved += outgoing.nbytes
+                self.metrics.transfer_seconds.labels(backend).observe(time.monotonic() - outgoing.first_write)
             except Exception as exc:
                 error = f"kv transfer failed: {exc}"
-        if error is not None and not job.aborted:
+        if error is not None and job.state is JobState.SENDING:
             self.metrics.transfer_failures.labels(backend).inc()
             log.warning("request %s: %s", job.rid, error)
-        self.engine_thread.post(lambda e: self._release(e, job))
-        self.loop.call_soon_threadsafe(lambda: self._answer(job, out, checksum, error))
-
-    def _release(self, engine: LLMEngine, job: PrefillJob) -> None:
-        if self._engine_jobs.pop(job.rid, None) is not None:
-            engine.release(job.rid)
-        job.state = "done"
-
-    def _abort_in_engine(self, engine: LLMEngine, job: PrefillJob, reason: str) -> None:
-        if job.transfer is not None:
-            job.transfer.abort(reason)
-        if job.state == "queued" and self._engine_jobs.pop(job.rid, None) is not None:
-            engine.abort(job.rid)  # the ack waiter releases jobs that are already sending
-            job.state = "done"
-
-
-class TransferConnector(KVConnector):
-    """The engine's hooks on the prefill node: a prompt's KV leaves for its decode node as it is computed
-    (layer by layer when `node.layerwise`, else in one go once the prompt is done)."""
-
-    def __init__(self, node: PrefillNode) -> None:
-        self.node = node
-        self.streaming: list[PrefillJob] = []   # jobs whose last prefill chunk runs in this step
-
-    def on_step_start(self, prompts: list[PromptInStep]) -> None:
-        self.streaming = []
-        if not self.node.layerwise:
-            return
-        for p in prompts:
-            job = self.node._engine_jobs.get(p.request_id)
-            if job is not None and job.transfer is None:
-                self.node._start_transfer(job, p.block_ids)
-                if job.transfer is not None:
-                    self.streaming.append(job)
-
-    def on_layer_done(self, layer: int) -> None:
-        for job in self.streaming:
-            if not job.transfer.failed:
-                job.transfer.send_layers(layer, layer + 1)
-
-    def on_prompt_done(self, request_id: str, block_ids: list[int]) -> None:
-        job = self.node._engine_jobs.get(request_id)
-        if job is not None and job.transfer is None and job.transfer_error is None:   # not sent layer by layer
-            self.node._start_transfer(job, block_ids)
-            if job.transfer is not None:
-                job.transfer.send_all()
+        rid = job.rid
+        self._held.pop(rid, None)
+        self.engine_thread.post(lambda e: e.abort(rid))   # frees the held blocks; they stay in the prefix cache
+        if job.state is JobState.ABANDONED:
+            job.move(JobState.DONE)
+        else:
+            self._answer(job, out, checksum, error)
 
 
 def main(config: NodeConfig) -> int:

@@ -12,7 +12,7 @@ import logging
 import posixpath
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Collection, Protocol
 
 from pdcluster.control.keys import ClusterKeys
 from pdcluster.control.protocol import Load
@@ -146,14 +146,17 @@ class RouterCluster:
         for role in ("decode", "prefill"):
             for info in self.source.nodes_by_role(role):
                 seen.add(info.node_id)
-                state = self._nodes.get(info.node_id)
+                state = old = self._nodes.get(info.node_id)
                 if state is None or state.info != info:
                     state = NodeState(info=info, load=state.load if state else None,
                                       load_time=state.load_time if state else 0.0,
                                       cached=state.cached if state else frozenset())
                     self._nodes[info.node_id] = state
-                    if self._subscriber is not None and info.load_addr:
-                        self._subscriber.connect(info.load_addr)
+                    if self._subscriber is not None:
+                        if old is not None and old.info.load_addr and old.info.load_addr != info.load_addr:
+                            self._subscriber.disconnect(old.info.load_addr)   # else it stays connected forever
+                        if info.load_addr:
+                            self._subscriber.connect(info.load_addr)
                 state.admin = self.source.admin_state(info.node_id) or ACTIVE
         now, resynced = time.monotonic(), getattr(self.source, "resynced_at", 0.0)
         for node_id in [i for i in self._nodes if i not in seen]:
@@ -193,15 +196,14 @@ class RouterCluster:
     async def _load_loop(self) -> None:
         assert self._subscriber is not None
         while True:
-            load = await self._subscriber.recv()
-            state = self._nodes.get(load.node_id)
-            if state is not None:
+            load = await self._subscriber.recv()   # (None only after a timeout, and this one waits forever)
+            if load is not None and (state := self._nodes.get(load.node_id)) is not None:
                 state.update(load)
 
     def nodes(self, role: str) -> list[NodeState]:
         return [s for s in self._nodes.values() if s.info.role == role]
 
-    def candidates(self, role: str, exclude: set[str] = frozenset(), model: str | None = None,
+    def candidates(self, role: str, exclude: Collection[str] = frozenset(), model: str | None = None,
                    num_tokens: int = 0) -> list[NodeState]:
         """Nodes of `role` that take new work (of `model`, able to hold `num_tokens` when they say how many
         they can); ones whose reports went stale (maybe dead) only as a last resort."""

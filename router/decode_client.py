@@ -24,6 +24,7 @@ from collections import deque
 from typing import Any
 
 from pdcluster.control.protocol import Abort, Generate, Message, Progress, Reject, TokenBatch, Tokens
+from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
 from pdcluster.router.cluster import NodeState, RouterCluster
 from pdcluster.router.metrics import RouterMetrics
@@ -33,6 +34,7 @@ from pdcluster.router.settings import RouterSettings
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.25  # how often a waiting stream re-checks node liveness and deadlines
+DEFAULT_MAX_TOKENS: int = SamplingParams.max_tokens   # a sampling dict without max_tokens gets the engines' default
 
 
 class NoCapacity(Exception):
@@ -99,13 +101,16 @@ class DecodeClient:
         self.settings = settings
         self.metrics = metrics
         self.queues: dict[str, Mailbox] = {}   # per attempt rid: late replies to a left node are dropped
+        self.tokens_received = 0   # generated token ids accepted from decode nodes (all streams, since start)
         self.dealers = PeerDealers(self._on_message, keys=cluster.keys, owner=settings.node_id)
         cluster.on_removed.append(self.dealers.drop)
+        cluster.on_removed.append(metrics.forget_node)
         self._ticker: asyncio.Task | None = None
 
     def stream(self, prompt_ids: list[int], sampling: dict[str, Any], deadline: float,
                model: str | None = None) -> RequestStream:
-        """A stream for one engine request (one choice) on nodes serving `model`; call `start()` then `next()`."""
+        """A stream for one engine request (one choice) on nodes serving `model`, to be finished by `deadline`
+        (`time.monotonic()` seconds); call `start()` then `next()`."""
         return RequestStream(self, prompt_ids, sampling, deadline, model)
 
     def _on_message(self, node_id: str, msg: Message) -> None:
@@ -122,7 +127,8 @@ class DecodeClient:
                 if queue is not None:
                     queue.put_nowait(msg)
             return
-        queue = self.queues.get(getattr(msg, "rid", None))
+        msg_rid = getattr(msg, "rid", None)
+        queue = self.queues.get(msg_rid) if isinstance(msg_rid, str) else None
         if queue is not None:
             queue.put_nowait(msg)
 
@@ -167,7 +173,7 @@ class RequestStream:
         self.model = model  # served name: only nodes of this model run it
         self.prompt_ids = prompt_ids
         self.sampling = sampling
-        self.deadline = deadline  # unix seconds
+        self.deadline = deadline  # time.monotonic() seconds: a wall-clock step moves no deadline
         self.request_id = uuid.uuid4().hex
         self.output_ids: list[int] = []
         self.finished = False
@@ -199,14 +205,13 @@ class RequestStream:
         while True:
             if self.finished:
                 raise StreamFailed("stream already finished")
-            if self._node_id is None:
-                self._submit()
+            node_id = self._node_id or self._submit()
             msg = await self._wait()
             if isinstance(msg, Reject):
-                self.client.metrics.backend_requests.labels(self._node_id, "rejected").inc()
-                log.info("request %s: rejected by decode node %s: %s", self.request_id, self._node_id,
+                self._count(node_id, "rejected")
+                log.info("request %s: rejected by decode node %s: %s", self.request_id, node_id,
                          msg.reason, extra={"request_id": self._rid})
-                self._rejected.add(self._node_id)
+                self._rejected.add(node_id)
                 self._retry_after = max(self._retry_after, msg.retry_after)
                 self._detach(send_abort=False)
                 self._retries += 1
@@ -223,7 +228,8 @@ class RequestStream:
                 self._migrate(f"lost tokens {self._attempt_ids}..{msg.pos - 1} of its stream (reconnect?)")
                 continue
             if self._sent_at:
-                self.client.metrics.backend_first_token.labels(self._node_id).observe(time.monotonic() - self._sent_at)
+                if self.client.cluster.is_alive(node_id):   # see _count
+                    self.client.metrics.backend_first_token.labels(node_id).observe(time.monotonic() - self._sent_at)
                 self._sent_at = 0.0
             if msg.prefill_path:
                 self.prefill_path = msg.prefill_path
@@ -233,10 +239,11 @@ class RequestStream:
     def _accept(self, msg: Tokens) -> None:
         """`msg` (in order, of the current attempt) is received."""
         self._attempt_ids += len(msg.ids)
+        self.client.tokens_received += len(msg.ids)
         self.output_ids.extend(msg.ids)
         self._last_message = time.monotonic()
         if msg.finish is not None:
-            self.client.metrics.backend_requests.labels(self._node_id, "ok").inc()
+            self._count(self._node_id, "ok")
             log.info("request %s: finished on %s (%s, %d tokens, prefill %s)", self.request_id,
                      self._node_id, msg.finish, len(self.output_ids), self.prefill_path or "?",
                      extra={"request_id": self._rid})
@@ -266,13 +273,14 @@ class RequestStream:
         self.finished = True
         self._detach(send_abort=True)
 
-    def _submit(self) -> None:
-        if time.time() > self.deadline:
+    def _submit(self) -> str:
+        """Send the request (resuming from the tokens received) to a decode node; the node's id."""
+        if time.monotonic() > self.deadline:
             raise StreamFailed("request deadline exceeded")
         exclude = self._rejected | self._failed
+        max_tokens = self.sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
         try:
-            decode, prefill = self.client.place(self.prompt_ids + self.output_ids,
-                                                self.sampling.get("max_tokens", 16) - len(self.output_ids),
+            decode, prefill = self.client.place(self.prompt_ids + self.output_ids, max_tokens - len(self.output_ids),
                                                 exclude, self.model)
         except NoCapacity as exc:
             if self._rejected:
@@ -291,10 +299,11 @@ class RequestStream:
                  len(self.prompt_ids), len(self.output_ids), extra={"request_id": self._rid})
         sent = self.client.dealers.send(decode.id, decode.info.control_addr, Generate(
             rid=self._rid, prompt_ids=self.prompt_ids, sampling=self.sampling,
-            prefill_node=prefill.id if prefill else None, timeout_s=self.deadline - time.time(),
+            prefill_node=prefill.id if prefill else None, timeout_s=self.deadline - time.monotonic(),
             router=self.client.settings.node_id, resume_ids=list(self.output_ids)))
         if not sent:
             self._queue.put_nowait(None)  # treated like a dead node: try the next one
+        return decode.id
 
     async def _wait(self) -> Tokens | Reject | None:
         """The node's next message, or None when it stalled / left the view / the deadline passed.
@@ -310,7 +319,7 @@ class RequestStream:
                 self._last_message = time.monotonic()
             except asyncio.TimeoutError:
                 pass
-            if time.time() > self.deadline:
+            if time.monotonic() > self.deadline:
                 self.abort("deadline")
                 raise StreamFailed("request deadline exceeded")
             if self._queue is not queue:
@@ -323,7 +332,7 @@ class RequestStream:
     def _migrate(self, reason: str) -> None:
         node_id = self._node_id or "?"
         self._failed.add(node_id)
-        self.client.metrics.backend_requests.labels(node_id, "failed").inc()
+        self._count(node_id, "failed")
         self._detach(send_abort=True)
         self._migrations += 1
         if self._migrations > self.client.settings.max_migrations:
@@ -331,6 +340,12 @@ class RequestStream:
         log.warning("request %s: decode node %s %s; migrating with %d tokens", self.request_id, node_id,
                     reason, len(self.output_ids))
         self.client.metrics.migrations.inc()
+
+    def _count(self, node_id: str | None, outcome: str) -> None:
+        """One attempt's outcome on its node, unless the node already left the view: its label children are
+        gone then (RouterMetrics.forget_node), and one made again now would stay forever."""
+        if node_id is not None and self.client.cluster.is_alive(node_id):
+            self.client.metrics.backend_requests.labels(node_id, outcome).inc()
 
     def _detach(self, send_abort: bool) -> None:
         if self._node_id is None:

@@ -62,7 +62,7 @@ def build_byte_table(tk: Any) -> ByteTable | None:
     else:
         alone = pieces
     got = tk.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
-    for i, (text, data) in enumerate(zip(got, alone)):
+    for i, (text, data) in enumerate(zip(got, alone, strict=True)):
         if text != data.decode("utf-8", "replace"):
             log.warning("tokenizer decoder %s: token %d (%r) decodes to %r, not %r as modelled; "
                         "detokenizing through tokenizers' DecodeStream instead", strip or "table", i,

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from pdcluster.control.protocol import logprob_from_wire
 from pdcluster.router.decode_client import RequestStream
 from pdcluster.router.detokenizer import IncrementalDetokenizer, StopMatcher
 from pdcluster.router.metrics import RouterMetrics
@@ -79,12 +80,12 @@ def _parse_logprobs(ids: list[int], raw: list[Any] | None) -> list[TokenLogprob]
     if not raw:
         return []
     out = []
-    for token_id, entry in zip(ids, raw):
+    for token_id, entry in zip(ids, raw, strict=False):   # junk of another length: the shorter
         try:
-            logprob = float(entry[0])
-            top = [(int(t), float(lp)) for t, lp in (entry[1] or [])]
+            parsed = logprob_from_wire(entry)
         except (TypeError, ValueError, IndexError):
-            logprob, top = float("nan"), []
+            parsed = None
+        logprob, top = parsed if parsed is not None else (float("nan"), [])
         out.append(TokenLogprob(token_id, logprob, top))
     return out
 

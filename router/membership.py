@@ -1,9 +1,10 @@
 """The router as a cluster member: its record in etcd (role `router`, under a lease), its stats, and drain.
 
 Stats go out like a node's: a `Load` (role "router"; `running` = requests in flight, `streams` = open token
-streams, `tokens_per_s`, `errors` = failed requests since start, `state` serving | draining) on a CURVE
-`LoadPublisher` at ~2 Hz, whose address is in the record, so `pdcluster status` reads routers and nodes
-alike. Nothing changing is written to etcd (every process watches it). Uses `pdcluster.control` only.
+streams, `tokens_per_s` = generated tokens received per second over the window since the previous report,
+`errors` = failed requests since start, `state` serving | draining) on a CURVE `LoadPublisher` at ~2 Hz,
+whose address is in the record, so `pdcluster status` reads routers and nodes alike. Nothing changing is
+written to etcd (every process watches it). Uses `pdcluster.control` only.
 
 Drain (`pdcluster drain ROUTER`: the admin state "draining" in etcd): the router stops listening (no new
 connections), answers requests on open connections 503, lets every open stream finish, then exits, which
@@ -16,15 +17,21 @@ import asyncio
 import logging
 import socket
 import time
-from typing import Any
+from typing import Callable
 
 from pdcluster.control.etcd_client import EtcdCredentials
 from pdcluster.control.protocol import Load
 from pdcluster.control.records import NodeInfo
 from pdcluster.control.registration import NodeIdTaken, Registration
 from pdcluster.control.transport import LoadPublisher
+from pdcluster.router.router import Router
+from pdcluster.router.settings import RouterConfig
 
 log = logging.getLogger(__name__)
+
+DRAIN_POLL_S = 0.25   # how often the admin state (and, once draining, the in-flight count) is read
+LOAD_INTERVAL_S = 0.5
+ETCD_WAIT_S = 5.0   # how long a start waits for etcd before going on (registering or syncing once it answers)
 
 
 def advertised_host(host: str) -> str:
@@ -33,19 +40,23 @@ def advertised_host(host: str) -> str:
 
 
 class RouterMembership:
-    """Owned by `run_router`: `config` None (a router on a static node list) keeps only the drain watch."""
+    """Owned by `run_router`; owns the drain state, which `app.RouterAPI` reads. `config` None (a router on a
+    static node list): no etcd record and no Load reports, only the drain watch (on the node source's admin
+    state). `stop_listening` and `exit_server` act on the HTTP server when a drain starts and ends."""
 
-    def __init__(self, router: Any, port: int, config: Any = None, stop_listening: Any = None,
-                 exit: Any = None) -> None:
-        self.router = router   # router.app.Router: its counters and draining flag
-        self.config = config   # RouterConfig: etcd, cluster, lease_ttl, credentials
+    def __init__(self, router: Router, port: int, config: RouterConfig | None = None,
+                 stop_listening: Callable[[], None] | None = None,
+                 exit_server: Callable[[], None] | None = None) -> None:
+        self.router = router   # read only: its settings, counters and cluster view
+        self.config = config
         self.port = port
-        self.stop_listening = stop_listening   # callables from the HTTP server
-        self.exit = exit
+        self.stop_listening = stop_listening
+        self.exit_server = exit_server
+        self.draining = False   # set once, by the drain watch; never cleared (the process exits drained)
         self.publisher = LoadPublisher(keys=router.cluster.keys)
         self.registration: Registration | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._tokens = (time.monotonic(), 0.0)   # (when, generation tokens then): tokens/s between reports
+        self._tasks: list[asyncio.Task[None]] = []
+        self._tokens = (time.monotonic(), 0)   # (when, tokens received then): the window of the next report
 
     def info(self) -> NodeInfo:
         s = self.router.settings
@@ -55,19 +66,20 @@ class RouterMembership:
                         metrics_addr=f"http://{host}:{self.port}/metrics")
 
     async def start(self) -> None:
-        if self.config is not None and getattr(self.config, "etcd", None):
+        config = self.config
+        if config is not None and config.etcd:
             self.publisher.bind(f"tcp://{self.router.settings.host or '0.0.0.0'}:0")
-            self.registration = Registration(list(self.config.etcd), self.config.cluster, self.info(),
-                                             ttl=getattr(self.config, "lease_ttl", 10),
+            self.registration = Registration(list(config.etcd), config.cluster, self.info(), ttl=config.lease_ttl,
                                              registry=self.router.metrics.registry,
-                                             credentials=EtcdCredentials.from_config(self.config))
+                                             credentials=EtcdCredentials.from_config(config))
             try:
-                if not await self.registration.start(wait=5.0):
+                if not await self.registration.start(wait=ETCD_WAIT_S):
                     log.warning("router %s: etcd did not answer yet; registering when it does", self.info().node_id)
             except NodeIdTaken:
                 self.registration = None
                 raise
-            self._tasks.append(asyncio.create_task(self.publisher.run(self.load, 0.5), name="router-load"))
+            self._tasks.append(asyncio.create_task(self.publisher.run(self.load, LOAD_INTERVAL_S),
+                                                   name="router-load"))
         self._tasks.append(asyncio.create_task(self._watch_drain(), name="router-drain"))
 
     async def stop(self) -> None:
@@ -80,29 +92,31 @@ class RouterMembership:
 
     async def _watch_drain(self) -> None:
         router = self.router
+        node_id = router.settings.node_id
         while True:
-            await asyncio.sleep(0.25)
-            if not router.draining and router.cluster.source.admin_state(router.settings.node_id) == "draining":
-                router.draining = True
-                log.info("router %s: draining (%d requests in flight)", router.settings.node_id, router.in_flight)
+            await asyncio.sleep(DRAIN_POLL_S)
+            if not self.draining and router.cluster.source.admin_state(node_id) == "draining":
+                self.draining = True
+                log.info("router %s: draining (%d requests in flight)", node_id, router.in_flight)
                 if self.stop_listening is not None:
                     self.stop_listening()
-            if router.draining and router.in_flight == 0:
-                log.info("router %s: drained; exiting", router.settings.node_id)
-                if self.exit is not None:
-                    self.exit()
+            if self.draining and router.in_flight == 0:
+                log.info("router %s: drained; exiting", node_id)
+                if self.exit_server is not None:
+                    self.exit_server()
                 return
 
     def _sample(self, name: str, labels: dict[str, str] | None = None) -> float:
         return self.router.metrics.registry.get_sample_value(name, labels or {}) or 0.0
 
     def load(self) -> Load:
+        """This report. `tokens_per_s`: generated (output) tokens received from decode nodes per second over
+        the window since the previous report (since start for the first), counted as they arrive."""
         r = self.router
-        now, tokens = time.monotonic(), self._sample("pdcluster_router_generation_tokens_total")
+        now, tokens = time.monotonic(), r.tokens_received
         then, before = self._tokens
         self._tokens = (now, tokens)
-        return Load(node_id=r.settings.node_id, role="router", running=r.in_flight,
-                    streams=len(r.decode.queues) if r.decode is not None else 0,
+        return Load(node_id=r.settings.node_id, role="router", running=r.in_flight, streams=r.open_streams,
                     tokens_per_s=(tokens - before) / (now - then) if now > then else 0.0,
                     errors=int(self._sample("pdcluster_router_requests_total", {"outcome": "failed"})),
-                    state="draining" if r.draining else "serving", timestamp=time.time())
+                    state="draining" if self.draining else "serving", timestamp=time.time())

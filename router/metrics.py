@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from contextlib import suppress
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pdcluster.control.metrics import E2E_BUCKETS, ITL_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, new_registry
+
+BACKEND_OUTCOMES = ("ok", "rejected", "failed")  # backend_requests' outcome label
 
 
 class RouterMetrics:
@@ -38,3 +42,12 @@ class RouterMetrics:
                                              buckets=TTFT_BUCKETS, registry=r)
         self.aborts = Counter("pdcluster_router_aborts_total", "Abort messages sent to decode nodes",
                               ("reason",), registry=r)
+
+    def forget_node(self, node_id: str) -> None:
+        """Remove a decode node's label children once it left the view: node ids carry the pid, so every restart
+        would add children that stay forever."""
+        for outcome in BACKEND_OUTCOMES:
+            with suppress(KeyError):   # prometheus_client before 0.21 raises for children never created
+                self.backend_requests.remove(node_id, outcome)
+        with suppress(KeyError):
+            self.backend_first_token.remove(node_id)

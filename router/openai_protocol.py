@@ -11,6 +11,7 @@ from typing import Any, Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.router.errors import APIError
 
 
@@ -53,7 +54,7 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = SamplingParams.max_tokens   # the engines' default (chat's: the rest of the context)
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

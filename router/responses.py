@@ -75,7 +75,7 @@ class ChunkWriter:
         self._text_templates: dict[int, tuple[bytes, bytes]] = {}   # choice index -> chunk around its text
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict | None = None) -> bytes:
-        body = dict(self.head, choices=choices)
+        body: dict[str, Any] = {**self.head, "choices": choices}
         if self.include_usage:
             body["usage"] = usage
         return sse(body)

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdcluster.router.detokenizer import BYTE_TOKEN, ByteTable, build_byte_table
+
+if TYPE_CHECKING:   # jinja2 loads with the first chat template
+    import jinja2
 
 
 @dataclass
@@ -56,7 +59,7 @@ class ServedModel:
     @classmethod
     def load(cls, name: str, path: str, max_model_len: int | None = None) -> "ServedModel":
         tokenizer = Tokenizer(path)
-        tokenizer.byte_table   # built now (tens of ms), not on the event loop by the first request
+        _ = tokenizer.byte_table   # built now (tens of ms), not on the event loop by the first request
         return cls(read_model_info(path, name, max_model_len), tokenizer)
 
 
@@ -81,7 +84,7 @@ class Tokenizer:
         self.eos_token_id = self.tk.token_to_id(eos) if eos else None
         self.vocab_size = self.tk.get_vocab_size(with_added_tokens=True)
         self.chat_template = _chat_template(path, config)
-        self._template = None
+        self._template: jinja2.Template | None = None
         self._token_strings: dict[int, str] = {}
         self._byte_table: ByteTable | None = None
         self._byte_table_built = False
@@ -174,7 +177,7 @@ def _chat_template(path: str, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _compile_chat_template(source: str):
+def _compile_chat_template(source: str) -> jinja2.Template:
     """The template in a sandboxed environment set up as transformers sets it up (trim/lstrip blocks, loop
     controls, `tojson` without ASCII escaping, `raise_exception`, `strftime_now`, `{% generation %}` tags)."""
     from datetime import datetime

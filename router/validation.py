@@ -7,7 +7,7 @@ Every refusal is a 400 in OpenAI's shape naming the field (`errors.bad_request`)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.router.errors import bad_request
@@ -47,8 +47,9 @@ def check_request(settings: RouterSettings, req: CompletionRequest | ChatComplet
         raise bad_request(f"stop: at most {s.max_stop_strings} stop strings, got {len(stops)}", param="stop")
     if any(len(stop) > s.max_stop_chars for stop in stops):
         raise bad_request(f"stop: stop strings may be at most {s.max_stop_chars} characters", param="stop")
-    if len(req.stop_token_ids or []) > s.max_stop_token_ids:
-        raise bad_request(f"stop_token_ids: at most {s.max_stop_token_ids} ids, got {len(req.stop_token_ids)}",
+    stop_ids = req.stop_token_ids or []
+    if len(stop_ids) > s.max_stop_token_ids:
+        raise bad_request(f"stop_token_ids: at most {s.max_stop_token_ids} ids, got {len(stop_ids)}",
                           param="stop_token_ids")
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", param="logit_bias")
@@ -69,7 +70,7 @@ def completion_prompt(model: ServedModel, req: CompletionRequest) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         return model.tokenizer.encode(prompt)
-    return check_ids(model, prompt, "prompt")
+    return check_ids(model, cast(list[int], prompt), "prompt")   # the request model's union: ids by now
 
 
 def chat_prompt(model: ServedModel, req: ChatCompletionRequest) -> list[int]:

@@ -47,7 +47,7 @@ def serve_workers(config: Any) -> int:
         nonlocal stopping
         stopping = True
         for proc in procs:
-            if proc.is_alive():
+            if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, signal.SIGTERM)
 
     for sig in (signal.SIGTERM, signal.SIGINT):

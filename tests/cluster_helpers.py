@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import openai
 
-from pdcluster.cli.up import LocalCluster, scrape_metrics
+from pdcluster.cli.smoke import scrape_metrics
+from pdcluster.cli.supervisor import LocalCluster
 
 
 def node_metrics(cluster: LocalCluster, kind: str) -> dict[str, dict[str, float]]:

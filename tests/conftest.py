@@ -37,14 +37,15 @@ def tiny_models(tiny_llama, tiny_qwen2, tiny_mistral) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def checked_engine(model: str, **kwargs):
-    """An LLMEngine that must end with no request left (running, waiting, waiting for remote KV or holding
-    blocks) and every KV block free again."""
+def checked_engine(model: str, kv_connector=None, **kwargs):
+    """An LLMEngine (`EngineArgs(model=model, **kwargs)`) that must end with no request left (running,
+    waiting, waiting for remote KV or holding blocks) and every KV block free again."""
+    from pdcluster.engine.args import EngineArgs
     from pdcluster.engine.llm_engine import LLMEngine
 
     kwargs.setdefault("num_gpu_blocks_override", 256)
     kwargs.setdefault("dtype", "float32")   # the references are fp32 transformers; "auto" is bf16 on a GPU
-    engine = LLMEngine.from_args(model, **kwargs)
+    engine = LLMEngine(EngineArgs(model=model, **kwargs), kv_connector)
     start = engine.get_stats().num_free_blocks
     try:
         yield engine
@@ -55,7 +56,7 @@ def checked_engine(model: str, **kwargs):
     stats = engine.get_stats()
     assert stats.num_reserved_blocks == 0 and stats.num_waiting_for_kv == 0, "reservations leaked"
     assert stats.num_free_blocks == start, f"leaked {start - stats.num_free_blocks} KV blocks"
-    assert all(c == 0 for c in engine.block_manager.ref_counts), "non-zero block ref counts"
+    assert all(c == 0 for c in engine.scheduler.block_manager.ref_counts), "non-zero block ref counts"
 
 
 @pytest.fixture

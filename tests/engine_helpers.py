@@ -57,7 +57,7 @@ def run_staggered(engine, prompts: list[list[int]], params=GREEDY, first: int = 
 
 def run_all(engine, prompts, params=GREEDY, prefix: str = "r") -> list[list[int]]:
     params_list = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (p, sp) in enumerate(zip(prompts, params_list)):
+    for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True)):
         engine.add_request(f"{prefix}{i}", p, sp)
     results: dict[str, list[int]] = {}
     steps = 0

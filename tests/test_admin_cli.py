@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdcluster.cli.up import LocalCluster, scrape_metrics
+from pdcluster.cli.smoke import scrape_metrics
+from pdcluster.cli.supervisor import LocalCluster
 from pdcluster.control.etcd_server import free_port
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
@@ -144,10 +145,13 @@ async def test_cordon_stops_new_traffic_and_uncordon_restores_it(cluster):
     d0, d1 = cluster.service("decode-0"), cluster.service("decode-1")
     async with Traffic(cluster) as load:
         await in_thread(wait_until, lambda: load.ok >= 4, 60, "the load to start")
-        # Live numbers come from the Load reports: decode tokens/s and prefill KV transfer GB/s.
+        # Live numbers come from the Load reports: generated tokens/s, prefill tokens/s and KV transfer GB/s.
         await in_thread(wait_until, lambda: (lambda n: n["decode-1"]["tokens_per_s"] > 0
                                              and n["prefill-0"]["transfer_gbps"] > 0)(status(cluster)),
                         30, "live rates in status")
+        await in_thread(wait_until, lambda: status(cluster)["prefill-0"]["prefill_tokens_per_s"] > 0, 30,
+                        "prefill tokens/s in status")
+        assert status(cluster)["decode-0"]["prefill_tokens_per_s"] is None   # a prefill-node figure
         r = await in_thread(cli, cluster, "cordon", "decode-0", "--reason", "test")
         assert r.returncode == 0, r.stderr
         # The node itself reports it, and its requests already admitted drain out.

@@ -11,10 +11,11 @@ import httpx
 import msgpack
 import pytest
 from router_fakes import make_tokenizer_dir, wait_until
-from test_router_api import SCRIPT_TEXT, Env, expected
+from router_helpers import SCRIPT_TEXT, Env, expected
 
 from pdcluster.control.protocol import PROTOCOL_VERSION, ProtocolError, TokenBatch, Tokens, decode, encode
-from pdcluster.decode_node.streams import step_tokens
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.decode_node.request import DecodeRequest, State
 
 
 def test_token_batch_round_trips_and_leaves_defaults_off_the_wire() -> None:
@@ -38,17 +39,17 @@ def test_token_batch_items_are_checked_like_tokens(item) -> None:
 
 
 def test_step_tokens_numbers_positions_and_sends_a_held_backlog_first() -> None:
-    req = SimpleNamespace(rid="r.1", router=b"r", prompt_ids=[1, 2, 3], prefill_path="local", num_cached_tokens=0,
-                          first_sent=False, sent=0, backlog=None)
+    req = DecodeRequest(rid="r.1", owner=b"r", prompt_ids=[1, 2, 3], params=SamplingParams(), deadline=0.0,
+                        prefill_node="", state=State.ENGINE)
     out = SimpleNamespace(new_token_ids=[10], logprobs=[(-0.1, [(10, -0.1)])], finished=False, finish_reason=None,
                           num_cached_tokens=2)
-    first = step_tokens(req, out)
+    first = req.tokens(out)
     assert (first.ids, first.pos, first.num_prompt_tokens, first.num_cached_tokens) == ([10], 0, 3, 2)
     assert first.logprobs == [[-0.1, [[10, -0.1]]]]
-    req.backlog = first   # the router could not take it: held
+    req.hold(first)   # the router could not take it: held
     out2 = SimpleNamespace(new_token_ids=[11, 12], logprobs=[(-0.2, []), (-0.3, [])], finished=True,
                            finish_reason="length", num_cached_tokens=2)
-    merged = step_tokens(req, out2)
+    merged = req.tokens(out2)
     assert merged.ids == [10, 11, 12] and merged.pos == 0 and merged.finish == "length"
     assert [lp[0] for lp in merged.logprobs] == [-0.1, -0.2, -0.3] and req.backlog is None and req.sent == 3
 
@@ -96,7 +97,7 @@ def test_concurrent_streams_from_shared_batches_keep_order_and_logprobs(env: Env
     bodies = [{"prompt": "Hello", "max_tokens": 6 + i % 3, "logprobs": 2} for i in range(8)]
     results = _run_all(env.server.url, bodies)
     assert max(len(b.items) for b in node.batches) >= 2   # the streams really shared frames
-    for body, chunks in zip(bodies, results):
+    for body, chunks in zip(bodies, results, strict=True):
         n = body["max_tokens"]
         assert "".join(c["choices"][0]["text"] for c in chunks) == expected(env, n)
         lps = [v for c in chunks if c["choices"][0]["logprobs"] for v in c["choices"][0]["logprobs"]["token_logprobs"]]
@@ -158,7 +159,7 @@ async def test_a_real_decode_node_sends_one_frame_per_step_for_all_requests_of_a
     """Three requests from one router on a real decode node: their tokens come as `TokenBatch` frames (one
     per engine step), each request's items in order with consecutive `pos`, logprobs per token, and the
     same greedy tokens as a request run alone."""
-    from test_node_services import PROMPT, WAIT, assert_idle, node_config, serving
+    from node_helpers import PROMPT, WAIT, assert_idle, node_config, serving
 
     from pdcluster.control.protocol import Generate, Progress
     from pdcluster.control.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import bounded, client, complete, node_metrics, total, wait_idle
 
-from pdcluster.cli.up import LocalCluster
+from pdcluster.cli.supervisor import LocalCluster
 from pdcluster.control.etcd_client import close_quietly, connect
 from pdcluster.control.queries import list_nodes
 

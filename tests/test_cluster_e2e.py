@@ -16,7 +16,8 @@ import openai
 import pytest
 from cluster_helpers import client, node_metrics, total, wait_idle
 
-from pdcluster.cli.up import LocalCluster, scrape_metrics
+from pdcluster.cli.smoke import scrape_metrics
+from pdcluster.cli.supervisor import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -134,7 +135,7 @@ async def test_concurrent_requests_match_offline_and_go_through_prefill(cluster,
     api = client(cluster)
     results = await asyncio.gather(*(run_request(api, kind, prompt, stream, n)
                                      for kind, prompt, _, stream, n in cases))
-    for (kind, prompt, ids, stream, n), (text, finish, usage) in zip(cases, results):
+    for (kind, prompt, ids, stream, n), (text, finish, usage) in zip(cases, results, strict=True):
         want = offline(ids, n)
         assert text == expected_text(tokenizer, want), (kind, prompt, stream)
         assert usage == len(want)
@@ -218,7 +219,7 @@ async def test_new_node_gets_traffic_then_drains_on_sigterm_without_failures(clu
     for _ in range(10):
         later.append(asyncio.create_task(run_request(api, "completion", ids, False, 8)))
         await asyncio.sleep(0.1)
-    for text, finish, _ in await asyncio.gather(*inflight):
+    for text, _finish, _ in await asyncio.gather(*inflight):
         assert text == long_want
     for text, _, _ in await asyncio.gather(*later):
         assert text == want

@@ -18,7 +18,7 @@ def _batch(engine, prompts: list[list[int]]) -> tuple[ScheduledBatch, list[Seque
     seqs = []
     for i, p in enumerate(prompts):
         seq = Sequence(f"s{i}", p, SamplingParams(max_tokens=1), [], len(p) + 1, 0)
-        assert engine.block_manager.allocate(seq, len(p))
+        assert engine.scheduler.block_manager.allocate(seq, len(p))
         seqs.append(seq)
     return ScheduledBatch(seqs, [len(p) for p in prompts]), seqs
 
@@ -30,7 +30,7 @@ def test_attention_op_equals_the_eager_layer_call(tiny_llama, make_engine):
     runner = engine.runner
     batch, seqs = _batch(engine, make_prompts([5, 17, 40], seed=1))
     try:
-        inputs, _ = runner._prepare(batch)
+        inputs, _ = runner.prepare(batch)
         with torch.inference_mode():
             meta = runner.attn_backend.prepare(inputs.meta)
             want = runner.model.model(inputs.ids, inputs.positions, meta)
@@ -39,7 +39,7 @@ def test_attention_op_equals_the_eager_layer_call(tiny_llama, make_engine):
         assert torch.equal(got, want)
     finally:
         for seq in seqs:
-            engine.block_manager.free(seq)
+            engine.scheduler.block_manager.free(seq)
 
 
 def test_compiled_body_is_off_by_default(tiny_llama, make_engine):

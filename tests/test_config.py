@@ -308,9 +308,9 @@ def test_every_declared_knob_is_settable_from_file_env_and_flags(kind, tmp_path)
         path = tmp_path / f"{f.name}.yaml"
         path.write_text(yaml.safe_dump({**base, f.name: value}))
         env = {env_name(k): _text(v) for k, v in {**base, f.name: value}.items()}
-        ways = {"file": lambda: load_config(kind, path, env={}),
-                "env": lambda: load_config(kind, env=env),
-                "flag": lambda: load_config(kind, overrides=_flags(kind, argv), env={})}
+        ways = {"file": lambda path=path: load_config(kind, path, env={}),
+                "env": lambda env=env: load_config(kind, env=env),
+                "flag": lambda argv=argv: load_config(kind, overrides=_flags(kind, argv), env={})}
         for way, load in ways.items():
             if f.name in ONLY_DEFAULT:
                 with pytest.raises(ValueError, match=ONLY_DEFAULT[f.name]):
@@ -339,6 +339,23 @@ def test_config_classes_derive_from_the_declarations():
     args = engine_args_from_config(cfg, kv_pool_factory=print)
     assert (args.max_num_seqs, args.kv_cache_memory, args.max_model_len, args.dtype) == (7, 1 << 20, None, "bfloat16")
     assert args.kv_pool_factory is print and args.device == "auto"
+
+
+def test_node_config_declares_exactly_the_engine_knobs():
+    """NodeConfig declares the engine knobs by name (for the type checker); they cannot drift from EngineArgs:
+    the same names in the same order, the same types, and each one's help, choices and parser from EngineArgs."""
+    from pdcluster.node.config import ENGINE_KNOBS, engine_knob
+
+    engine = settings(EngineArgs)
+    own = [f for f in dataclasses.fields(NodeConfig) if f.name in {e.name for e in engine}]
+    assert [f.name for f in own] == [f.name for f in engine] == list(ENGINE_KNOBS)
+    for node_field, engine_field in zip(own, engine, strict=True):
+        assert node_field.type == engine_field.type and field_type(node_field) == field_type(engine_field)
+        assert node_field.metadata == engine_field.metadata
+    with pytest.raises(ValueError, match="kv_pool_factory is not a setting"):
+        engine_knob("kv_pool_factory")
+    with pytest.raises(KeyError):
+        engine_knob("no_such_knob")
 
 
 def test_router_docs_list_only_settable_settings():

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdcluster.cli.up import LocalCluster, smoke_request, sweep_stale_work_dirs
+from pdcluster.cli.smoke import smoke_request
+from pdcluster.cli.supervisor import LocalCluster, sweep_stale_work_dirs
 from pdcluster.control.process import pid_alive
 from pdcluster.kv_transfer import shm
 from pdcluster.kv_transfer.shm import POOL_PREFIX, SHM_DIR, SharedKVPool, sweep_dead_pools
@@ -120,12 +121,13 @@ def test_a_pool_larger_than_dev_shm_is_refused_with_the_numbers():
 
 
 def test_kv_cache_memory_beyond_available_ram_fails_at_start(tiny_llama):
+    from pdcluster.engine.args import EngineArgs
     from pdcluster.engine.device import available_memory_bytes
     from pdcluster.engine.llm_engine import LLMEngine
 
     too_much = available_memory_bytes() + (8 << 30)
     with pytest.raises(ValueError, match=r"kv_cache_memory: .* GiB asked .* GiB of memory available"):
-        LLMEngine.from_args(tiny_llama, kv_cache_memory=too_much)
+        LLMEngine(EngineArgs(model=tiny_llama, kv_cache_memory=too_much))
 
 
 def test_default_cpu_pools_share_the_available_memory():
@@ -136,13 +138,14 @@ def test_default_cpu_pools_share_the_available_memory():
     assert 3 * three <= available_memory_bytes() * 0.9 / 2 + 3
 
 
-def test_local_cluster_splits_memory_among_its_nodes_and_refuses_pools_that_do_not_fit(tmp_path):
+def test_local_cluster_splits_memory_among_its_nodes_and_refuses_pools_that_do_not_fit(tmp_path, tiny_llama):
+    from pdcluster.cli.sizing import size_node_memory
     from pdcluster.engine.device import available_memory_bytes
 
-    shared = LocalCluster(model="unused", num_prefill=1, num_decode=2, work_dir=tmp_path)
-    shared._size_kv_pools()
-    assert 3 * shared.node_config["kv_cache_memory"] <= available_memory_bytes() // 2
-    too_big = LocalCluster(num_prefill=1, num_decode=2, port=0, work_dir=tmp_path,
+    shared: dict = {}
+    size_node_memory(shared, 3)
+    assert 3 * shared["kv_cache_memory"] <= available_memory_bytes() // 2
+    too_big = LocalCluster(model=tiny_llama, num_prefill=1, num_decode=2, port=0, work_dir=tmp_path,
                            node_config={"kv_cache_memory": available_memory_bytes() // 2})
     with pytest.raises(ValueError, match=r"3 nodes x .* GiB of KV pools, but this host has .* GiB available"):
         too_big.start()
@@ -151,8 +154,8 @@ def test_local_cluster_splits_memory_among_its_nodes_and_refuses_pools_that_do_n
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_sigkilled_nodes_leave_no_pool_once_a_node_restarts_or_the_cluster_stops(tmp_path):
-    cluster = LocalCluster(num_prefill=1, num_decode=1, port=0, work_dir=tmp_path, threads_per_node=1,
+def test_sigkilled_nodes_leave_no_pool_once_a_node_restarts_or_the_cluster_stops(tmp_path, tiny_llama):
+    cluster = LocalCluster(model=tiny_llama, num_prefill=1, num_decode=1, port=0, work_dir=tmp_path, threads_per_node=1,
                            node_config={"kv_cache_memory": "8MiB", "max_num_seqs": 8, "device": "cpu"})
     with cluster:
         decode, prefill = cluster.service("decode-0"), cluster.service("prefill-0")
@@ -253,11 +256,11 @@ def test_a_sigkilled_pdcluster_up_takes_its_children_and_the_next_run_removes_it
 
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
-def test_local_cluster_restarts_a_node_that_dies_while_the_others_keep_serving(tmp_path, monkeypatch):
-    from pdcluster.cli import up
+def test_local_cluster_restarts_a_node_that_dies_while_the_others_keep_serving(tmp_path, monkeypatch, tiny_llama):
+    from pdcluster.cli import supervisor
 
-    monkeypatch.setattr(up, "RESTART_BACKOFF", (0.5,))
-    cluster = LocalCluster(num_prefill=1, num_decode=2, port=0, work_dir=tmp_path, threads_per_node=1,
+    monkeypatch.setattr(supervisor, "RESTART_BACKOFF", (0.5,))
+    cluster = LocalCluster(model=tiny_llama, num_prefill=1, num_decode=2, port=0, work_dir=tmp_path, threads_per_node=1,
                            node_config={"kv_cache_memory": "8MiB", "max_num_seqs": 8, "device": "cpu"})
     with cluster:
         victim, other = cluster.service("decode-0"), cluster.service("decode-1")
@@ -275,4 +278,4 @@ def test_local_cluster_restarts_a_node_that_dies_while_the_others_keep_serving(t
         health = cluster.wait_ready(1, 2, timeout=120, nodes={"decode-0", "decode-1", "prefill-0"})
         assert {"decode-0", "decode-1"} <= set(health["decode_nodes"])
         assert other.proc.pid == other_pid and other.alive   # untouched
-        assert smoke_request(cluster.url, "tiny-llama")["choices"][0]["finish_reason"] == "length"
+        assert smoke_request(cluster.url, os.path.basename(tiny_llama))["choices"][0]["finish_reason"] == "length"

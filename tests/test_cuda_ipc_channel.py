@@ -4,6 +4,7 @@ a socket pair, a real receiver and a sender in another process, and when `kv_bac
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import multiprocessing as mp
 import os
@@ -57,7 +58,7 @@ def channels(cpu_path):
 
 
 def write(tx, rx, part, l0, l1, before_receive=None):
-    checksum = tx.write_runs("tok", part, l0, l1, lambda c: {"op": "write"})
+    checksum = tx.write_runs("tok", part, l0, l1, lambda c, n: {"op": "write"})
     frame = rx.wire.recv()
     assert frame["nbytes"] == rx.wire_bytes(sum(n for _, _, n in part), l0, l1)
     if before_receive:
@@ -146,7 +147,7 @@ def test_round_trip_between_processes(device, monkeypatch):
         status, value, backend = parent.recv()
         proc.join(10)
         assert status == "ok" and backend == "cuda_ipc", value
-        res = rx.wait_blocking("a", 10)
+        res = asyncio.run(rx.wait("a", 10))
         assert res.ok and res.checksum == value
         want = blocks_of(source_on("cpu"), [0, 5, 6, 15])
         assert torch.equal(blocks_of(dst_pool, [7, 2, 3, 12]).cpu().view(torch.int16), want.view(torch.int16))
@@ -192,7 +193,7 @@ def test_pdcluster_up_on_one_gpu_shares_it(caplog):
     """`pdcluster up` with one GPU for a prefill and a decode node: both see it (no visible-devices split), each
     sizes its KV pool from half the usual fraction of the memory it finds free, and the log says KV goes
     through cuda_ipc."""
-    from pdcluster.cli.up import node_device_env, shared_memory_fraction
+    from pdcluster.cli.sizing import node_device_env, shared_memory_fraction
 
     one = lambda device: 1   # noqa: E731
     assert node_device_env("cuda", 1, 0, 2, one) == node_device_env("cuda", 1, 1, 2, one) == {}

@@ -492,10 +492,11 @@ class UnitProcess:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 return self.proc.wait(float(self.unit.get("Service.TimeoutStopSec", ["90"])[0]))
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as timeout:
                 self.proc.kill()
                 self.proc.wait(10)
-                raise AssertionError(f"{self.argv} ignored SIGTERM for TimeoutStopSec; log:\n{self.tail()}")
+                log = self.tail()
+                raise AssertionError(f"{self.argv} ignored SIGTERM for TimeoutStopSec; log:\n{log}") from timeout
         return self.proc.returncode
 
     def tail(self) -> str:

@@ -1,5 +1,6 @@
-"""Engine APIs and bad input: errors that name the problem, abort/hold/release, the P/D flow through
-the decode-node entry points (reserve_remote, add_prefilled), LLM and AsyncLLMEngine, the KV pool,
+"""Engine APIs and bad input: errors that name the problem, abort/hold_blocks, the P/D flow through the
+decode-node entry points (add_request(remote_kv=True), remote_kv_landed / remote_kv_failed), the per-step
+delta outputs, LLM and AsyncLLMEngine, the KV pool,
 the attention backends and the device layer. Scheduler, block manager, KV connector and block hash
 units are in test_engine_core.py."""
 
@@ -19,6 +20,24 @@ from engine_helpers import GREEDY, hf_greedy, make_prompts, run_all
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import EngineArgs
 from pdcluster.engine.kv_cache import KVCachePool
+from pdcluster.engine.kv_connector import KVConnector
+
+
+class Reservations(KVConnector):
+    """Records what `on_remote_reserved` reports: request id -> (block ids, num_cached_tokens)."""
+
+    def __init__(self) -> None:
+        self.reserved: dict[str, tuple[list[int], int]] = {}
+
+    def on_remote_reserved(self, request_id, block_ids, num_cached_tokens):
+        self.reserved[request_id] = (list(block_ids), num_cached_tokens)
+
+
+def reserve(engine, request_id, prompt, params=GREEDY):
+    """add_request(remote_kv=True): (block ids, num_cached_tokens) from the connector, or None when refused."""
+    if not engine.add_request(request_id, prompt, params, remote_kv=True):
+        return None
+    return engine.kv_connector.reserved[request_id]
 
 # ---- loading errors ---------------------------------------------------------------------------
 
@@ -32,20 +51,20 @@ def test_missing_model_dir_config_and_weights_are_named(tmp_path, tiny_llama):
     from pdcluster.engine.llm_engine import LLMEngine
 
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        LLMEngine.from_args(str(tmp_path / "nope"))
+        LLMEngine(EngineArgs(model=str(tmp_path / "nope")))
     no_cfg = _copy(tiny_llama, tmp_path / "nocfg")
     os.remove(os.path.join(no_cfg, "config.json"))
     with pytest.raises(FileNotFoundError, match="config.json"):
-        LLMEngine.from_args(no_cfg)
+        LLMEngine(EngineArgs(model=no_cfg))
     no_w = _copy(tiny_llama, tmp_path / "now")
     os.remove(os.path.join(no_w, "model.safetensors"))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
-        LLMEngine.from_args(no_w, num_gpu_blocks_override=8)
+        LLMEngine(EngineArgs(model=no_w, num_gpu_blocks_override=8))
     no_tok = _copy(tiny_llama, tmp_path / "notok")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         os.remove(os.path.join(no_tok, f))
     with pytest.raises(FileNotFoundError, match="tokenizer"):
-        LLMEngine.from_args(no_tok)
+        LLMEngine(EngineArgs(model=no_tok))
 
 
 def test_unsupported_architecture_lists_supported(tmp_path, tiny_llama):
@@ -57,7 +76,7 @@ def test_unsupported_architecture_lists_supported(tmp_path, tiny_llama):
     cfg["architectures"], cfg["model_type"] = ["GPT2LMHeadModel"], "gpt2"
     json.dump(cfg, open(cfg_path, "w"))
     with pytest.raises(ValueError, match=r"GPT2LMHeadModel.*LlamaForCausalLM.*MistralForCausalLM.*Qwen2ForCausalLM"):
-        LLMEngine.from_args(d)
+        LLMEngine(EngineArgs(model=d))
 
 
 def test_bad_requests_raise_value_errors_naming_the_field(tiny_llama, make_engine):
@@ -124,7 +143,7 @@ def test_stop_rules_eos_stop_ids_min_tokens_max_tokens(tiny_llama, make_engine):
     assert outs[-1].finish_reason == "length" and outs[-1].outputs[0].token_ids == free_run[:3]
 
 
-def test_hold_blocks_keeps_blocks_until_release_and_they_feed_the_prefix_cache(tiny_llama, make_engine):
+def test_hold_blocks_keeps_blocks_until_abort_and_they_feed_the_prefix_cache(tiny_llama, make_engine):
     engine = make_engine(tiny_llama)
     start = engine.get_stats().num_free_blocks
     prompt = make_prompts([70], seed=40)[0]
@@ -132,7 +151,7 @@ def test_hold_blocks_keeps_blocks_until_release_and_they_feed_the_prefix_cache(t
     outs = engine.step()
     assert outs[0].finished and len(outs[0].block_ids) == 5
     assert engine.get_stats().num_free_blocks == start - 5 and not engine.has_unfinished_requests()
-    engine.release("p")
+    engine.abort("p")
     assert engine.get_stats().num_free_blocks == start
     run_all(engine, [prompt + [7]], GREEDY)
     assert engine.get_stats().prefix_cache_hit_tokens == 64
@@ -143,22 +162,22 @@ def test_prefill_engine_to_decode_engine_via_reserved_blocks(tiny_llama, make_en
     """The P/D flow in one process: D reserves blocks for the prompt, P prefills with hold_blocks, its
     blocks are copied into D's, D decodes from the first token. Output must equal a local run."""
     prefill = make_engine(tiny_llama)
-    decode = make_engine(tiny_llama, num_gpu_blocks_override=64)
+    decode = make_engine(tiny_llama, kv_connector=Reservations(), num_gpu_blocks_override=64)
     prompts = make_prompts([1, 37, 100, 16], seed=50)
     want = hf_greedy(tiny_llama, prompts)
     first_outputs = []
     for i, p in enumerate(prompts):
-        blocks, cached = decode.reserve_remote(f"d{i}", p, GREEDY)
+        blocks, cached = reserve(decode, f"d{i}", p, GREEDY)
         assert cached == 0 and len(blocks) == -(-len(p) // 16)
         prefill.add_request(f"p{i}", p, SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
         out = prefill.step()[0]
-        for src, dst in zip(out.block_ids, blocks):
+        for src, dst in zip(out.block_ids, blocks, strict=True):
             decode.kv_pool.block(dst).copy_(prefill.kv_pool.block(src))
-        prefill.release(f"p{i}")
+        prefill.abort(f"p{i}")
         if i == 0:
             assert decode.get_stats().num_waiting_for_kv == 1 and not decode.step()   # never scheduled while waiting
-        first_outputs.append(decode.add_prefilled(f"d{i}", out.new_token_ids[0]))
-    assert all(o.new_token_ids == [w[0]] for o, w in zip(first_outputs, want))
+        first_outputs.append(decode.remote_kv_landed(f"d{i}", out.new_token_ids[0]))
+    assert all(o.new_token_ids == [w[0]] for o, w in zip(first_outputs, want, strict=True))
     got = {}
     while decode.has_unfinished_requests():
         for o in decode.step():
@@ -166,49 +185,134 @@ def test_prefill_engine_to_decode_engine_via_reserved_blocks(tiny_llama, make_en
                 got[o.request_id] = o.outputs[0].token_ids
     assert [got[f"d{i}"] for i in range(len(prompts))] == want
     # The prefilled prompt blocks went into D's prefix cache: a new reservation shares them.
-    blocks, cached = decode.reserve_remote("again", prompts[2], GREEDY)
+    blocks, cached = reserve(decode, "again", prompts[2], GREEDY)
     assert cached == 96 and decode.get_stats().num_reserved_blocks == len(blocks) == 7
     decode.abort("again")
 
 
-def test_reserve_remote_limits_lifecycle_and_errors(tiny_llama, make_engine):
-    decode = make_engine(tiny_llama, num_gpu_blocks_override=8)
-    assert len(decode.reserve_remote("x", [6] * 100, GREEDY)[0]) == 7
-    assert decode.reserve_remote("big", [5] * 20, GREEDY) is None
+def test_remote_kv_reservation_limits_lifecycle_and_errors(tiny_llama, make_engine):
+    decode = make_engine(tiny_llama, kv_connector=Reservations(), num_gpu_blocks_override=8)
+    assert len(reserve(decode, "x", [6] * 100, GREEDY)[0]) == 7
+    assert reserve(decode, "big", [5] * 20, GREEDY) is None
     assert decode.get_stats().num_waiting_for_kv == 1      # a failed reservation leaves nothing behind
     decode.abort("x")
-    blocks, _ = decode.reserve_remote("one", [5] * 20, SamplingParams(max_tokens=1))
+    blocks, _ = reserve(decode, "one", [5] * 20, SamplingParams(max_tokens=1))
     stats = decode.get_stats()
     assert len(blocks) == 2 and stats.num_free_blocks == 6 and stats.num_reserved_blocks == 2
     assert not decode.has_unfinished_requests()            # waiting for KV is not schedulable work
-    out = decode.add_prefilled("one", 9)
+    out = decode.remote_kv_landed("one", 9)
     assert out.finished and out.finish_reason == "length" and out.outputs[0].token_ids == [9]
     assert decode.get_stats().num_free_blocks == 8 and not decode.has_unfinished_requests()
     with pytest.raises(ValueError, match="request_id"):
-        decode.add_prefilled("one", 9)                    # finished: no longer waiting
-    decode.reserve_remote("two", [5] * 3, GREEDY)
+        decode.remote_kv_landed("one", 9)                    # finished: no longer waiting
+    reserve(decode, "two", [5] * 3, GREEDY)
     with pytest.raises(ValueError, match="request_id"):
-        decode.reserve_remote("two", [5] * 3, GREEDY)
+        reserve(decode, "two", [5] * 3, GREEDY)
     with pytest.raises(ValueError, match="not waiting for remote KV"):
-        decode.add_prefilled("nope", 9)
+        decode.remote_kv_landed("nope", 9)
     decode.abort("two")
     decode.abort("two")     # idempotent
     assert decode.get_stats().num_reserved_blocks == 0
 
 
 def test_two_reservations_sharing_a_cached_prefix(tiny_llama, make_engine):
-    engine = make_engine(tiny_llama, num_gpu_blocks_override=16)
+    engine = make_engine(tiny_llama, kv_connector=Reservations(), num_gpu_blocks_override=16)
     prompt = make_prompts([40], seed=70)[0]
     run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=1))      # caches 2 full blocks
-    a, cached_a = engine.reserve_remote("a", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
-    b, cached_b = engine.reserve_remote("b", prompt, GREEDY)
+    a, cached_a = reserve(engine, "a", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
+    b, cached_b = reserve(engine, "b", prompt, GREEDY)
     assert cached_a == cached_b == 32 and a[:2] == b[:2] and a[2] != b[2]
     assert engine.get_stats().num_reserved_blocks == 6      # shared blocks count once per reservation
-    out = engine.add_prefilled("a", 5)
+    out = engine.remote_kv_landed("a", 5)
     assert not out.finished and out.num_cached_tokens == 32
     engine.abort("b")
     while engine.has_unfinished_requests():
         engine.step()
+
+
+def test_remote_kv_reserved_hook_runs_before_add_request_returns_and_refusal_adds_nothing(tiny_llama, make_engine):
+    calls = []
+
+    class Hook(KVConnector):
+        def on_remote_reserved(self, request_id, block_ids, num_cached_tokens):
+            stats = engine.get_stats()
+            calls.append((request_id, list(block_ids), num_cached_tokens, stats.num_waiting_for_kv))
+
+    engine = make_engine(tiny_llama, kv_connector=Hook(), num_gpu_blocks_override=8)
+    assert engine.add_request("r", [5] * 40, GREEDY, remote_kv=True) is True
+    assert len(calls) == 1 and calls[0][0] == "r" and len(calls[0][1]) == 3 and calls[0][2:] == (0, 1)
+    assert engine.add_request("big", [5] * 100, GREEDY, remote_kv=True) is False
+    assert len(calls) == 1 and "big" not in engine.scheduler.requests and engine.get_stats().num_free_blocks == 5
+    assert engine.add_request("local", [5, 6], GREEDY) is True and len(calls) == 1   # no hook for a local prefill
+    engine.abort("local")
+    engine.abort("r")
+
+
+def test_a_failing_reserved_hook_leaves_nothing_behind(tiny_llama, make_engine):
+    class Broken(KVConnector):
+        def on_remote_reserved(self, request_id, block_ids, num_cached_tokens):
+            raise RuntimeError("no receiver")
+
+    engine = make_engine(tiny_llama, kv_connector=Broken(), num_gpu_blocks_override=8)
+    with pytest.raises(RuntimeError, match="no receiver"):
+        engine.add_request("r", [5] * 40, GREEDY, remote_kv=True)
+    assert not engine.scheduler.requests and engine.get_stats().num_free_blocks == 8
+
+
+def test_remote_kv_failed_falls_back_to_a_local_prefill_with_the_same_output(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama, kv_connector=Reservations(), num_gpu_blocks_override=32)
+    prompts = make_prompts([40, 23], seed=80)
+    want = hf_greedy(tiny_llama, prompts)
+    run_all(engine, [prompts[0][:32]], SamplingParams(temperature=0, max_tokens=1), "warm")   # 2 cached blocks
+    blocks, cached = reserve(engine, "a", prompts[0])
+    assert cached == 32 and len(blocks) == 3
+    reserve(engine, "b", prompts[1])
+    start = engine.get_stats()
+    assert start.num_waiting_for_kv == 2 and not engine.has_unfinished_requests()
+    engine.remote_kv_failed("a")
+    with pytest.raises(ValueError, match="not waiting for remote KV"):
+        engine.remote_kv_failed("a")   # failed once only
+    engine.remote_kv_failed("unknown")   # no-op
+    stats = engine.get_stats()
+    assert stats.num_waiting_for_kv == 1 and stats.num_waiting == 1 and engine.has_unfinished_requests()
+    assert stats.num_free_blocks == start.num_free_blocks + 3   # the 2 cached ones stay in the prefix cache, free
+    got = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = (o.outputs[0].token_ids, o.num_cached_tokens)
+    assert got["a"] == (want[0], 32)            # prefix hits matched again at scheduling
+    engine.remote_kv_failed("b")
+    assert engine.has_unfinished_requests()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = (o.outputs[0].token_ids, o.num_cached_tokens)
+    assert got["b"] == (want[1], 0)
+
+
+def test_step_outputs_are_deltas_and_the_finished_one_carries_the_whole_completion(tiny_llama, make_engine):
+    engine = make_engine(tiny_llama)
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert len(outs) == 6 and [o.finished for o in outs] == [False] * 5 + [True]
+    assert all(o.outputs == [] and o.finish_reason is None and o.text == "" for o in outs[:-1])
+    assert all(len(o.new_token_ids) == 1 and len(o.logprobs) == 1 for o in outs)
+    last = outs[-1]
+    completion = last.outputs[0]
+    assert last.finish_reason == completion.finish_reason == "length"
+    assert completion.token_ids == [t for o in outs for t in o.new_token_ids]
+    assert completion.logprobs == [lp for o in outs for lp in o.logprobs]
+    assert completion.cumulative_logprob == pytest.approx(sum(lp[0] for lp in completion.logprobs))
+    assert all(lp[0] <= 0 and len(lp[1]) == 2 for lp in completion.logprobs)
+    engine.add_request("plain", [5, 6, 7], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            assert o.logprobs is None
+            if o.finished:
+                assert o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None
 
 
 # ---- offline and async APIs -------------------------------------------------------------------
@@ -326,6 +430,43 @@ def test_kv_pool_layout_views_and_external_tensor(tiny_llama, make_engine):
         KVCachePool(10, 2, 8, 2, 16, torch.float32, tensor=torch.zeros(3, 3))
 
 
+def test_rank_pools_map_a_shared_file_pool_and_a_torch_shared_pool_as_the_same_memory(tiny_llama):
+    """What tensor-parallel CPU ranks get: a factory's /dev/shm-file tensor is found in /proc/self/maps and
+    mapped again by path; a torch shared-memory tensor travels as itself. Both alias rank 0's pool."""
+    from multiprocessing.reduction import ForkingPickler
+
+    from pdcluster.engine.config import ModelConfig
+    from pdcluster.engine.kv_cache import MappedFile, make_pool, mapped_file
+    from pdcluster.kv_transfer.shm import SharedKVPool
+
+    cfg = ModelConfig.from_pretrained(tiny_llama)
+    cpu = torch.device("cpu")
+    assert mapped_file(torch.zeros(16)) is None                        # private memory: no file
+    shm = []
+    try:
+        def factory(shape, dtype):
+            shm.append(SharedKVPool.create(shape, dtype))
+            return shm[0].tensor
+
+        pool, ranks = make_pool(cfg, 8, torch.float32, cpu, 2, lambda per_block: 4, factory=factory)
+        assert pool.tensor is shm[0].tensor and ranks.num_blocks == 4 and ranks.kv_heads == 1
+        assert isinstance(ranks.shared, MappedFile) and ranks.shared.path.endswith(shm[0].name)
+        view = ForkingPickler.loads(ForkingPickler.dumps(ranks)).pool(cfg, cpu, 2)
+        view.tensor[1, 3, 2].fill_(5.0)                                 # rank 1's V plane of layer 1, block 2
+        assert pool.tensor[1, 3, 2].eq(5.0).all() and pool.tensor.sum() == 5.0 * pool.tensor[1, 3, 2].numel()
+    finally:
+        for p in shm:
+            p.close()
+    own, ranks = make_pool(cfg, 8, torch.float32, cpu, 2, lambda per_block: 3)
+    assert own.tensor.is_shared() and ranks.shared is own.tensor and own.tensor.shape[1] == 4
+    with pytest.raises(ValueError, match="worker ranks can map"):
+        make_pool(cfg, 8, torch.float32, cpu, 2, lambda per_block: 3, factory=lambda s, d: torch.zeros(s, dtype=d))
+    with pytest.raises(TypeError, match="kv_pool_factory: must return a torch.Tensor"):
+        make_pool(cfg, 8, torch.float32, cpu, 1, lambda per_block: 3, factory=lambda s, d: object())
+    single, none = make_pool(cfg, 8, torch.float32, cpu, 1, lambda per_block: 3)
+    assert none is None and single.num_blocks == 3
+
+
 @pytest.mark.slow
 def test_device_layer_defaults_to_cpu_without_importing_torch_npu():
     code = ("import sys, pdcluster.engine.device as d; print(d.detect_device(), d.resolve_device('cpu'), "
@@ -384,7 +525,7 @@ def test_backend_paged_decode_and_chunked_prefill_match_dense_attention(dtype, b
     ks = [torch.randn(n, hkv, d, dtype=dtype) for n in lens]
     vs = [torch.randn(n, hkv, d, dtype=dtype) for n in lens]
     qs = [torch.randn(n, hq, d, dtype=dtype) for n in lens]
-    for t, k, v in zip(tables, ks, vs):      # fill all but the last token directly
+    for t, k, v in zip(tables, ks, vs, strict=True):      # fill all but the last token directly
         for p in range(k.shape[0] - 1):
             k_cache[t[p // bs], p % bs] = k[p]
             v_cache[t[p // bs], p % bs] = v[p]

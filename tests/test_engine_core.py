@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from engine_helpers import hf_greedy, make_prompts, run_all
+from lifecycle_helpers import assert_move
 
 from pdcluster.control.block_hash import block_hashes, cached_prefix_blocks
 from pdcluster.control.sampling_params import SamplingParams
@@ -25,8 +26,8 @@ def _seq(rid: str, tokens: list[int], max_tokens: int = 4, hold_blocks: bool = F
 
 
 def _scheduler(num_blocks: int = 8, block_size: int = 4, budget: int = 64, prefix: bool = True) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, block_size, prefix), max_num_seqs=8, max_num_batched_tokens=budget,
-                     enable_chunked_prefill=True)
+    return Scheduler(num_blocks, block_size, max_num_seqs=8, max_num_batched_tokens=budget,
+                     enable_chunked_prefill=True, enable_prefix_caching=prefix)
 
 
 # ---- scheduler ----------------------------------------------------------------------------------
@@ -44,14 +45,15 @@ def test_update_from_output_advances_publishes_appends_and_finishes():
     assert a.output_token_ids == [7] and a.status is SequenceStatus.RUNNING
     # b stopped (max_tokens=1) and holds its blocks; its one full block is in the prefix cache.
     assert b.status is SequenceStatus.FINISHED and b.block_table and sched.running == [a] and "b" in sched.requests
-    assert sched.bm.hash_to_block == {**{h: a.block_table[i] for i, h in enumerate(block_hashes(a.token_ids[:8], 4))},
-                                      block_hashes(b.prompt_token_ids, 4)[0]: b.block_table[0]}
+    bm = sched.block_manager
+    assert bm.hash_to_block == {**{h: a.block_table[i] for i, h in enumerate(block_hashes(a.token_ids[:8], 4))},
+                                block_hashes(b.prompt_token_ids, 4)[0]: b.block_table[0]}
     batch = sched.schedule()
     assert batch.seqs == [a] and batch.num_new_tokens == [1]
     sched.update_from_output(batch, [a], [9], [None])
     assert a.status is SequenceStatus.FINISHED and "a" not in sched.requests and not a.block_table
     sched.abort("b")
-    assert not sched.requests and sched.bm.num_free_blocks == 8 and not any(sched.bm.ref_counts)
+    assert not sched.requests and sched.block_manager.num_free_blocks == 8 and not any(sched.block_manager.ref_counts)
 
 
 def test_a_chunk_that_samples_nothing_still_advances():
@@ -77,7 +79,138 @@ def test_preemption_frees_the_newest_and_recomputes_it_later():
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and not b.block_table
     sched.abort("a")
     sched.abort("b")
-    assert sched.bm.num_free_blocks == 4
+    assert sched.block_manager.num_free_blocks == 4
+
+
+# ---- request status: the moves and the remote-KV path ---------------------------------------------
+
+S = SequenceStatus
+ALLOWED = {(S.WAITING, S.RUNNING), (S.WAITING, S.WAITING_FOR_REMOTE_KV), (S.WAITING, S.FINISHED),
+           (S.RUNNING, S.WAITING), (S.RUNNING, S.FINISHED),
+           (S.WAITING_FOR_REMOTE_KV, S.RUNNING), (S.WAITING_FOR_REMOTE_KV, S.WAITING),
+           (S.WAITING_FOR_REMOTE_KV, S.FINISHED)}
+
+
+@pytest.mark.parametrize("src", list(S))
+@pytest.mark.parametrize("dst", list(S))
+def test_sequence_status_moves_follow_the_table(src, dst):
+    seq = _seq("a", [1, 2, 3])
+    assert_move(seq, seq.move_to, src, dst, (src, dst) in ALLOWED, attr="status")
+
+
+def _remote(sched: Scheduler, rid: str, tokens: list[int], max_tokens: int = 4) -> Sequence:
+    seq = _seq(rid, tokens, max_tokens)
+    assert sched.add_remote(seq)
+    return seq
+
+
+def test_remote_kv_waits_unscheduled_then_landed_runs_from_the_first_token():
+    sched = _scheduler()
+    seq = _remote(sched, "r", list(range(10, 20)))
+    assert seq.status is S.WAITING_FOR_REMOTE_KV and len(seq.block_table) == 3
+    assert sched.num_reserved_blocks() == 3 and sched.block_manager.num_free_blocks == 5
+    assert not sched.has_work() and not sched.schedule().seqs       # never scheduled while waiting
+    assert sched.remote_kv_landed("r", 7) is seq
+    assert seq.status is S.RUNNING and seq.output_token_ids == [7] and seq.num_computed_tokens == 10
+    assert sched.running == [seq] and sched.num_reserved_blocks() == 0
+    assert sched.block_manager.cached_hashes(10)                     # the prompt's full blocks are published
+    batch = sched.schedule()
+    assert batch.seqs == [seq] and batch.num_new_tokens == [1]       # decodes the first token
+    sched.abort("r")
+    assert sched.block_manager.num_free_blocks == 8
+
+
+def test_remote_kv_landed_refuses_unknown_and_not_waiting_requests():
+    sched = _scheduler()
+    with pytest.raises(ValueError, match="'nope' is not waiting for remote KV"):
+        sched.remote_kv_landed("nope", 7)
+    local = _seq("local", [1, 2, 3])
+    sched.add(local)
+    with pytest.raises(ValueError, match="not waiting for remote KV .waiting."):
+        sched.remote_kv_landed("local", 7)
+    sched.update_from_output(sched.schedule(), [local], [5], [None])
+    with pytest.raises(ValueError, match="not waiting for remote KV .running."):
+        sched.remote_kv_landed("local", 7)
+    r = _remote(sched, "r", [4, 5, 6])
+    sched.remote_kv_landed("r", 7)
+    with pytest.raises(ValueError, match="not waiting for remote KV .running."):
+        sched.remote_kv_landed("r", 7)                               # landed once only
+    assert r.output_token_ids == [7]
+    sched.abort("local")
+    sched.abort("r")
+    assert sched.block_manager.num_free_blocks == 8
+
+
+def test_remote_kv_failed_frees_the_blocks_and_queues_a_local_prefill_with_prefix_hits():
+    sched = _scheduler(num_blocks=8)
+    warm = _seq("warm", list(range(10, 19)), max_tokens=1)           # caches the prompt's 2 full blocks
+    sched.add(warm)
+    sched.update_from_output(sched.schedule(), [warm], [3], [None])
+    seq = _remote(sched, "r", list(range(10, 22)))
+    assert seq.num_cached_tokens == 8 and len(seq.block_table) == 3 and sched.block_manager.num_free_blocks == 5
+    sched.remote_kv_failed("r")
+    assert seq.status is S.WAITING and not seq.block_table and seq.num_computed_tokens == 0
+    assert list(sched.waiting) == [seq] and sched.num_reserved_blocks() == 0 and not sched.waiting_for_kv
+    assert sched.block_manager.num_free_blocks == 8
+    with pytest.raises(ValueError, match="not waiting for remote KV .waiting."):
+        sched.remote_kv_failed("r")             # failed once only: refused, nothing changes
+    assert seq.status is S.WAITING and list(sched.waiting) == [seq]
+    batch = sched.schedule()                    # a local prefill after the 2 cached blocks
+    assert batch.seqs == [seq] and batch.num_new_tokens == [4] and seq.num_cached_tokens == 8
+    sched.update_from_output(batch, [seq], [9], [None])
+    assert seq.output_token_ids == [9]
+    sched.abort("r")
+    assert sched.block_manager.num_free_blocks == 8 and not any(sched.block_manager.ref_counts)
+
+
+def test_remote_kv_failed_unknown_is_a_no_op_and_running_is_refused():
+    sched = _scheduler()
+    sched.remote_kv_failed("nope")
+    seq = _remote(sched, "r", [1, 2, 3])
+    sched.remote_kv_landed("r", 7)
+    with pytest.raises(ValueError, match="not waiting for remote KV .running."):
+        sched.remote_kv_failed("r")
+    assert seq.status is S.RUNNING and seq.block_table
+    sched.abort("r")
+
+
+def test_add_remote_refused_changes_nothing():
+    sched = _scheduler(num_blocks=2)
+    seq = _seq("big", list(range(12)))
+    assert not sched.add_remote(seq)
+    assert seq.status is S.WAITING and not seq.block_table and "big" not in sched.requests
+    assert sched.block_manager.num_free_blocks == 2 and sched.block_manager.prefix_query_tokens == 0
+
+
+@pytest.mark.parametrize("status", ["waiting", "running", "waiting_for_remote_kv", "finished_holding",
+                                    "failed_remote"])   # preempted: test_preemption_frees_the_newest_...
+def test_abort_in_every_status_frees_every_block(status):
+    sched = _scheduler(num_blocks=8)
+    other = _seq("other", list(range(40, 47)), max_tokens=8)         # shares no blocks, stays
+    sched.add(other)
+    sched.update_from_output(sched.schedule(), [other], [1], [None])
+    free = sched.block_manager.num_free_blocks
+    seq = _seq("x", list(range(10, 19)), max_tokens=1 if status == "finished_holding" else 4,
+               hold_blocks=status == "finished_holding")
+    if status in ("waiting_for_remote_kv", "failed_remote"):
+        assert sched.add_remote(seq)
+        if status == "failed_remote":
+            sched.remote_kv_failed("x")
+    else:
+        sched.add(seq)
+        if status != "waiting":
+            batch = sched.schedule()
+            sched.update_from_output(batch, batch.seqs, [5] * len(batch), [None] * len(batch))
+    want = {"waiting": S.WAITING, "running": S.RUNNING, "waiting_for_remote_kv": S.WAITING_FOR_REMOTE_KV,
+            "finished_holding": S.FINISHED, "failed_remote": S.WAITING}[status]
+    assert seq.status is want and "x" in sched.requests
+    sched.abort("x")
+    assert seq.status is S.FINISHED and not seq.block_table and "x" not in sched.requests
+    assert seq not in sched.running and seq not in sched.waiting and "x" not in sched.waiting_for_kv
+    assert sched.block_manager.num_free_blocks == free
+    sched.abort("x")                                                  # idempotent
+    sched.abort("other")
+    assert sched.block_manager.num_free_blocks == 8 and not any(sched.block_manager.ref_counts)
 
 
 # ---- block manager ------------------------------------------------------------------------------
@@ -125,6 +258,14 @@ def test_sequence_hashes_are_the_routers_block_hashes_and_grow_with_outputs():
     env = dict(os.environ, PYTHONHASHSEED="123")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert out.stdout.strip() == str(block_hashes(tokens, 16)), out.stderr
+
+
+def test_sequence_hashes_follow_tokens_dropped_by_streaming_llm():
+    seq = _seq("a", list(range(3, 51)))                 # 3 blocks of 16
+    assert len(seq.block_hashes(16)) == 3
+    seq.drop_tokens(16, 16)                              # the second block goes; the third moves down
+    assert seq.num_tokens == 32 and seq.num_evicted_tokens == 16
+    assert seq.block_hashes(16) == block_hashes(seq.token_ids, 16) and len(seq.block_hashes(16)) == 2
 
 
 def test_cached_hashes_reported_by_the_engine_predict_the_next_requests_hits(tiny_llama, make_engine):
@@ -187,8 +328,8 @@ def test_kv_connector_hooks_carry_the_block_tables_of_prompts_finishing_in_the_s
     assert len(table_long) == 3 and len(table_short) == 1
     want = hf_greedy(tiny_llama, prompts, max_new_tokens=2)
     assert outs["long"][-1].outputs[0].token_ids == want[0][:1] and outs["short"][-1].outputs[0].token_ids == want[1]
-    engine.release("long")
-    engine.release("short")
+    engine.abort("long")
+    engine.abort("short")
     assert engine.get_stats().num_free_blocks == 64
 
 

@@ -12,8 +12,7 @@ import torch
 from engine_helpers import hf_greedy, make_prompts, run_all, run_staggered
 
 from pdcluster.control.sampling_params import SamplingParams
-from pdcluster.engine.sequence import Sequence
-from pdcluster.engine.testing import load_hf_model, make_tiny_model
+from pdcluster.engine.testing import load_hf_model, make_tiny_model, prefill_logits
 
 pytestmark = pytest.mark.slow  # reference runs of transformers models
 
@@ -33,12 +32,7 @@ def test_greedy_tokens_match_transformers_with_staggered_arrivals(arch, backend,
 
 
 def _engine_logits(engine, ids):
-    seq = Sequence("logits", ids, SamplingParams(max_tokens=1), [], len(ids) + 1, 0)
-    assert engine.block_manager.allocate(seq, len(ids))
-    try:
-        return engine.runner.prefill_logits(ids, seq.block_table).cpu()   # any device: compared on CPU
-    finally:
-        engine.block_manager.free(seq)
+    return prefill_logits(engine, ids).cpu()   # any device: compared on CPU
 
 
 VARIANTS = {
@@ -156,7 +150,7 @@ def test_preemption_when_pool_is_small_gives_same_tokens(tiny_mistral, make_engi
 
     hf = _hf(tiny_mistral)
     with torch.no_grad():
-        for p, g in zip(prompts, got):
+        for p, g in zip(prompts, got, strict=True):
             ref = hf.generate(torch.tensor([p]), max_new_tokens=32, do_sample=False, eos_token_id=None,
                               min_new_tokens=0)[0, len(p):].tolist()
             assert len(g) == 32

@@ -15,6 +15,7 @@ import asyncio
 import random
 import signal
 import time
+from itertools import pairwise
 
 import pytest
 from cluster_helpers import (
@@ -29,7 +30,8 @@ from cluster_helpers import (
     wait_until_async,
 )
 
-from pdcluster.cli.up import LocalCluster, scrape_metrics
+from pdcluster.cli.smoke import scrape_metrics
+from pdcluster.cli.supervisor import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -230,11 +232,11 @@ async def test_decode_node_sigkilled_mid_stream_all_streams_finish_token_identic
     cluster.sweep_dead_pools()
     results = await bounded(tasks, 120)
     moved = router_metrics(cluster)[migrations] - before.get(migrations, 0.0)
-    for got, want in zip(results, undisturbed):
+    for got, want in zip(results, undisturbed, strict=True):
         assert (got.text, got.tokens, got.usage, got.finish) == (want.text, want.tokens, tokens, "length")
     assert moved == running[victim.node_id] >= 1, "every stream on the killed node moved, once"
     # The longest silence a stream saw across the kill: detection (lease expiry) + re-prefill elsewhere.
-    pause = max(max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b > killed), default=0.0)
+    pause = max(max((b - a for a, b in pairwise(r.chunk_times) if b > killed), default=0.0)
                 for r in results)
     report("decode-sigkill", streams=STREAMS, migrated=int(moved), longest_pause_s=pause)
     wait_idle(cluster)

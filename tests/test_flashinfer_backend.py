@@ -15,8 +15,7 @@ from flashinfer_emulator import emulated_flashinfer, flashinfer_emulator_fixture
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.attention import get_backend_class
 from pdcluster.engine.attention.flashinfer_backend import FlashInferAttentionBackend
-from pdcluster.engine.sequence import Sequence
-from pdcluster.engine.testing import make_tiny_model
+from pdcluster.engine.testing import make_tiny_model, prefill_logits
 
 CPU = torch.device("cpu")
 
@@ -200,12 +199,7 @@ def _tokens(model, prompts, backend, params, mode="staggered", **kw):
 
 
 def _engine_logits(engine, ids):
-    seq = Sequence("logits", ids, SamplingParams(max_tokens=1), [], len(ids) + 1, 0)
-    assert engine.block_manager.allocate(seq, len(ids))
-    try:
-        return engine.runner.prefill_logits(ids, seq.block_table).cpu()
-    finally:
-        engine.block_manager.free(seq)
+    return prefill_logits(engine, ids).cpu()
 
 
 @pytest.mark.slow   # two engines per case (~3-5 s idle, more on a loaded box)

@@ -23,9 +23,10 @@ import zmq
 from cluster_helpers import router_metrics, wait_idle
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_protocol_fuzz import message_like, values
+from protocol_strategies import message_like, values
 
-from pdcluster.cli.up import LocalCluster, scrape_metrics, smoke_request
+from pdcluster.cli.smoke import scrape_metrics, smoke_request
+from pdcluster.cli.supervisor import LocalCluster
 from pdcluster.control.keys import load_secret
 from pdcluster.control.protocol import Ping, Pong, ProtocolError, decode, encode
 
@@ -43,8 +44,8 @@ kv_frames = st.fixed_dictionaries(
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(work_dir=tmp_path_factory.mktemp("cluster"), num_prefill=1, num_decode=1, port=0,
+def cluster(tmp_path_factory, tiny_llama):
+    c = LocalCluster(model=tiny_llama, work_dir=tmp_path_factory.mktemp("cluster"), num_prefill=1, num_decode=1, port=0,
                      cluster="fuzz", lease_ttl=2, threads_per_node=1,
                      node_config={"kv_cache_memory": "8MiB", "max_num_seqs": 8, "device": "cpu", "block_size": 16},
                      router_config={"disagg_min_tokens": 0})

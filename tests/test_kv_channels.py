@@ -33,7 +33,7 @@ def transfer(send_channel, recv_channel, part, l0, l1) -> tuple[dict, int, int]:
     """One write through a socket pair: (header frame, sender checksum, receiver landed checksum)."""
     sent: list[int] = []
     t = threading.Thread(
-        target=lambda: sent.append(send_channel.write_runs("tok", part, l0, l1, lambda c: {"op": "write"}))
+        target=lambda: sent.append(send_channel.write_runs("tok", part, l0, l1, lambda c, n: {"op": "write"}))
     )
     t.start()
     frame = recv_channel.wire.recv()

@@ -4,9 +4,11 @@ refuses a peer with another KV dtype."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
-from test_native_decode import _case, _decode_meta, _dense, needs_compiler
+from paged_decode_cases import decode_meta, dense_attention, needs_compiler, paged_case
 
 from pdcluster import SamplingParams
 from pdcluster.engine.args import EngineArgs
@@ -16,7 +18,7 @@ from pdcluster.engine.attention.metadata import AttentionMetadata, PrefillChunk
 from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.kv_cache import KVCachePool, dequantize_rows, quantize_rows
-from pdcluster.engine.testing import make_tiny_model
+from pdcluster.engine.testing import make_tiny_model, prefill_logits
 from pdcluster.kv_transfer import KVLayout, KVReceiver, KVSender, LayoutMismatchError, SharedKVPool, TransferError
 from pdcluster.kv_transfer.layout import blocks_of
 
@@ -34,8 +36,8 @@ def test_rows_hold_values_and_their_fp16_scale_within_half_a_step():
 
 
 def _int8_case(dtype, batch, hq, hkv, d, bs, seed=0):
-    """`_case` with the pool quantized: (q, int8 k, int8 v, float k, float v, tables, lens)."""
-    q, k, v, tables, lens = _case(dtype, batch, hq, hkv, d, bs, seed)
+    """`paged_case` with the pool quantized: (q, int8 k, int8 v, float k, float v, tables, lens)."""
+    q, k, v, tables, lens = paged_case(dtype, batch, hq, hkv, d, bs, seed)
     return q, quantize_rows(k), quantize_rows(v), k, v, tables, lens
 
 
@@ -46,8 +48,8 @@ def test_native_int8_decode_matches_dequantized_reference_and_stays_close_to_flo
     q, k8, v8, k, v, tables, lens = _int8_case(dtype, 6, hq, hkv, d, 16)
     kernel = native.decode_kernel(dtype, torch.int8)
     out = native.paged_decode(kernel, q, k8, v8, tables, lens, d ** -0.5).float()
-    exact = _dense(q, dequantize_rows(k8, torch.float32), dequantize_rows(v8, torch.float32), tables, lens, 16)
-    unquantized = _dense(q, k, v, tables, lens, 16)
+    exact = dense_attention(q, dequantize_rows(k8, torch.float32), dequantize_rows(v8, torch.float32), tables, lens, 16)
+    unquantized = dense_attention(q, k, v, tables, lens, 16)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     assert (out - exact).abs().max() < tol
     assert (out - unquantized).abs().max() < 0.05 + tol   # the int8 error itself, against fp32 over float K/V
@@ -56,10 +58,10 @@ def test_native_int8_decode_matches_dequantized_reference_and_stays_close_to_flo
 @pytest.mark.parametrize("backend", [TorchAttentionBackend, CpuAttentionBackend])
 def test_backend_decode_over_an_int8_pool_matches_the_fp32_reference(backend):
     q, k8, v8, k, v, tables, lens = _int8_case(torch.bfloat16, 5, 8, 2, 64, 16, seed=3)
-    out = backend(8, 2, 64)._decode(q, k8, v8, _decode_meta(tables, lens)).float()
-    ref = _dense(q, dequantize_rows(k8, torch.float32), dequantize_rows(v8, torch.float32), tables, lens, 16)
+    out = backend(8, 2, 64)._decode(q, k8, v8, decode_meta(tables, lens)).float()
+    ref = dense_attention(q, dequantize_rows(k8, torch.float32), dequantize_rows(v8, torch.float32), tables, lens, 16)
     assert (out - ref).abs().max() < 2e-2
-    assert (out - _dense(q, k, v, tables, lens, 16)).abs().max() < 6e-2
+    assert (out - dense_attention(q, k, v, tables, lens, 16)).abs().max() < 6e-2
 
 
 def test_torch_forward_writes_int8_rows_and_prefill_reads_them_back():
@@ -121,7 +123,7 @@ def test_prefix_cache_hit_on_int8_blocks_gives_the_output_of_a_recomputation(tin
     assert cached.kv_pool.tensor.dtype == torch.int8
     first = _generate(cached, [prompt])
     again = _generate(cached, [prompt + [7]])
-    assert cached.block_manager.prefix_hit_tokens == 32
+    assert cached.get_stats().prefix_cache_hit_tokens == 32
     fresh = make_engine(tiny_llama, dtype="bfloat16", kv_cache_dtype="int8", attention_backend=backend,
                         enable_prefix_caching=False)
     assert _generate(fresh, [prompt]) == first and _generate(fresh, [prompt + [7]]) == again
@@ -133,7 +135,7 @@ def test_int8_engine_stays_close_to_the_float_kv_engine(tiny_llama, make_engine)
     logits = {}
     for kvd in ("auto", "int8"):
         engine = make_engine(tiny_llama, dtype="float32", kv_cache_dtype=kvd)
-        logits[kvd] = engine.runner.prefill_logits(ids, list(range(4)))
+        logits[kvd] = prefill_logits(engine, ids, list(range(4)))
     p, q = logits["auto"].log_softmax(-1), logits["int8"].log_softmax(-1)
     kl = (p.exp() * (p - q)).sum(-1)
     assert kl.max() < 1e-3 and not torch.equal(logits["auto"], logits["int8"])
@@ -186,7 +188,7 @@ def test_int8_blocks_travel_byte_identical_with_their_scales(int8_receiver, back
         t.send_layers(0, 1)
         t.send_layers(1, 2)
         checksum = t.finish(timeout=10)
-        result = rx.wait_blocking("r", 10)
+        result = asyncio.run(rx.wait("r", 10))
     finally:
         sender.close()
     assert result.ok and result.checksum == checksum
@@ -212,5 +214,5 @@ def test_int8_decode_pool_refuses_a_bf16_prefill_sender_naming_both_dtypes(int8_
         sender.close()
         rx.cancel("r")
     with pytest.raises(TransferError, match="cancelled"):
-        rx.wait_blocking("r", 10)
+        asyncio.run(rx.wait("r", 10))
     assert not pool.any()

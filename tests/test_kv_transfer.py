@@ -58,7 +58,7 @@ def _run_transfers(job: dict) -> list:
     out = []
     try:
         transfers = []
-        for dst, src in zip(job["dsts"], job["srcs"]):
+        for dst, src in zip(job["dsts"], job["srcs"], strict=True):
             try:
                 transfers.append(sender.start(dst, src))
             except Exception as exc:
@@ -159,7 +159,7 @@ def test_round_trip_byte_exact(sender, receiver_pool, backend, dtype):
         layers=[(0, 1), (1, 2)],  # layer by layer
     )  # fmt: skip
     assert [o[0] for o in out] == ["ok", "ok"], out
-    ra, rb = rx.wait_blocking("a", 10), rx.wait_blocking("b", 10)
+    ra, rb = asyncio.run(rx.wait("a", 10)), asyncio.run(rx.wait("b", 10))
     assert ra.ok and rb.ok and ra.checksum == out[0][1]
     assert torch.equal(blocks_of(pool, [40, 3, 17, 18, 19, 63]).view(torch.uint8),
                        blocks_of(src, [0, 9, 30, 31, 32, 1]).view(torch.uint8))
@@ -178,7 +178,7 @@ def test_layer_range_only_touches_those_layers(sender, receiver_pool):
         sender.run(backend="tcp", dtype="bfloat16", seed=3, dsts=[dst.to_dict()], srcs=[[4, 5]], layers=[(1, 2)])[0][0]
         == "ok"
     )
-    assert rx.wait_blocking("r", 10).ok
+    assert asyncio.run(rx.wait("r", 10)).ok
     assert torch.equal(blocks_of(pool, [10, 12])[:, 1], blocks_of(src, [4, 5])[:, 1])
     assert not blocks_of(pool, [10, 12])[:, 0].view(torch.uint8).any()
 
@@ -201,12 +201,12 @@ def test_many_interleaved_requests(sender, receiver_pool, backend):
     )
     assert all(o[0] == "ok" for o in out), out
     for i, d in enumerate(dsts):
-        assert rx.wait_blocking(f"r{i}", 10).ok
+        assert asyncio.run(rx.wait(f"r{i}", 10)).ok
         assert torch.equal(blocks_of(pool, d.block_ids), blocks_of(src, srcs[i]))
     assert rx.num_active_reservations == 0
 
 
-def test_async_wait_and_on_done(sender, receiver_pool):
+def test_async_wait_before_and_after_the_transfer(sender, receiver_pool):
     rx, pool = receiver_pool()
     dst = rx.reserve("x", [1, 2, 3])
 
@@ -219,18 +219,19 @@ def test_async_wait_and_on_done(sender, receiver_pool):
 
     out, result = asyncio.run(main())
     assert out[0][0] == "ok" and result.ok and result.nbytes == 3 * KVLayout.of(pool).block_bytes
+    assert rx.bytes_received == result.nbytes
 
-    seen = []
-    rx2, _ = receiver_pool(on_done=lambda rid, r: seen.append((rid, r.ok)))
+    rx2, _ = receiver_pool()
     dst = rx2.reserve("y", [0])
     assert (
         sender.run(backend="shm", dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[0]], layers=[(0, 2)])[0][0]
         == "ok"
     )
-    deadline = time.time() + 5
-    while not seen and time.time() < deadline:
-        time.sleep(0.01)
-    assert seen == [("y", True)] and rx2.num_active_reservations == 0
+    result = asyncio.run(rx2.wait("y", 5))  # resolved before anyone waited: kept for the first waiter
+    assert (result.request_id, result.ok) == ("y", True) and rx2.num_active_reservations == 0
+    with pytest.raises(TransferError, match="no such reservation") as taken:  # ... and handed over once
+        asyncio.run(rx2.wait("y", 5))
+    assert taken.value.code == "missing"
 
 
 # ---- integrity and safety ---------------------------------------------------------------------------------
@@ -245,7 +246,7 @@ def test_checksum_mismatch_is_an_error(sender, receiver_pool, backend):
     )
     assert out[0][0] == "error" and out[0][1] == "ChecksumError", out
     with pytest.raises(ChecksumError, match="checksum mismatch"):
-        rx.wait_blocking("c", 10)
+        asyncio.run(rx.wait("c", 10))
     assert rx.num_active_reservations == 0
 
 
@@ -274,7 +275,7 @@ def test_rejected_writes_leave_pool_untouched(sender, receiver_pool, backend):
     assert "bad token" in out[0][2] and "not reserved" in out[1][2] and "outside" in out[2][2]
     assert not pool.view(torch.uint8).any()
     with pytest.raises(TransferError, match="deadline"):
-        rx.wait_blocking("old", 5)
+        asyncio.run(rx.wait("old", 5))
     # the receiver keeps serving: the real destination still works
     assert (
         sender.run(backend=backend, dtype="float32", seed=5, dsts=[good.to_dict()], srcs=[[1, 2]], layers=[(0, 2)])[0][
@@ -282,7 +283,7 @@ def test_rejected_writes_leave_pool_untouched(sender, receiver_pool, backend):
         ]
         == "ok"
     )
-    assert rx.wait_blocking("good", 5).ok
+    assert asyncio.run(rx.wait("good", 5)).ok
     assert rx.num_active_reservations == 0
 
 
@@ -291,27 +292,20 @@ def test_done_without_accepted_open_does_not_bind_the_reservation(sender, receiv
     dst = rx.reserve("b", [6, 7])
     host, port = rx.address.rsplit(":", 1)
 
-    def frame(s, body):
-        data = msgpack.packb(body)
-        s.sendall(struct.pack("!I", len(data)) + data)
-
-    def reply(s):
-        (n,) = struct.unpack("!I", s.recv(4))
-        return msgpack.unpackb(s.recv(n))
-
     with socket.create_connection((host, int(port)), timeout=5) as s:
+        wire = Wire(s)
         hello = {"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "x", "layout": dst.layout}
-        assert client_handshake(Wire(s), None, hello, "rx")["op"] == "hello_ok"
-        frame(s, {"op": "open", "rid": "b", "xid": 1, "token": dst.token, "blocks": [6, 9]})  # 9: not reserved
-        assert reply(s)["op"] == "error"
-        frame(s, {"op": "done", "rid": "b", "xid": 1, "token": dst.token, "writes": 1, "checksum": 0})
-        assert "without an accepted open" in reply(s)["error"]
+        assert client_handshake(wire, None, hello, "rx")["op"] == "hello_ok"
+        wire.send({"op": "open", "rid": "b", "xid": 1, "token": dst.token, "blocks": [6, 9]})  # 9: not reserved
+        assert wire.recv()["op"] == "error"
+        wire.send({"op": "done", "rid": "b", "xid": 1, "token": dst.token, "writes": 1, "checksum": 0})
+        assert "without an accepted open" in wire.recv()["error"]
     time.sleep(0.2)  # that connection's close must not fail the reservation
     assert (
         sender.run(backend="tcp", dtype="float32", seed=2, dsts=[dst.to_dict()], srcs=[[0, 1]], layers=[(0, 2)])[0][0]
         == "ok"
     )
-    assert rx.wait_blocking("b", 5).ok
+    assert asyncio.run(rx.wait("b", 5)).ok
 
 
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
@@ -324,7 +318,7 @@ def test_cancel_returns_blocks_and_rejects_later_writes(sender, receiver_pool, b
     rx.cancel("z")
     assert not tags.any()  # closed to shm writers at once ...
     with pytest.raises(TransferError, match="cancelled"):
-        rx.wait_blocking("z", 5)
+        asyncio.run(rx.wait("z", 5))
     assert time.monotonic() - t0 >= 0.3  # ... but the blocks come back only after the grace period
     assert rx.num_active_reservations == 0
     out = sender.run(backend=backend, dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[0, 1]], layers=[(0, 2)])
@@ -338,8 +332,7 @@ def test_cancel_returns_blocks_and_rejects_later_writes(sender, receiver_pool, b
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["tcp", "shm"])
 def test_sender_killed_mid_transfer(receiver_pool, backend):
-    failed = []
-    rx, _ = receiver_pool(on_done=lambda rid, r: failed.append((rid, r.ok, r.error, time.time())))
+    rx, _ = receiver_pool()
     dst = rx.reserve("k", list(range(0, 32)), timeout_s=60)
     proc = SenderProc()
     try:
@@ -357,14 +350,13 @@ def test_sender_killed_mid_transfer(receiver_pool, backend):
         assert rx.num_active_reservations == 1
         killed_at = time.time()
         os.kill(proc.proc.pid, signal.SIGKILL)
-        while not failed and time.time() < killed_at + 5:
-            time.sleep(0.02)
+        with pytest.raises(TransferError, match="connection lost") as lost:  # TimeoutError: not noticed in 5 s
+            asyncio.run(rx.wait("k", 5))
+        at = time.time()
     finally:
         proc.proc.kill()
         proc.proc.join(5)
-    assert failed, "receiver did not notice the dead sender within 5 s"
-    rid, ok, error, at = failed[0]
-    assert rid == "k" and not ok and "connection lost" in error and at - killed_at < 5
+    assert lost.value.code == "lost" and at - killed_at < 5
     assert rx.num_active_reservations == 0
 
 
@@ -396,7 +388,7 @@ def test_garbage_on_the_port_is_dropped(sender, receiver_pool):
         sender.run(backend="tcp", dtype="float32", seed=1, dsts=[dst.to_dict()], srcs=[[0]], layers=[(0, 2)])[0][0]
         == "ok"
     )
-    assert rx.wait_blocking("after", 5).ok
+    assert asyncio.run(rx.wait("after", 5)).ok
 
 
 def test_layout_mismatch_fails_clearly(sender, receiver_pool):
@@ -408,12 +400,13 @@ def test_layout_mismatch_fails_clearly(sender, receiver_pool):
     host, port = rx.address.rsplit(":", 1)
     theirs = {**KVLayout.of(pool).to_dict(), "head_dim": 64}
     with socket.create_connection((host, int(port)), timeout=5) as s:
+        wire = Wire(s)
         hello = {"op": "hello", "version": WIRE_VERSION, "backend": "tcp", "session": "s", "layout": theirs}
         with pytest.raises(LayoutMismatchError, match="head_dim: sender 64 vs receiver 32"):
-            client_handshake(Wire(s), None, hello, "rx")
+            client_handshake(wire, None, hello, "rx")
     rx.cancel("m")
     with pytest.raises(TransferError, match="cancelled"):
-        rx.wait_blocking("m", 5)
+        asyncio.run(rx.wait("m", 5))
     assert rx.num_active_reservations == 0
 
 
@@ -434,7 +427,7 @@ def test_int8_wire_compression_round_trip(sender, receiver_pool):
         layers=[(0, 1), (1, 2)],
     )
     assert out[0][0] == "ok", out
-    res = rx.wait_blocking("q", 10)
+    res = asyncio.run(rx.wait("q", 10))
     lay = KVLayout.of(pool)
     assert (
         res.nbytes == quant.wire_bytes(3, 2, lay.block_size, lay.num_kv_heads, lay.head_dim) < 3 * lay.block_bytes * 0.6

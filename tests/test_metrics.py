@@ -13,7 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdcluster.cli.up import LocalCluster
+from pdcluster.cli.supervisor import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 

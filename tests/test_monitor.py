@@ -288,7 +288,7 @@ def test_monitor_reads_an_npu_node_from_its_metrics(monkeypatch, tmp_path):
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
 def test_status_shows_device_figures_of_running_nodes(tmp_path):
-    from pdcluster.cli.up import LocalCluster
+    from pdcluster.cli.supervisor import LocalCluster
     from pdcluster.engine.testing import make_tiny_model
 
     model = make_tiny_model(str(tmp_path / "tiny-llama"), "llama")

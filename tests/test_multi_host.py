@@ -12,7 +12,7 @@ import yaml
 from cluster_helpers import client, complete, wait_until_async
 from netns import Host, hosts  # noqa: F401  (hosts: the fixture)
 
-from pdcluster.cli.up import scrape_metrics
+from pdcluster.cli.smoke import scrape_metrics
 from pdcluster.control.etcd_server import etcd_binary, health_ok
 
 MODEL_NAME = "tiny-llama"

@@ -68,7 +68,7 @@ def test_fake_nodes_of_two_models(tmp_path) -> None:
 @pytest.mark.cluster
 @pytest.mark.timeout(240)
 def test_real_nodes_of_two_models_behind_one_router(tmp_path) -> None:
-    from pdcluster.cli.up import LocalCluster
+    from pdcluster.cli.supervisor import LocalCluster
     from pdcluster.engine.testing import make_tiny_model
 
     alpha = make_tiny_model(str(tmp_path / "alpha"), "llama")

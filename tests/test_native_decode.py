@@ -3,63 +3,14 @@
 from __future__ import annotations
 
 import logging
-import shutil
 
 import pytest
 import torch
+from paged_decode_cases import decode_meta, dense_attention, needs_compiler, paged_case
 
 from pdcluster.engine.attention import native
 from pdcluster.engine.attention.cpu_backend import CpuAttentionBackend
-from pdcluster.engine.attention.metadata import AttentionMetadata
 from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
-
-needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                    reason="no C compiler: the CPU backend runs the torch path")
-
-
-def _case(dtype, batch, hq, hkv, d, bs, seed=0, max_len=200):
-    """A pool with scattered blocks, per-row context lengths, and q rows that are a strided view (as the
-    attention layer's q is: a slice of the fused q/k tensor)."""
-    g = torch.Generator().manual_seed(seed)
-    lens = torch.randint(1, max_len, (batch,), generator=g)
-    lens[0] = max_len                      # one row with a full last block or a long context
-    blocks = [int(-(-n // bs)) for n in lens]
-    num_blocks = sum(blocks) + 3
-    pool = torch.randn(num_blocks, 2, 2, bs, hkv, d, generator=g).to(dtype)   # 2 layers: blocks are strided
-    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    width = max(blocks)
-    tables, used = [], 0
-    for n in blocks:
-        row = perm[used:used + n]
-        used += n
-        tables.append(row + [row[0]] * (width - n))
-    tables = torch.tensor(tables)
-    qk = torch.randn(batch, hq + hkv, d, generator=g).to(dtype)
-    q = qk[:, :hq]
-    return q, k_cache, v_cache, tables, lens
-
-
-def _decode_meta(tables, lens):
-    """The torch backend's per-step metadata for a decode-only step over these rows."""
-    none = torch.zeros(0, dtype=torch.int32)
-    return TorchAttentionBackend.prepare(AttentionMetadata(
-        slot_mapping=none, num_decode_tokens=len(lens), decode_block_tables=tables,
-        decode_context_lens=lens.to(torch.int32)))
-
-
-def _dense(q, k_cache, v_cache, tables, lens, bs, window=0):
-    """fp32 attention of each row over its first `len` tokens (the last `window` of them if window > 0),
-    built token by token from the table."""
-    hq, hkv = q.shape[1], k_cache.shape[2]
-    out = []
-    for i, n in enumerate(lens.tolist()):
-        pos = torch.arange(max(0, n - window) if window else 0, n)
-        blk = tables[i][pos // bs]
-        k = k_cache[blk, pos % bs].float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)   # [Hq, n, D]
-        v = v_cache[blk, pos % bs].float().repeat_interleave(hq // hkv, dim=1).transpose(0, 1)
-        out.append(torch.nn.functional.scaled_dot_product_attention(q[i].float()[:, None], k, v)[:, 0])
-    return torch.stack(out)
 
 
 @needs_compiler
@@ -73,10 +24,10 @@ def _dense(q, k_cache, v_cache, tables, lens, bs, window=0):
 def test_kernel_matches_dense_attention(dtype, batch, hq, hkv, d, bs):
     kernel = native.decode_kernel(dtype)
     assert kernel is not None
-    q, k_cache, v_cache, tables, lens = _case(dtype, batch, hq, hkv, d, bs)
+    q, k_cache, v_cache, tables, lens = paged_case(dtype, batch, hq, hkv, d, bs)
     out = native.paged_decode(kernel, q, k_cache, v_cache, tables, lens, d ** -0.5)
     assert out.shape == (batch, hq, d) and out.dtype == dtype
-    ref = _dense(q, k_cache, v_cache, tables, lens, bs)
+    ref = dense_attention(q, k_cache, v_cache, tables, lens, bs)
     err = (out.float() - ref).abs().max().item()
     if dtype == torch.float32:
         assert err < 1e-5
@@ -92,9 +43,9 @@ def test_kernel_sliding_window(window, d, bs):
     """window > 0: each row attends to its last `window` tokens (a window start inside a block, at a block
     boundary, longer than some contexts)."""
     kernel = native.decode_kernel(torch.float32)
-    q, k_cache, v_cache, tables, lens = _case(torch.float32, 6, 8, 2, d, bs, seed=window, max_len=90)
+    q, k_cache, v_cache, tables, lens = paged_case(torch.float32, 6, 8, 2, d, bs, seed=window, max_len=90)
     out = native.paged_decode(kernel, q, k_cache, v_cache, tables, lens, d ** -0.5, window)
-    assert (out - _dense(q, k_cache, v_cache, tables, lens, bs, window)).abs().max().item() < 1e-5
+    assert (out - dense_attention(q, k_cache, v_cache, tables, lens, bs, window)).abs().max().item() < 1e-5
     full = native.paged_decode(kernel, q, k_cache, v_cache, tables, lens, d ** -0.5)
     assert (out - full).abs().max().item() > 1e-3   # the window changed the answer
 
@@ -105,10 +56,10 @@ def test_kernel_sliding_window(window, d, bs):
 def test_cpu_backend_decode_equals_torch_backend(dtype, window):
     """Same metadata through both backends: the CPU backend's kernel agrees with gather + SDPA."""
     batch, hq, hkv, d, bs = 6, 8, 4, 64, 16
-    q, k_cache, v_cache, tables, lens = _case(dtype, batch, hq, hkv, d, bs, seed=3)
+    q, k_cache, v_cache, tables, lens = paged_case(dtype, batch, hq, hkv, d, bs, seed=3)
     order = torch.argsort(lens)   # sorted by context length, as the runner orders decode rows (grouped gathers)
     q, tables, lens = q[order], tables[order], lens[order]
-    meta = _decode_meta(tables, lens)
+    meta = decode_meta(tables, lens)
     assert len(meta.decode_groups(bs)) > 1
     cpu = CpuAttentionBackend(hq, hkv, d)._decode(q, k_cache, v_cache, meta, window)
     ref = TorchAttentionBackend(hq, hkv, d)._decode(q, k_cache, v_cache, meta, window)
@@ -141,8 +92,8 @@ def test_without_a_compiler_the_cpu_backend_uses_the_torch_path(monkeypatch, tmp
             backend = CpuAttentionBackend(4, 2, 16)
         assert native.decode_kernel(torch.float32) is None
         assert "torch path" in caplog.text
-        q, k_cache, v_cache, tables, lens = _case(torch.float32, 3, 4, 2, 16, 4, max_len=30)
-        out = backend._decode(q, k_cache, v_cache, _decode_meta(tables, lens))
-        assert (out - _dense(q, k_cache, v_cache, tables, lens, 4)).abs().max().item() < 1e-5
+        q, k_cache, v_cache, tables, lens = paged_case(torch.float32, 3, 4, 2, 16, 4, max_len=30)
+        out = backend._decode(q, k_cache, v_cache, decode_meta(tables, lens))
+        assert (out - dense_attention(q, k_cache, v_cache, tables, lens, 4)).abs().max().item() < 1e-5
     finally:
         native.load.cache_clear()

@@ -2,177 +2,39 @@
 fake peers over real zmq that the test drives: the remote-prefill branches (error, timeout, abort, late
 reply, peer gone) that subprocess clusters reach only by chance.
 
-Fake prefill node: a NodeInfo registered in etcd + a zmq ROUTER socket. Fake router / fake decode node: a
-zmq DEALER. Every wait is bounded by WAIT; every test ends with all the engine's KV blocks free."""
+The fakes and setups are tests/node_helpers.py's. Every wait is bounded by WAIT; every test ends with all the
+engine's KV blocks free."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from typing import AsyncIterator, Callable
 
 import pytest
+from node_helpers import (
+    MAX_TOKENS,
+    PREFILL_PEER,
+    PROMPT,
+    WAIT,
+    SilentKVListener,
+    assert_idle,
+    decode_setup,
+    destination,
+    local_tokens,
+    node_config,
+    nothing_more,
+    prefill,
+    prefill_setup,
+    recv,
+    remote_failures,
+    remote_prefill_sent,
+    stream,
+    wait_until,
+)
 
-from pdcluster.control.etcd_server import EtcdServer
-from pdcluster.control.protocol import Abort, Generate, Message, Prefill, PrefillDone, Progress, Tokens
-from pdcluster.control.records import NodeInfo
-from pdcluster.control.registration import Registration
-from pdcluster.control.sampling_params import SamplingParams
-from pdcluster.control.transport import DealerClient, RouterServer
-from pdcluster.node.config import NodeConfig
+from pdcluster.control.protocol import Abort, PrefillDone
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-WAIT = 10.0  # bound of every wait; nothing here should take more than a fraction of it
-QUIET = 0.5  # how long "nothing more arrives" is watched
-PROMPT = list(range(3, 40))  # 37 tokens: 3 KV blocks of 16
-MAX_TOKENS = 5
-GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True).to_dict()
-PREFILL_PEER = "prefill-fake"
-
-
-def node_config(kind: str, model: str, etcd: EtcdServer, cluster: str) -> NodeConfig:
-    config = NodeConfig(model=model, etcd=[etcd.endpoint], cluster=cluster, node_id=f"{kind}-under-test",
-                        lease_ttl=2, num_gpu_blocks_override=64, max_num_seqs=4)
-    config.finish(kind)
-    config.validate()
-    return config
-
-
-async def wait_until(predicate: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
-@contextlib.asynccontextmanager
-async def serving(node) -> AsyncIterator:
-    """Run `node.serve()` on this loop until the block exits; yields once the node is registered."""
-    task = asyncio.create_task(node.serve())
-    try:
-        await wait_until(lambda: task.done() or (node.registration is not None and node.registration.registered),
-                         "the node to register in etcd")
-        assert not task.done(), f"node stopped during start: {task.exception()!r}"
-        yield node
-        await assert_idle(node)
-    finally:
-        node.stop()
-        await asyncio.wait_for(task, 30)
-
-
-async def assert_idle(node) -> None:
-    """No request left in the node and every KV block of its engine free (none reserved for remote KV)."""
-    pending = getattr(node, "requests", None)
-    if pending is None:
-        pending = node.jobs
-
-    def idle() -> bool:
-        s = node.engine_stats()
-        return (not pending and s.num_running == 0 and s.num_waiting == 0 and s.num_reserved_blocks == 0
-                and s.num_free_blocks == s.num_total_blocks > 0)
-
-    await wait_until(idle, f"an idle node with every KV block free (now {node.engine_stats()}, "
-                           f"{len(pending)} request(s))")
-
-
-async def recv(sock: DealerClient, kind: type[Message]) -> Message:
-    """The next `kind` message; the decode node's Progress heartbeats are skipped unless asked for."""
-    while True:
-        msg = await sock.recv(timeout=WAIT)
-        if not (isinstance(msg, Progress) and kind is not Progress):
-            break
-    assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
-    return msg
-
-
-async def nothing_more(sock: DealerClient) -> None:
-    """No message but Progress heartbeats within QUIET."""
-    deadline = time.monotonic() + QUIET
-    while (left := deadline - time.monotonic()) > 0:
-        msg = await sock.recv(timeout=left)
-        assert msg is None or isinstance(msg, Progress), f"unexpected {msg!r}"
-
-
-# ---------------------------------------------------------------------------------------------- decode node
-
-class FakePrefill:
-    """A prefill node as the decode node sees it: a record in etcd and a control socket the test answers."""
-
-    def __init__(self, etcd: EtcdServer, cluster: str) -> None:
-        self.server = RouterServer()
-        self.server.bind("tcp://127.0.0.1:0")
-        info = NodeInfo(node_id=PREFILL_PEER, role="prefill", control_addr=self.server.address)
-        self.registration = Registration([etcd.endpoint], cluster, info, ttl=2)
-
-    async def recv(self, kind: type[Message]) -> tuple[bytes, Message]:
-        identity, msg = await asyncio.wait_for(self.server.recv(), WAIT)
-        assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
-        return identity, msg
-
-    async def close(self) -> None:
-        await self.registration.deregister()
-        self.server.close()
-
-
-@contextlib.asynccontextmanager
-async def decode_setup(etcd: EtcdServer, cluster: str, model: str, prefill_timeout: float = WAIT):
-    """(decode node, fake prefill peer it can see, fake router connected to it)."""
-    from pdcluster.decode_node.node import DecodeNode
-
-    peer = FakePrefill(etcd, cluster)
-    assert await peer.registration.start(wait=WAIT)
-    router = DealerClient()
-    try:
-        node = DecodeNode(node_config("decode", model, etcd, cluster), prefill_timeout=prefill_timeout)
-        async with serving(node):
-            assert await node.view.wait_for(lambda v: PREFILL_PEER in v.nodes, WAIT)
-            router.connect(node.control.address)
-            yield node, peer, router
-    finally:
-        router.close()
-        await peer.close()
-
-
-def generate(router: DealerClient, rid: str, prefill_node: str | None) -> None:
-    assert router.send(Generate(rid=rid, prompt_ids=PROMPT, sampling=GREEDY, prefill_node=prefill_node,
-                                timeout_s=60, router="router-fake"))
-
-
-async def stream(router: DealerClient, rid: str) -> tuple[list[int], Tokens]:
-    """All token ids of `rid` until it finishes, and its first Tokens message."""
-    ids: list[int] = []
-    first = None
-    while True:
-        msg = await recv(router, Tokens)
-        assert msg.rid == rid and msg.error is None, msg
-        first = first or msg
-        ids += msg.ids
-        if msg.finish is not None:
-            assert msg.finish == "length"
-            return ids, first
-
-
-async def local_tokens(router: DealerClient, rid: str) -> list[int]:
-    generate(router, rid, None)
-    ids, first = await stream(router, rid)
-    assert first.prefill_path == "local" and len(ids) == MAX_TOKENS
-    return ids
-
-
-async def remote_prefill_sent(node, peer: FakePrefill, router: DealerClient, rid: str) -> bytes:
-    """Send a request that names the fake prefill peer; return the zmq identity its Prefill came from."""
-    generate(router, rid, PREFILL_PEER)
-    identity, prefill = await peer.recv(Prefill)
-    assert prefill.rid == rid and prefill.decode_node == node.node_id
-    assert prefill.prompt_ids == PROMPT and prefill.dst["block_ids"]
-    return identity
-
-
-def remote_failures(node, reason: str) -> float:
-    value = node.registry.get_sample_value("pdcluster_node_remote_prefill_failures_total", {"reason": reason})
-    return value or 0.0
 
 
 async def test_prefill_error_falls_back_to_local_prefill_and_streams(etcd, cluster, tiny_llama):
@@ -201,6 +63,41 @@ async def test_no_answer_times_out_into_local_prefill_and_a_late_prefill_done_is
         assert ids == await local_tokens(router, "r-after")
 
 
+async def test_kv_that_never_lands_after_prefill_done_falls_back_after_kv_landing_timeout(etcd, cluster, tiny_llama):
+    """PrefillDone came but the receiver never saw the KV: after `kv_landing_timeout` the reservation is given
+    up (reason "transfer") and the engine prefills the same request locally (remote_kv_failed, no re-add)."""
+    from node_helpers import FakePrefill, serving
+
+    from pdcluster.control.transport import DealerClient
+    from pdcluster.decode_node.node import DecodeNode
+
+    peer = FakePrefill(etcd, cluster)
+    assert await peer.registration.start(wait=WAIT)
+    config = node_config("decode", tiny_llama, etcd, cluster)
+    config.kv_landing_timeout = 0.5
+    router = DealerClient()
+    try:
+        node = DecodeNode(config)
+        async with serving(node):
+            assert await node.view.wait_for(lambda v: PREFILL_PEER in v.nodes, WAIT)
+            router.connect(node.control.address)
+            identity = await remote_prefill_sent(node, peer, router, "r-lost")
+            answered = time.monotonic()
+            assert peer.server.send(identity, PrefillDone(rid="r-lost", first_token=7, kv_backend="tcp"))
+            ids, first = await stream(router, "r-lost")
+            assert time.monotonic() - answered >= config.kv_landing_timeout
+            assert first.prefill_path == "local" and len(ids) == MAX_TOKENS
+            assert remote_failures(node, "transfer") == 1 and remote_failures(node, "timeout") == 0
+            assert node.registry.get_sample_value("pdcluster_kv_transfer_failures_total", {"backend": "tcp"}) == 1
+            assert node.registry.get_sample_value("pdcluster_node_prefills_total", {"path": "local"}) == 1
+            _, abort = await peer.recv(Abort)
+            assert abort.rid == "r-lost"
+            assert ids == await local_tokens(router, "r-after")
+    finally:
+        router.close()
+        await peer.close()
+
+
 async def test_router_abort_during_remote_prefill_aborts_the_peer_and_frees_the_reservation(
         etcd, cluster, tiny_llama):
     async with decode_setup(etcd, cluster, tiny_llama) as (node, peer, router):
@@ -225,56 +122,6 @@ async def test_prefill_peer_leaving_etcd_mid_request_falls_back_to_local_prefill
 
 
 # ---------------------------------------------------------------------------------------------- prefill node
-
-class SilentKVListener:
-    """A TCP port that accepts KV connections and never answers: a transfer to it hangs in its handshake
-    until `release()` closes the connections."""
-
-    def __init__(self) -> None:
-        self.connections = 0
-        self._release = asyncio.Event()
-        self._server: asyncio.AbstractServer | None = None
-
-    async def start(self) -> str:
-        self._server = await asyncio.start_server(self._hold, "127.0.0.1", 0)
-        return "127.0.0.1:%d" % self._server.sockets[0].getsockname()[1]
-
-    async def _hold(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        await self._release.wait()
-        writer.close()
-
-    async def release(self) -> None:
-        self._release.set()
-        self._server.close()
-        await self._server.wait_closed()
-
-
-@contextlib.asynccontextmanager
-async def prefill_setup(etcd: EtcdServer, cluster: str, model: str):
-    """(prefill node, fake decode node connected to its control socket)."""
-    from pdcluster.prefill_node.node import PrefillNode
-
-    decode = DealerClient()
-    try:
-        node = PrefillNode(node_config("prefill", model, etcd, cluster))
-        async with serving(node):
-            decode.connect(node.control.address)
-            yield node, decode
-    finally:
-        decode.close()
-
-
-def prefill(rid: str, dst: dict, timeout_s: float = 60.0) -> Prefill:
-    return Prefill(rid=rid, prompt_ids=PROMPT, sampling=GREEDY, dst=dst, decode_node="decode-fake",
-                   timeout_s=timeout_s)
-
-
-def destination(node, rid: str, address: str, num_blocks: int = 3) -> dict:
-    """A well-formed KV destination matching the prefill node's pool layout."""
-    return {"request_id": rid, "address": address, "block_ids": list(range(num_blocks)), "token": "t",
-            "deadline": time.time() + 60, "backends": ["tcp"], "layout": node.sender.layout.to_dict()}
-
 
 async def test_prefill_node_answers_a_bad_destination_with_an_error(etcd, cluster, tiny_llama):
     async with prefill_setup(etcd, cluster, tiny_llama) as (node, decode):

@@ -22,6 +22,8 @@ from engine_helpers import make_prompts, run_all
 from npu_emulator import emulated_torch_npu
 
 from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.args import EngineArgs
+from pdcluster.engine.kv_connector import KVConnector
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.testing import make_tiny_model
 
@@ -107,7 +109,7 @@ def test_bfloat16_runs_and_mostly_agrees(npu, tiny_llama, make_engine):
     assert engine.dtype == torch.bfloat16
     got, want = run_all(engine, PROMPTS, GREEDY), run_all(reference, PROMPTS, GREEDY)
     assert [g[0] for g in got] == [w[0] for w in want]
-    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    same = sum(a == b for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True))
     assert same >= 0.8 * sum(len(w) for w in want)
 
 
@@ -116,7 +118,7 @@ def test_engine_thread_binds_the_device(npu, tiny_llama):
     hardware, and the engine's own thread binds itself."""
     from pdcluster.engine.async_engine import AsyncLLMEngine
 
-    unbound = LLMEngine.from_args(tiny_llama, device="npu", dtype="float16", num_gpu_blocks_override=8)
+    unbound = LLMEngine(EngineArgs(model=tiny_llama, device="npu", dtype="float16", num_gpu_blocks_override=8))
     unbound.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=2))
     errors: list[BaseException] = []
 
@@ -130,7 +132,7 @@ def test_engine_thread_binds_the_device(npu, tiny_llama):
     t.start()
     t.join(60)
     assert errors and "The context is empty" in str(errors[0])
-    engine = LLMEngine.from_args(tiny_llama, device="npu", dtype="float16", num_gpu_blocks_override=8)
+    engine = LLMEngine(EngineArgs(model=tiny_llama, device="npu", dtype="float16", num_gpu_blocks_override=8))
     aengine = AsyncLLMEngine(engine=engine)
     try:
         out = asyncio.run(aengine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3)))
@@ -147,7 +149,13 @@ def test_prefill_to_decode_transfer_between_npu_engines(npu, tiny_llama, kv_cach
     from pdcluster.kv_transfer import KVReceiver, KVSender
 
     kw = dict(device="npu", kv_cache_dtype=kv_cache_dtype, **ENGINE)
-    prefill, decode, single = make_engine(tiny_llama, **kw), make_engine(tiny_llama, **kw), \
+    reserved = {}
+
+    class Reserved(KVConnector):
+        def on_remote_reserved(self, request_id, block_ids, num_cached_tokens):
+            reserved[request_id] = (block_ids, num_cached_tokens)
+
+    prefill, decode, single = make_engine(tiny_llama, **kw), make_engine(tiny_llama, kv_connector=Reserved(), **kw), \
         make_engine(tiny_llama, **kw)
     prompts = PROMPTS[1:4]
     want = run_all(single, prompts, GREEDY)
@@ -156,7 +164,8 @@ def test_prefill_to_decode_transfer_between_npu_engines(npu, tiny_llama, kv_cach
     got = []
     try:
         for i, p in enumerate(prompts):
-            blocks, cached = decode.reserve_remote(f"d{i}", p, GREEDY)
+            assert decode.add_request(f"d{i}", p, GREEDY, remote_kv=True)
+            blocks, cached = reserved[f"d{i}"]
             dst = rx.reserve(f"d{i}", blocks[cached // 128:])
             prefill.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=1), hold_blocks=True)
             out = None
@@ -165,12 +174,12 @@ def test_prefill_to_decode_transfer_between_npu_engines(npu, tiny_llama, kv_cach
             transfer = sender.start(dst.to_dict(), out.block_ids[cached // 128:])
             for layer in range(prefill.model_config.num_layers):
                 transfer.send_layers(layer, layer + 1)
-            assert transfer.finish(timeout=30) == rx.wait_blocking(f"d{i}", 30).checksum
-            prefill.release(f"p{i}")
-            tokens = list(decode.add_prefilled(f"d{i}", out.new_token_ids[0]).outputs[0].token_ids)
+            assert transfer.finish(timeout=30) == asyncio.run(rx.wait(f"d{i}", 30)).checksum
+            prefill.abort(f"p{i}")
+            tokens = list(decode.remote_kv_landed(f"d{i}", out.new_token_ids[0]).new_token_ids)
             while decode.has_unfinished_requests():
                 for o in decode.step():
-                    tokens = list(o.outputs[0].token_ids)
+                    tokens += o.new_token_ids
             got.append(tokens)
     finally:
         sender.close()
@@ -198,7 +207,7 @@ def test_fused_layer_ops_match_the_cpu_math_within_one_rounding(npu):
     assert all(npu._emulator.calls[op] > calls.get(op, 0) for op in FUSED[2:])
     npu._emulator.npu_on_cpu = False
     plain = (norm(x), norm(x, res), up(x), rotary.apply_rotary(qk, cos, sin))
-    for a, b in zip(torch.utils._pytree.tree_leaves(fused), torch.utils._pytree.tree_leaves(plain)):
+    for a, b in zip(torch.utils._pytree.tree_leaves(fused), torch.utils._pytree.tree_leaves(plain), strict=True):
         assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=2e-3)
 
 

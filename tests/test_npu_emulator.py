@@ -232,7 +232,7 @@ def test_fia_tnd_paged_causal_mixed_batch(npu_emulator):
             close(out[start:cum[b]], ref_attention(rows, k, v, 0.125, causal(q_lens[b], kv_lens[b])))
         else:
             picks = [0, 63, 199]
-            ref = ref_attention(rows[picks], k, v, 0.125, lambda i, j: j <= picks[i])
+            ref = ref_attention(rows[picks], k, v, 0.125, lambda i, j, picks=picks: j <= picks[i])
             close(out[start:cum[b]][picks], ref)
         start = cum[b]
     # lse of the decode row: logsumexp of its scaled scores over all 100 keys

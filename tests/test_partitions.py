@@ -23,13 +23,14 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import pytest
 import yaml
 from cluster_helpers import IDLE_GAUGES, bounded, client, complete, total, wait_until_async
 from netns import Host, cut, hosts, module_hosts, nft_missing  # noqa: F401  (fixtures)
 
-from pdcluster.cli.up import scrape_metrics
+from pdcluster.cli.smoke import scrape_metrics
 from pdcluster.control.etcd_server import etcd_binary, health_ok
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -117,7 +118,7 @@ def _offline(model: str, tokenizer, jobs: list[tuple[tuple[int, ...], int]]) -> 
     results = llm.generate([list(p) for p, _ in jobs],   # one batch: far quicker than one prompt at a time
                            [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in jobs])
     return {job: tokenizer.decode(list(r.outputs[0].token_ids), skip_special_tokens=True,
-                                  clean_up_tokenization_spaces=False) for job, r in zip(jobs, results)}
+                                  clean_up_tokenization_spaces=False) for job, r in zip(jobs, results, strict=True)}
 
 
 @pytest.fixture(scope="module")
@@ -281,10 +282,10 @@ async def _streams_across_a_router_decode_cut(net: Net, outage: float) -> dict:
         d0.heal()
     healed = time.monotonic()
     results = await bounded(tasks, REQUEST_TIMEOUT)
-    for p, r in zip(net.streams, results):
+    for p, r in zip(net.streams, results, strict=True):
         check(net, r, p, STREAM_TOKENS)
     moved = net.router_metrics()[MIGRATIONS] - before
-    pause = max(max((b - a for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b > struck), default=0.0)
+    pause = max(max((b - a for a, b in pairwise(r.chunk_times) if b > struck), default=0.0)
                 for r in results)
     done_after_heal = max(r.ended for r in results) - healed
     return dict(cut_at=at, streams=STREAMS, on_cut_node=int(on_d0), migrated=int(moved), longest_pause_s=pause,
@@ -326,7 +327,7 @@ async def test_prefill_host_cut_from_decode_host_mid_transfer(net):
         prefill.heal()
         d0.heal()
     results = await bounded(tasks, REQUEST_TIMEOUT)
-    for p, r in zip(net.long, results):
+    for p, r in zip(net.long, results, strict=True):
         check(net, r, p, TRAFFIC_TOKENS)
     after = net.all_metrics()
     failures = {k: v - before["d0"].get(k, 0.0) for k, v in after["d0"].items() if k.startswith(FAILURES) and v}

@@ -114,7 +114,7 @@ def test_engine_greedy_equals_transformers(converted, ref_tokenizer, reference):
     llm = LLM(model=converted, dtype="float32", device="cpu", kv_cache_memory=64 << 20)
     prompts = [_template_ids(ref_tokenizer, _chat(q)) for q in QUESTIONS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))   # one batch
-    got = {q: list(o.outputs[0].token_ids) for q, o in zip(QUESTIONS, outs)}
+    got = {q: list(o.outputs[0].token_ids) for q, o in zip(QUESTIONS, outs, strict=True)}
     assert got == reference
     assert "Paris" in ref_tokenizer.decode(reference[QUESTIONS[0]])
     assert any(len(ids) == MAX_TOKENS for ids in reference.values())   # some run the full 64 tokens
@@ -124,10 +124,11 @@ def test_tensor_parallel_3_greedy_equals_transformers(converted, ref_tokenizer, 
     """9 query heads and 3 KV heads split over 3 ranks (gloo; 3 processes on this machine's cores): the same
     greedy output (4 questions x 32 tokens keep it short)."""
     from pdcluster import SamplingParams
+    from pdcluster.engine.args import EngineArgs
     from pdcluster.engine.llm_engine import LLMEngine
 
-    engine = LLMEngine.from_args(converted, dtype="float32", device="cpu", kv_cache_memory=64 << 20,
-                                 tensor_parallel_size=3)
+    engine = LLMEngine(EngineArgs(model=converted, dtype="float32", device="cpu", kv_cache_memory=64 << 20,
+                                  tensor_parallel_size=3))
     try:
         for i, q in enumerate(QUESTIONS[:4]):
             engine.add_request(str(i), _template_ids(ref_tokenizer, _chat(q)),
@@ -149,7 +150,8 @@ async def test_cluster_greedy_equals_transformers(converted, ref_tokenizer, refe
 
     import openai
 
-    from pdcluster.cli.up import LocalCluster, scrape_metrics
+    from pdcluster.cli.smoke import scrape_metrics
+    from pdcluster.cli.supervisor import LocalCluster
 
     cluster = LocalCluster(model=converted, work_dir=tmp_path, num_prefill=1, num_decode=1, port=0,
                            threads_per_node=1, node_config={"kv_cache_memory": "64MiB", "dtype": "float32",
@@ -167,7 +169,7 @@ async def test_cluster_greedy_equals_transformers(converted, ref_tokenizer, refe
         await api.close()
         remote = sum(scrape_metrics(s.metrics_url).get('pdcluster_node_prefills_total{path="remote"}', 0.0)
                      for s in cluster.services if s.kind == "decode")
-    for q, (text, finish) in zip(QUESTIONS, answers):
+    for q, (text, finish) in zip(QUESTIONS, answers, strict=True):
         ids = reference[q]
         assert text == ref_tokenizer.decode(ids, skip_special_tokens=True), q
         assert finish == ("length" if len(ids) == MAX_TOKENS and ids[-1] != 2 else "stop"), q

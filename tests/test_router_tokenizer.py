@@ -342,7 +342,7 @@ class OneTokenDecodesDifferently:
 
     def decode_batch(self, sequences: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         texts = self.tk.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
-        return [t + "!" if s == [self.token_id] else t for s, t in zip(sequences, texts)]
+        return [t + "!" if s == [self.token_id] else t for s, t in zip(sequences, texts, strict=True)]
 
 
 def test_table_verification_rejects_a_disagreeing_tokenizer(sp_tokenizer: Tokenizer, caplog) -> None:

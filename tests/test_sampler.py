@@ -1,4 +1,5 @@
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -222,7 +223,7 @@ def test_logprobs_match_log_softmax_and_are_sorted():
         n = reqs[i].params.logprobs
         assert len(top) == n
         assert [t for t, _ in top] == raw[i].topk(n).indices.tolist() if n else True
-        assert all(a[1] >= b[1] for a, b in zip(top, top[1:]))
+        assert all(a[1] >= b[1] for a, b in pairwise(top))
         for t, lp in top:
             assert lp == pytest.approx(raw[i, t].item(), abs=1e-5)
 

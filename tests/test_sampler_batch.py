@@ -17,7 +17,7 @@ from pdcluster.engine.sampler import Sampler, SampleRequest, apply_penalties, fi
 def penalties_reference(x: torch.Tensor, rows: list[int], requests: list[SampleRequest]) -> None:
     """The definition, one row and one token at a time (the sampler's earlier per-row code)."""
     vocab = x.shape[1]
-    for row, r in zip(rows, requests):
+    for row, r in zip(rows, requests, strict=True):
         p = r.params
         counts = Counter(r.output_ids)
         ids = set(r.prompt_ids).union(counts) if p.repetition_penalty != 1.0 else set(counts)

@@ -177,7 +177,7 @@ def test_kv_sender_with_the_secret_transfers(kv):
     src = source_pool()
     dst = rx.reserve("ok", [2, 3])
     send(dst, keys.kv_key, src)
-    assert rx.wait_blocking("ok", 5).ok
+    assert asyncio.run(rx.wait("ok", 5)).ok
     assert torch.equal(pool[:, :, 2:4], src[:, :, 0:2])
 
 
@@ -192,7 +192,7 @@ def test_kv_sender_without_the_secret_is_refused_before_any_work(kv, secrets_, w
     assert rx.num_active_reservations == 1 and not pool.any()   # the reservation is untouched ...
     assert connection_threads() == 0
     send(dst, keys.kv_key, source_pool())   # ... and still works for the member holding the token
-    assert rx.wait_blocking("r", 5).ok
+    assert asyncio.run(rx.wait("r", 5)).ok
 
 
 def test_kv_receiver_without_a_secret_is_not_trusted_by_a_sender_with_one(secrets_):
@@ -238,7 +238,7 @@ def test_kv_flood_of_unauthenticated_connections_exhausts_nothing(kv):
         assert threading.active_count() == threads and connection_threads() == 0   # no thread per peer
         src = source_pool()
         send(dst, keys.kv_key, src)   # a member still gets through while the flood holds its sockets
-        assert rx.wait_blocking("after-flood", 5).ok and torch.equal(pool[:, :, 4:6], src[:, :, 0:2])
+        assert asyncio.run(rx.wait("after-flood", 5)).ok and torch.equal(pool[:, :, 4:6], src[:, :, 0:2])
     finally:
         for s in flood:
             s.close()
@@ -254,7 +254,7 @@ def test_kv_connections_beyond_the_cap_are_closed_at_once(secrets_):
         with pytest.raises(TransferError, match="refused the connection: 1 connections already open"):
             senders[1].send(rx.reserve("b", [1]).to_dict(), [0], timeout=10)
         assert rx.dropped.count == 1
-        assert rx.wait_blocking("a", 5).ok
+        assert asyncio.run(rx.wait("a", 5)).ok
     finally:
         for tx in senders:
             tx.close()
@@ -266,7 +266,7 @@ def test_kv_connections_beyond_the_cap_are_closed_at_once(secrets_):
 async def test_node_ports_refuse_unauthenticated_peers(etcd, cluster, tiny_llama, secrets_):
     """A node with a cluster secret: a Generate from a DEALER without it does nothing at all; from a member it
     streams; a SUB without it gets no Load; a KV connection without a valid proof is closed and counted."""
-    from test_node_services import GREEDY, PROMPT, node_config, serving
+    from node_helpers import GREEDY, PROMPT, node_config, serving
 
     from pdcluster.decode_node.node import DecodeNode
 
@@ -313,7 +313,7 @@ async def test_node_ports_refuse_unauthenticated_peers(etcd, cluster, tiny_llama
 
 
 async def test_decode_node_honours_abort_only_from_the_router_that_sent_the_request(etcd, cluster, tiny_llama):
-    from test_node_services import decode_setup, remote_prefill_sent, wait_until
+    from node_helpers import decode_setup, remote_prefill_sent, wait_until
 
     async with decode_setup(etcd, cluster, tiny_llama) as (node, peer, router):
         await remote_prefill_sent(node, peer, router, "r-owned")
@@ -335,7 +335,7 @@ async def test_decode_node_honours_abort_only_from_the_router_that_sent_the_requ
 
 async def test_prefill_node_honours_abort_only_from_the_decode_node_that_sent_the_prefill(etcd, cluster,
                                                                                          tiny_llama):
-    from test_node_services import SilentKVListener, destination, prefill, prefill_setup, recv, wait_until
+    from node_helpers import SilentKVListener, destination, prefill, prefill_setup, recv, wait_until
 
     async with prefill_setup(etcd, cluster, tiny_llama) as (node, decode):
         listener = SilentKVListener()
@@ -367,7 +367,8 @@ async def test_cluster_with_a_secret_serves_and_refuses_strangers(tmp_path):
     import httpx
 
     from pdcluster.cli.admin import cluster_status
-    from pdcluster.cli.up import LocalCluster, scrape_metrics
+    from pdcluster.cli.smoke import scrape_metrics
+    from pdcluster.cli.supervisor import LocalCluster
     from pdcluster.engine.testing import make_tiny_model
 
     model = make_tiny_model(str(tmp_path / "tiny-llama"), "llama")

@@ -30,7 +30,7 @@ def test_messages_arrive_in_order_through_slots_inline_and_control(ring):
     writer.send_control(("pool", {"n": 3}), doorbells)
     big = bytes(range(256)) * 4   # over a 64-byte slot: travels in the pipe
     writer.write(big, doorbells, 1.0)
-    for i, (reader, conn) in enumerate(zip(readers, conns)):
+    for i, (reader, conn) in enumerate(zip(readers, conns, strict=True)):
         assert reader.read(i, conn, 1.0) == ("step", b"one")
         assert reader.read(i, conn, 1.0) == ("control", ("pool", {"n": 3}))
         assert reader.read(i, conn, 1.0) == ("step", big)

@@ -118,4 +118,4 @@ def test_hold_blocks_requests_keep_every_block(windowed, make_engine):
         outs += engine.step()
     ids = outs[-1].block_ids
     assert len(ids) == -(-100 // BS) and FREED_BLOCK not in ids[1:] and len(set(ids)) == len(ids)
-    engine.release("p")
+    engine.abort("p")

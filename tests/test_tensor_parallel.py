@@ -18,7 +18,8 @@ import torch
 from engine_helpers import make_prompts, run_all
 
 from pdcluster.control.sampling_params import SamplingParams
-from pdcluster.engine.testing import make_tiny_model
+from pdcluster.engine.args import EngineArgs
+from pdcluster.engine.testing import make_tiny_model, prefill_logits
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,7 +46,7 @@ def model_4_1(tmp_path_factory) -> str:
 
 def _reference(model: str, make_engine) -> tuple[torch.Tensor, list[list[int]], int]:
     engine = make_engine(model, **ENGINE)
-    logits = engine.runner.prefill_logits(PROMPTS[3], list(range(15)))
+    logits = prefill_logits(engine, PROMPTS[3], list(range(15)))
     outputs = run_all(engine, PROMPTS, GREEDY)
     return logits, outputs, engine.get_stats().num_preemptions
 
@@ -63,7 +64,7 @@ def test_tp_equals_tp1(tp, model, request, make_engine):
     ref_logits, ref_outputs, ref_preemptions = _CACHE[path]
     engine = make_engine(path, tensor_parallel_size=tp, **ENGINE)
     assert engine.kv_pool.tensor.shape[1] == 2 * tp   # every rank's k and v planes, shared with the workers
-    logits = engine.runner.prefill_logits(PROMPTS[3], list(range(15)))
+    logits = prefill_logits(engine, PROMPTS[3], list(range(15)))
     assert (logits - ref_logits).abs().max().item() < 1e-4
     outputs = run_all(engine, PROMPTS, GREEDY)
     assert outputs == ref_outputs
@@ -84,7 +85,7 @@ def test_presharded_conversion_is_read_rank_by_rank(model_8_4, tmp_path, make_en
         _CACHE[model_8_4] = _reference(model_8_4, make_engine)
     assert run_all(engine, PROMPTS[:3], GREEDY) == _CACHE[model_8_4][1][:3]
     with pytest.raises(ValueError, match="converted for tensor_parallel_size=2"):
-        LLMEngine.from_args(out, tensor_parallel_size=1, device="cpu")
+        LLMEngine(EngineArgs(model=out, tensor_parallel_size=1, device="cpu"))
 
 
 def test_bad_configurations_are_refused_before_any_process_starts(model_8_4, monkeypatch):
@@ -95,7 +96,7 @@ def test_bad_configurations_are_refused_before_any_process_starts(model_8_4, mon
     started = []
     monkeypatch.setattr("pdcluster.engine.llm_engine.TPWorkers", lambda *a, **k: started.append(a))
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide num_attention_heads 8"):
-        LLMEngine.from_args(model_8_4, tensor_parallel_size=3, device="cpu")
+        LLMEngine(EngineArgs(model=model_8_4, tensor_parallel_size=3, device="cpu"))
     config = ModelConfig.from_pretrained(model_8_4)
     with pytest.raises(ValueError, match="needs the hccl collective backend"):   # no torch_npu here
         parallel.backend_for("npu")
@@ -104,7 +105,7 @@ def test_bad_configurations_are_refused_before_any_process_starts(model_8_4, mon
     with pytest.raises(ValueError, match="needs 4 cuda devices, this process sees 2 .see CUDA_VISIBLE_DEVICES"):
         parallel.check_tensor_parallel(config, 4, torch.device("cuda", 0))
     with pytest.raises(ValueError, match="weight_pool: not supported with tensor_parallel_size > 1"):
-        LLMEngine.from_args(model_8_4, tensor_parallel_size=2, device="cpu", weight_pool="tp-test:64MiB")
+        LLMEngine(EngineArgs(model=model_8_4, tensor_parallel_size=2, device="cpu", weight_pool="tp-test:64MiB"))
     assert started == []
 
 
@@ -113,7 +114,7 @@ def test_a_rank_that_dies_or_stops_fails_the_engine_naming_it(how, model_8_4):
     from pdcluster.engine.llm_engine import LLMEngine
     from pdcluster.engine.tp_executor import TPWorkerError
 
-    engine = LLMEngine.from_args(model_8_4, tensor_parallel_size=2, collective_timeout=5, **ENGINE)
+    engine = LLMEngine(EngineArgs(model=model_8_4, tensor_parallel_size=2, collective_timeout=5, **ENGINE))
     try:
         assert run_all(engine, PROMPTS[:1], GREEDY)   # healthy first
         worker = engine.runner.workers.procs[0]
@@ -156,7 +157,7 @@ def test_kv_layouts_of_different_tensor_parallel_sizes_are_refused():
 
 @pytest.fixture(scope="module")
 def tp_cluster(model_8_4, tmp_path_factory):
-    from pdcluster.cli.up import LocalCluster
+    from pdcluster.cli.supervisor import LocalCluster
 
     c = LocalCluster(model=model_8_4, work_dir=tmp_path_factory.mktemp("tp-cluster"), num_prefill=1, num_decode=1,
                      port=0, cluster="tp", lease_ttl=2,
@@ -183,7 +184,7 @@ async def test_1p1d_at_tp2_answers_like_offline_tp1_and_refuses_a_tp_mismatch(tp
     api = client(tp_cluster)
     name = os.path.basename(model_8_4)
     results = [await complete(api, name, p, 16, stream=i % 2 == 0) for i, p in enumerate(prompts)]
-    for got, want in zip(results, expected):
+    for got, want in zip(results, expected, strict=True):
         assert got.text == tokenizer.decode(want, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         assert got.usage == 16
     assert total(node_metrics(tp_cluster, "prefill"), "pdcluster_kv_transfers_total{") >= len(prompts)
@@ -212,7 +213,7 @@ async def _gone(node_id, cluster) -> bool:
 
 
 def test_pdcluster_up_gives_each_node_its_own_devices_when_the_host_has_enough():
-    from pdcluster.cli.up import node_device_env
+    from pdcluster.cli.sizing import node_device_env
 
     eight = lambda kind: 8  # noqa: E731
     assert node_device_env("npu", 4, 1, 2, eight) == {"ASCEND_RT_VISIBLE_DEVICES": "4,5,6,7"}

@@ -19,8 +19,7 @@ import time
 import pytest
 import zmq
 import zmq.asyncio
-from router_fakes import FakeDecodeNode
-from test_node_services import (
+from node_helpers import (
     GREEDY,
     PREFILL_PEER,
     PROMPT,
@@ -34,6 +33,7 @@ from test_node_services import (
     serving,
     wait_until,
 )
+from router_fakes import FakeDecodeNode
 
 from pdcluster.control import protocol
 from pdcluster.control.protocol import Abort, Generate, Ping, Pong, Prefill, PrefillDone, Progress, Tokens
@@ -95,7 +95,7 @@ async def test_progress_keeps_a_slow_first_token_from_migrating():
     spare = FakeDecodeNode("spare", SCRIPT)
     try:
         async with router_client(StaticNodeSource([slow.info])) as client:
-            stream = client.stream([1, 2, 3], {"max_tokens": 5}, deadline=time.time() + 60)
+            stream = client.stream([1, 2, 3], {"max_tokens": 5}, deadline=time.monotonic() + 60)
             task = asyncio.create_task(collect(stream))
             await wait_until(lambda: slow.generates, "the Generate to reach the slow node")
             client.cluster.source.add(spare.info)   # somewhere to migrate to, were the router to give up
@@ -112,7 +112,7 @@ async def test_a_silent_node_still_migrates():
     spare = FakeDecodeNode("spare", SCRIPT)
     try:
         async with router_client(StaticNodeSource([silent.info])) as client:
-            stream = client.stream([1, 2, 3], {"max_tokens": 5}, deadline=time.time() + 60)
+            stream = client.stream([1, 2, 3], {"max_tokens": 5}, deadline=time.monotonic() + 60)
             task = asyncio.create_task(collect(stream))
             await wait_until(lambda: silent.generates, "the Generate to reach the silent node")
             client.cluster.source.add(spare.info)
@@ -133,7 +133,7 @@ async def test_a_gap_in_the_token_stream_migrates_instead_of_streaming_a_hole():
     lossy = NodeInfo(node_id="lossy", role="decode", control_addr=server.address)
     try:
         async with router_client(StaticNodeSource([lossy])) as client:
-            stream = client.stream([1, 2, 3], {"max_tokens": 6}, deadline=time.time() + 60)
+            stream = client.stream([1, 2, 3], {"max_tokens": 6}, deadline=time.monotonic() + 60)
             task = asyncio.create_task(collect(stream))
             identity, gen = await asyncio.wait_for(server.recv(), WAIT)
             client.cluster.source.add(spare.info)
@@ -157,7 +157,7 @@ async def test_a_reader_that_fell_behind_gets_the_queued_tokens_at_once_and_a_ga
     lp = [[-0.5, [[7, -0.5]]]]
     try:
         async with router_client(StaticNodeSource([node])) as client:
-            stream = client.stream([1, 2, 3], {"max_tokens": 9, "logprobs": 1}, deadline=time.time() + 60)
+            stream = client.stream([1, 2, 3], {"max_tokens": 9, "logprobs": 1}, deadline=time.monotonic() + 60)
             start = asyncio.create_task(stream.start())
             identity, gen = await asyncio.wait_for(server.recv(), WAIT)
             server.send(identity, Tokens(rid=gen.rid, ids=SCRIPT[:1], pos=0))
@@ -327,7 +327,7 @@ async def test_a_decode_node_reports_progress_while_its_prefill_is_slow_and_the_
 
             source = StaticNodeSource([node.node_info(), peer.registration.info])
             async with router_client(source, disagg_min_tokens=0) as client:
-                stream = client.stream(PROMPT, GREEDY, deadline=time.time() + 60)
+                stream = client.stream(PROMPT, GREEDY, deadline=time.monotonic() + 60)
                 task = asyncio.create_task(collect(stream))
                 identity, prefill = await peer.recv(Prefill)
                 await asyncio.sleep(4 * STALL)   # the first token takes several stall timeouts
@@ -410,7 +410,7 @@ def test_a_sender_on_the_engine_thread_never_opens_a_connection():
         sender.connect(dst)
         t = sender.start(dst, [2, 3], connect=False)
         t.send_all()
-        assert t.finish(WAIT) == receiver.wait_blocking("r", WAIT).checksum
+        assert t.finish(WAIT) == asyncio.run(receiver.wait("r", WAIT)).checksum
     finally:
         sender.close()
         receiver.close()

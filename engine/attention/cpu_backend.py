@@ -25,7 +25,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: TorchAttentionMetadata, window: int = 0) -> torch.Tensor:
         kernel = native.decode_kernel(q.dtype, k_cache.dtype) if q.device.type == "cpu" else None
-        if kernel is None or meta.decode_context_lens is None:
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        if kernel is None or tables is None or lens is None:
             return super()._decode(q, k_cache, v_cache, meta, window)
-        return native.paged_decode(kernel, q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                                   self.scale, window)
+        return native.paged_decode(kernel, q, k_cache, v_cache, tables, lens, self.scale, window)

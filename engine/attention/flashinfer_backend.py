@@ -15,7 +15,7 @@ the query too). GQA is the kernels' own (num_qo_heads a multiple of num_kv_heads
 Calls follow flashinfer-python v0.6.17's API (flashinfer/prefill.py, decode.py, page.py; docs.flashinfer.ai
 /api/prefill.html, /api/decode.html, /api/page.html): options after `page_size` by keyword, index arrays int32.
 FlashInfer's kernels take float16 / bfloat16 (and fp8) queries and KV: a float32 model and an int8 KV pool (its
-scales inside each row) run the torch reference path of the parent class instead, with one warning. Not run on
+scales inside each row) run the torch reference backend (`reference`) instead, with one warning. Not run on
 a GPU here: tested on CPU tensors under the emulator in tests/fake_flashinfer (docs/engine.md "CUDA").
 """
 
@@ -124,14 +124,17 @@ def _host_tables(meta: AttentionMetadata) -> tuple[list[int], list[list[int]], l
     from the device (the step's tables are small; the previous step's sampling already synchronised)."""
     nd = meta.num_decode_tokens
     parts = []
+    width = 0
     if nd:
-        parts += [meta.decode_context_lens.reshape(-1), meta.decode_block_tables.reshape(-1)]
+        tables, context_lens = meta.decode_block_tables, meta.decode_context_lens
+        assert tables is not None and context_lens is not None, "a step with decode rows"
+        parts += [context_lens.reshape(-1), tables.reshape(-1)]
+        width = tables.shape[1]
     parts += [p.block_table.reshape(-1) for p in meta.prefills]
     flat = torch.cat([t.to(torch.long) for t in parts]).cpu().tolist() if parts else []
     i = 0
     lens, dec = [], []
     if nd:
-        width = meta.decode_block_tables.shape[1]
         lens, i = flat[:nd], nd
         dec = [flat[i + r * width:i + (r + 1) * width] for r in range(nd)]
         i += nd * width
@@ -143,13 +146,15 @@ def _host_tables(meta: AttentionMetadata) -> tuple[list[int], list[list[int]], l
     return lens, dec, chunks
 
 
-class FlashInferAttentionBackend(TorchAttentionBackend):
+class FlashInferAttentionBackend:
     name = "flashinfer"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         import flashinfer  # imported only when this backend is selected
 
-        super().__init__(num_heads, num_kv_heads, head_dim)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # the torch path: float32 models, int8 KV pools, and kernels that could not be built
+        self.reference = TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
         self.fi = flashinfer
         # vLLM's rule: the tensor-core decode kernel pays off for query groups larger than 4.
         self.use_tensor_cores = num_heads // num_kv_heads > 4
@@ -205,7 +210,7 @@ class FlashInferAttentionBackend(TorchAttentionBackend):
 
     def _append(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: FlashInferMetadata) -> None:
-        """The new K/V rows into their pages (the torch path's `write_kv` stays the parent's)."""
+        """The new K/V rows into their pages (the torch path writes its own with `write_kv`)."""
         t = meta.tables(k_cache.shape[1])
         self.fi.append_paged_kv_cache(k, v, t.batch_indices, t.positions, (k_cache, v_cache), t.indices, t.indptr,
                                       t.last, kv_layout="NHD")
@@ -215,7 +220,7 @@ class FlashInferAttentionBackend(TorchAttentionBackend):
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: one layer's `[num_blocks, block_size, Hkv, D]` (NHD pages);
         window > 0: each token sees its last `window` positions, itself included. Returns [T, Hq, D]."""
         if self.disabled is not None or not self._kernels_take(q, k_cache):
-            return super().forward(q, k, v, k_cache, v_cache, meta.torch_meta(), window)
+            return self.reference.forward(q, k, v, k_cache, v_cache, meta.torch_meta(), window)
         nd = meta.num_decode_tokens
         # the kernels differ by kind and by whether a window is on (a template parameter of FlashInfer's kernels)
         kinds = {(kind, window > 0) for kind, rows in (("decode", nd), ("prefill", q.shape[0] - nd)) if rows}
@@ -232,7 +237,7 @@ class FlashInferAttentionBackend(TorchAttentionBackend):
             self.disabled = f"{type(exc).__name__}: {exc}"
             log.error("flashinfer attention: FlashInfer's kernels could not be built or loaded (%s): running the "
                       "torch reference path instead (attention_backend=torch to choose it)", self.disabled)
-            return super().forward(q, k, v, k_cache, v_cache, meta.torch_meta(), window)
+            return self.reference.forward(q, k, v, k_cache, v_cache, meta.torch_meta(), window)
         self._working |= kinds
         return out
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from pdcluster.device import row_size
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
@@ -29,7 +31,6 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-share
 _SYMBOLS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
             (torch.float16, torch.float16): "paged_decode_f16", (torch.float32, torch.int8): "paged_decode_i8_f32",
             (torch.bfloat16, torch.int8): "paged_decode_i8_bf16", (torch.float16, torch.int8): "paged_decode_i8_f16"}
-_SCALE_BYTES = 2
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
              ctypes.c_int]
@@ -112,7 +113,7 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _, bs, hkv, row = k_cache.shape
     if q.stride()[1:] != (d, 1) or k_cache.stride()[1:] != (hkv * row, row, 1) or v_cache.stride() != k_cache.stride():
         raise ValueError("paged_decode: q heads and cache blocks must be contiguous")
-    want_row = d + _SCALE_BYTES if k_cache.dtype == torch.int8 else d
+    want_row = row_size(d, k_cache.dtype)
     if k_cache.dtype not in (q.dtype, torch.int8) or v_cache.dtype != k_cache.dtype or hq % hkv or row != want_row:
         raise ValueError(f"paged_decode: q {tuple(q.shape)} {q.dtype} does not fit the cache "
                          f"{tuple(k_cache.shape)} {k_cache.dtype}")

@@ -49,6 +49,7 @@ class NpuAttentionMetadata(AttentionMetadata):
         """(B, 1, KV_S) bool, True = hidden: each decode row's positions before its last `window`."""
         if window not in self._window_masks:
             tables = self.decode_block_tables
+            assert tables is not None, "a step with decode rows"
             cols = torch.arange(tables.shape[1] * block_size, device=tables.device)[None, :]
             lens = torch.tensor(self.decode_lens, device=tables.device)[:, None]
             self._window_masks[window] = (cols < lens - window).unsqueeze(1).contiguous()
@@ -142,6 +143,7 @@ class NpuAttentionBackend:
                       value=dequantize_rows(v_cache[blocks].flatten(0, 1)[:c + n - base], q.dtype).unsqueeze(0))
             kv_cols = c + n - base
         kv_len = c + n - base
+        mask: dict[str, torch.Tensor | int]
         if n == 1:   # Q_S = 1 is the operator's incremental branch: no sparse modes there, a window is a mask
             cols = torch.arange(kv_cols, device=q.device)
             mask = dict(atten_mask=(cols < kv_len - window).view(1, 1, -1)) if window else {}

@@ -8,6 +8,7 @@ the whole cache.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +37,11 @@ class TorchAttentionMetadata(AttentionMetadata):
         window > 0, the positions more than `window` back."""
         key = (dtype, window)
         if key not in self._bias:
-            device = self.decode_block_tables.device
-            lens = self.decode_context_lens.to(device, torch.long)[:, None]
-            cols = torch.arange(self.decode_block_tables.shape[1] * block_size, device=device)[None, :]
+            tables, lens = self.decode_block_tables, self.decode_context_lens
+            assert tables is not None and lens is not None, "a step with decode rows"
+            device = tables.device
+            lens = lens.to(device, torch.long)[:, None]
+            cols = torch.arange(tables.shape[1] * block_size, device=device)[None, :]
             hidden = cols >= lens
             if window:
                 hidden |= cols < lens - window
@@ -51,9 +54,11 @@ class TorchAttentionMetadata(AttentionMetadata):
         instead of the batch maximum (`decode_groups` below); one group over every column if the rows are
         not sorted by context length."""
         if self._groups is None:
-            blocks = ((self.decode_context_lens.long() + block_size - 1) // block_size).tolist()
-            ordered = all(a <= b for a, b in zip(blocks, blocks[1:]))
-            whole = [(0, len(blocks), self.decode_block_tables.shape[1])]
+            tables, lens = self.decode_block_tables, self.decode_context_lens
+            assert tables is not None and lens is not None, "a step with decode rows"
+            blocks = ((lens.long() + block_size - 1) // block_size).tolist()
+            ordered = all(a <= b for a, b in pairwise(blocks))
+            whole = [(0, len(blocks), tables.shape[1])]
             self._groups = decode_groups(blocks) if ordered else whole
         return self._groups
 
@@ -202,7 +207,8 @@ class TorchAttentionBackend:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: TorchAttentionMetadata, window: int = 0) -> torch.Tensor:
-        tables, bs = meta.decode_block_tables, k_cache.shape[1]
+        tables, context_lens, bs = meta.decode_block_tables, meta.decode_context_lens, k_cache.shape[1]
+        assert tables is not None and context_lens is not None, "a step with decode rows"
         bias = meta.decode_bias(bs, q.dtype, window)
         groups = meta.decode_groups(bs)
         # On CPU, gather and attend a few rows at a time: gathered K/V small enough to still be in cache when
@@ -215,7 +221,7 @@ class TorchAttentionBackend:
             calls += [(s, min(end, s + rows), m) for s in range(start, end, rows)]
         # With a window, a call starts at the first block its rows can see: O(window) reads however long the
         # context, and blocks released out of the window (FREED_BLOCK entries) are mostly not even gathered.
-        lens = meta.decode_context_lens.tolist() if window else None
+        lens = context_lens.tolist() if window else []
         out = None if len(calls) == 1 else torch.empty_like(q)
         for start, end, m in calls:
             lo = max(0, min(lens[start:end]) - window) // bs if window else 0
@@ -224,21 +230,23 @@ class TorchAttentionBackend:
             if out is None:
                 return o
             out[start:end] = o
+        assert out is not None   # None only with one call, which returned above
         return out
 
     def _decode_group(self, q: torch.Tensor, tables: torch.Tensor, bias: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor) -> torch.Tensor:
         b, m = tables.shape
         n, bs = b * m, k_cache.shape[1]
-        if self._k_buf is None or self._k_buf.shape[0] < n or self._k_buf.dtype != k_cache.dtype \
-                or self._k_buf.device != k_cache.device:
-            shape = (max(n, 2 * (self._k_buf.shape[0] if self._k_buf is not None else 0)), k_cache[0].numel())
-            self._k_buf = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
-            self._v_buf = torch.empty_like(self._k_buf)
+        k_buf, v_buf = self._k_buf, self._v_buf
+        if k_buf is None or v_buf is None or k_buf.shape[0] < n or k_buf.dtype != k_cache.dtype \
+                or k_buf.device != k_cache.device:
+            shape = (max(n, 2 * (k_buf.shape[0] if k_buf is not None else 0)), k_cache[0].numel())
+            k_buf = self._k_buf = torch.empty(shape, dtype=k_cache.dtype, device=k_cache.device)
+            v_buf = self._v_buf = torch.empty_like(k_buf)
         idx = tables.reshape(-1)
         # Each block of one layer's K (or V) is one contiguous row of that layer's cache.
-        k = torch.index_select(k_cache.flatten(1), 0, idx, out=self._k_buf[:n])
-        v = torch.index_select(v_cache.flatten(1), 0, idx, out=self._v_buf[:n])
+        k = torch.index_select(k_cache.flatten(1), 0, idx, out=k_buf[:n])
+        v = torch.index_select(v_cache.flatten(1), 0, idx, out=v_buf[:n])
         hkv, d = self.num_kv_heads, self.head_dim
         ks = _readable(k.view(b, m * bs, hkv, -1), q.dtype).transpose(1, 2)   # [B, Hkv, L, D]
         vs = _readable(v.view(b, m * bs, hkv, -1), q.dtype).transpose(1, 2)

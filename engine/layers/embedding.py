@@ -47,7 +47,7 @@ class LMHead(Linear):
             return super().prepack()
         self.packed = onednn_packed(self.weight)   # the dense weight stays: the embedding reads it
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]  # None: TP rank > 0
         return self.tp.gather_last_dim(self._local_logits(hidden), self.sizes)
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ class GatedMLP(nn.Module):
         w = self.gate_up_proj.weight
         if is_npu(w.device):   # the NPU path multiplies by the whole merged weight
             return
-        halves = (onednn_packed(w[:n]), onednn_packed(w[n:]))
-        self.packed_halves = None if halves[0] is None else halves
+        gate, up = onednn_packed(w[:n]), onednn_packed(w[n:])
+        self.packed_halves = None if gate is None or up is None else (gate, up)
         if self.packed_halves is not None:
             release(w)
 

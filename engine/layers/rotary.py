@@ -76,6 +76,9 @@ def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torc
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position; applied to flattened [T, heads, head_dim]."""
 
+    cos: torch.Tensor   # [max_positions, head_dim] buffers (register_buffer)
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
                  dtype: torch.dtype) -> None:
         super().__init__()

@@ -89,11 +89,12 @@ class LlamaForCausalLM(nn.Module):
                 layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor:
         return self.model(input_ids, positions, meta, layer_done_callback)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """None on the tensor-parallel ranks other than 0 (`LMHead`)."""
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[SelfAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        return [layer.self_attn for layer in self.model.layers if isinstance(layer, DecoderLayer)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors into the (already dtype/device-placed) parameters; each is cast once."""

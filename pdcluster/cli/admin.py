@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from pdcluster.control.config import ETCD_SECURITY, check_etcd_security, env_name, parse_endpoint
+from pdcluster.control.config import (
+    DEFAULT_ETCD,
+    ETCD_SECURITY,
+    CommonConfig,
+    check_etcd_security,
+    declared_default,
+    env_name,
+    parse_endpoint,
+)
 from pdcluster.control.etcd_client import EtcdCredentials, EtcdUnavailable, close_quietly, connect
 from pdcluster.control.keys import ClusterKeys, SecretError, load_secret
 from pdcluster.control.protocol import Load
@@ -26,7 +34,6 @@ from pdcluster.control.transport import LoadSubscriber
 
 ENV_ETCD = "PDCLUSTER_ETCD"
 ENV_CLUSTER = "PDCLUSTER_CLUSTER"
-DEFAULT_ETCD = "127.0.0.1:2379"
 LOAD_WAIT = 1.5  # seconds to listen for Load reports (nodes publish at ~2 Hz)
 METRICS_WAIT = 1.5  # seconds to wait for a node's /metrics
 USAGE_KEYS = ("device_kind", "device_utilization_pct", "device_memory_used_bytes", "device_memory_total_bytes",
@@ -53,7 +60,7 @@ def etcd_endpoints(flag: str | None) -> list[str]:
 
 
 def cluster_name(flag: str | None) -> str:
-    return flag or os.environ.get(ENV_CLUSTER) or "default"
+    return flag or os.environ.get(ENV_CLUSTER) or declared_default(CommonConfig, "cluster")
 
 
 def cluster_keys() -> ClusterKeys | None:
@@ -105,7 +112,8 @@ class NodeStatus:
             "kv_blocks_used": total - load.free_blocks if load else None,
             "kv_blocks_free": load.free_blocks if load else None,
             "queued_prefill_tokens": load.queued_prefill_tokens if load else None,
-            "tokens_per_s": round(load.tokens_per_s, 2) if load else None,
+            "tokens_per_s": round(load.tokens_per_s, 2) if load else None,   # generated (docs/operations.md)
+            "prefill_tokens_per_s": round(load.prefill_tokens_per_s, 2) if load and info.role == "prefill" else None,
             # routers: running = requests in flight; open token streams and failed requests since start
             "streams": load.streams if load and info.role == "router" else None,
             "errors": load.errors if load and info.role == "router" else None,
@@ -193,7 +201,7 @@ async def collect_usages(nodes: list[NodeInfo], timeout: float = METRICS_WAIT) -
 
     wanted = [n for n in nodes if n.metrics_addr and n.role in ("prefill", "decode")]
     results = await asyncio.gather(*(one(n) for n in wanted))
-    return {n.node_id: r for n, r in zip(wanted, results) if r is not None}
+    return {n.node_id: r for n, r in zip(wanted, results, strict=True) if r is not None}
 
 
 async def _find(client: Any, cluster: str, node_id: str) -> NodeInfo | None:
@@ -301,11 +309,11 @@ def status_table(nodes: list[NodeStatus], cluster: str):
     from rich.table import Table
 
     table = Table(title=f"pdcluster {cluster!r}: {len(nodes)} node(s)", title_justify="left")
-    for name, justify in (("role", "left"), ("node", "left"), ("host", "left"), ("state", "left"),
-                          ("model", "left"), ("run", "right"), ("wait", "right"), ("KV used/free", "right"),
-                          ("tok/s", "right"), ("device", "left"), ("util", "right"), ("mem used/total", "right"),
-                          ("xfer GB/s", "right"), ("uptime", "right"), ("version", "left")):
-        table.add_column(name, justify=justify, no_wrap=True)
+    numbers = {"run", "wait", "KV used/free", "tok/s", "prefill tok/s", "util", "mem used/total", "xfer GB/s",
+               "uptime"}
+    for name in ("role", "node", "host", "state", "model", "run", "wait", "KV used/free", "tok/s", "prefill tok/s",
+                 "device", "util", "mem used/total", "xfer GB/s", "uptime", "version"):
+        table.add_column(name, justify="right" if name in numbers else "left", no_wrap=True)
     now = time.time()
     for n in nodes:
         d = n.to_dict(now)
@@ -315,7 +323,8 @@ def status_table(nodes: list[NodeStatus], cluster: str):
             kv = f"{d['streams']} streams, {d['errors']} err"
         table.add_row(d["role"], d["node_id"], d["host"], f"[{STATE_STYLES.get(n.state, 'white')}]{state}[/]",
                       os.path.basename(d["model"].rstrip("/")) or "-", _num(d["running"]), _num(d["waiting"]), kv,
-                      _num(d["tokens_per_s"], "{:.1f}"), d["device_kind"] or "-",
+                      _num(d["tokens_per_s"], "{:.1f}"), _num(d["prefill_tokens_per_s"], "{:.0f}"),
+                      d["device_kind"] or "-",
                       _num(d["device_utilization_pct"], "{:.0f}%"), _memory(d),
                       _num(d["transfer_gbps"], "{:.2f}"),
                       _uptime(d["uptime_s"]), d["version"])

@@ -20,7 +20,8 @@ from pdcluster.node.config import ENGINE_KNOBS, NodeConfig
 from pdcluster.router.settings import RouterConfig, RouterSettings
 
 KINDS: dict[str, type] = {"router": RouterConfig, "prefill": NodeConfig, "decode": NodeConfig}
-_FLAG_TYPES = {"bool": bool, "int": int, "float": float}  # everything else is passed on as text
+# The flag's annotation by knob type; everything else (and a knob with a parser) is passed on as text.
+_FLAG_TYPES: dict[str, Any] = {"bool": Optional[bool], "int": Optional[int], "float": Optional[float]}
 _COMMON = {f.name for f in dataclasses.fields(CommonConfig)}
 _ROUTER = {f.name for f in dataclasses.fields(RouterSettings)}
 
@@ -57,7 +58,7 @@ def flag_parameters(cls: type, skip: typing.Collection[str] = ()) -> list[inspec
         if kind == "bool":
             flag = f"{flag}/--no-{flag[2:]}"
         option = typer.Option(None, flag, help=text, show_default=False, rich_help_panel=_panel(cls, f.name))
-        annotation = Optional[str if f.metadata.get("parse") else _FLAG_TYPES.get(kind, str)]
+        annotation = Optional[str] if f.metadata.get("parse") else _FLAG_TYPES.get(kind or "", Optional[str])
         params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                                         annotation=annotation))
     return params
@@ -74,5 +75,5 @@ def with_flags(command: typing.Callable, params: list[inspect.Parameter]) -> typ
     """`command(fixed..., **flags)` with `params` in place of `**flags` in the signature typer reads."""
     fixed = [p for p in inspect.signature(command, eval_str=True).parameters.values()
              if p.kind != inspect.Parameter.VAR_KEYWORD]
-    command.__signature__ = inspect.Signature(fixed + params)
+    command.__signature__ = inspect.Signature(fixed + params)  # type: ignore[attr-defined]
     return command

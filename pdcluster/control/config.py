@@ -33,6 +33,7 @@ except ImportError:  # Python 3.10
 ENV_PREFIX = "PDCLUSTER_"
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+DEFAULT_ETCD = "127.0.0.1:2379"   # the etcd of a one-host cluster (`pdcluster up`), and what admin commands ask
 ETCD_SECURITY = ("etcd_ca", "etcd_cert", "etcd_key", "etcd_user", "etcd_password_file")  # TLS and auth to etcd
 
 
@@ -52,6 +53,14 @@ def settings(cls: type) -> list[dataclasses.Field]:
     return [f for f in dataclasses.fields(cls) if f.metadata.get("setting", False)]
 
 
+def declared_default(cls: type, name: str) -> Any:
+    """The default a config class declares for the knob `name` (for code that fills in a config dict)."""
+    f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+    if f is None:
+        raise KeyError(f"{cls.__name__} has no knob {name!r}")
+    return f.default_factory() if f.default_factory is not MISSING else f.default
+
+
 def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
@@ -61,7 +70,7 @@ class CommonConfig:
     """Knobs every pdcluster process has. A subclass adds its own and may override `finish` / `validate`."""
 
     cluster: str = knob("default", "cluster name: etcd key namespace /pdcluster/<cluster>/...")
-    etcd: list[str] = knob(help="etcd endpoints host:port[,host:port...]", factory=lambda: ["127.0.0.1:2379"])
+    etcd: list[str] = knob(help="etcd endpoints host:port[,host:port...]", factory=lambda: [DEFAULT_ETCD])
     node_id: str = knob("", "unique id in the cluster; default: <kind>-<hostname>-<pid>")
     host: str = knob("127.0.0.1", "address this process binds and advertises to peers")
     metrics_port: int = knob(0, "port of the Prometheus /metrics endpoint (nodes); 0 = pick a free port")

@@ -71,6 +71,8 @@ class Client(aetcd.Client):
     """aetcd 1.0's client, which opens only plaintext channels, plus TLS: `connect` is aetcd's own with a
     secure channel when `tls` is given (keep it in step with aetcd.Client.connect when aetcd changes)."""
 
+    _is_connecting: bool   # aetcd.Client's
+
     def __init__(self, host: str, port: int, tls: grpc.ChannelCredentials | None = None, **kwargs: Any):
         super().__init__(host, port, **kwargs)
         self._tls = tls

@@ -38,9 +38,10 @@ class _ContextFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         record.node_id = self.node_id
-        if getattr(record, "request_id", None) is None:
-            record.request_id = request_id.get()
-        record.rid_suffix = f" [rid={record.request_id}]" if record.request_id else ""
+        rid = getattr(record, "request_id", None)
+        if rid is None:
+            rid = record.request_id = request_id.get()
+        record.rid_suffix = f" [rid={rid}]" if rid else ""
         return True
 
 

@@ -52,7 +52,7 @@ def get_or_create(registry: CollectorRegistry, kind: type[M], name: str, documen
             metrics[name] = metric
         elif not isinstance(metric, kind):
             raise TypeError(f"metric {name} already registered as {type(metric).__name__}")
-        return metric  # type: ignore[return-value]
+        return metric
 
 
 def etcd_connected_gauge(registry: CollectorRegistry) -> Gauge:

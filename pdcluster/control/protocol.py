@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import msgpack
 
@@ -110,7 +110,27 @@ def _token_item(item: Any) -> Tokens:
         if (type(rid) is str and type(ids) is list and type(pos) is int and pos >= -1
                 and (type(ids[0]) is int if len(ids) == 1 else all(type(x) is int for x in ids))):
             return Tokens(rid, ids, pos=pos)
-    return _build(Tokens, item, "token_batch.items")
+    return cast(Tokens, _build(Tokens, item, "token_batch.items"))
+
+
+def logprob_to_wire(lp: Any) -> Any:
+    """The engine's `(logprob, [(token id, logprob), ...top-N])` (or None) as msgpack lists, the shape of a
+    `Tokens.logprobs` / `PrefillDone.logprobs` entry."""
+    if lp is None:
+        return None
+    return [float(lp[0]), [[int(t), float(v)] for t, v in lp[1]]]
+
+
+def logprob_from_wire(entry: Any) -> tuple[float, list[tuple[int, float]]] | None:
+    """A wire logprob entry back as the engine's tuple (None stays None); ValueError / TypeError when
+    `entry` is not `[logprob, [[token id, logprob], ...]]`."""
+    if entry is None:
+        return None
+    if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+        raise ValueError(f"logprob entry: expected [logprob, top], got {entry!r:.80}")
+    if not isinstance(entry[1], (list, tuple)):
+        raise TypeError(f"logprob entry: top must be a list, got {type(entry[1]).__name__}")
+    return float(entry[0]), [(int(t), float(v)) for t, v in entry[1]]
 
 
 PROGRESS_STATES = ("queued", "prefilling", "waiting_kv")
@@ -199,7 +219,10 @@ class Load(Message):
     total_blocks: int = 0
     block_size: int = 16
     queued_prefill_tokens: int = 0
+    # Generated tokens per second: a node's engine over its last ~2 s (EngineStats.tokens_per_s, the same
+    # figure as its pdcluster_node_tokens_per_second gauge); a router's since its previous Load report.
     tokens_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0  # prompt tokens prefilled per second since the previous report (prefill nodes)
     transfer_gbps: float = 0.0
     state: str = "serving"  # serving | cordoned | draining
     # Short hashes of the node's cached full blocks (prefix-aware routing); may be truncated.
@@ -212,16 +235,17 @@ class Load(Message):
     def check(self) -> None:
         if self.block_size < 1:
             raise ProtocolError(f"load.block_size: must be >= 1, got {self.block_size}")
-        counts = {"running": self.running, "waiting": self.waiting, "free_blocks": self.free_blocks,
+        counts: dict[str, int] = {"running": self.running, "waiting": self.waiting, "free_blocks": self.free_blocks,
                   "total_blocks": self.total_blocks, "queued_prefill_tokens": self.queued_prefill_tokens,
                   "streams": self.streams, "errors": self.errors}
         for name, value in counts.items():
             if value < 0:
                 raise ProtocolError(f"load.{name}: must be >= 0, got {value}")
-        for name, value in (("tokens_per_s", self.tokens_per_s), ("transfer_gbps", self.transfer_gbps),
+        for name, rate in (("tokens_per_s", self.tokens_per_s), ("prefill_tokens_per_s", self.prefill_tokens_per_s),
+                            ("transfer_gbps", self.transfer_gbps),
                             ("timestamp", self.timestamp)):
-            if not math.isfinite(value):
-                raise ProtocolError(f"load.{name}: must be finite, got {value}")
+            if not math.isfinite(rate):
+                raise ProtocolError(f"load.{name}: must be finite, got {rate}")
 
 
 @dataclass

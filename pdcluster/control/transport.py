@@ -20,7 +20,7 @@ import hashlib
 import logging
 import os
 import time
-from typing import Callable
+from typing import Callable, cast
 
 import zmq
 import zmq.asyncio
@@ -99,7 +99,7 @@ def _send_now(sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
     Goes through the asyncio socket (not a sync shadow) so its edge-triggered event
     bookkeeping stays right: with NOBLOCK the returned future is already resolved.
     """
-    fut = sock.send_multipart(frames, flags=zmq.NOBLOCK)
+    fut = cast(asyncio.Future, sock.send_multipart(frames, flags=zmq.NOBLOCK))   # typed as a bare Awaitable
     exc = fut.exception()
     if exc is not None:
         raise exc
@@ -234,7 +234,7 @@ class DealerClient:
                 frames = await self._sock.recv_multipart()
             else:
                 left = deadline - time.monotonic()
-                if left <= 0 or not await self._sock.poll(left * 1000, zmq.POLLIN):
+                if left <= 0 or not await self._sock.poll(left * 1000):
                     return None
                 frames = await self._sock.recv_multipart()
             if len(frames) != 1:
@@ -295,6 +295,8 @@ class PeerDealers:
     async def _read_loop(self, node_id: str, dealer: DealerClient) -> None:
         while True:
             msg = await dealer.recv()
+            if msg is None:   # (only after a timeout, and there is none)
+                continue
             try:
                 self._on_message(node_id, msg)
             except Exception:
@@ -363,7 +365,7 @@ class LoadSubscriber:
         while True:
             if deadline is not None:
                 left = deadline - time.monotonic()
-                if left <= 0 or not await self._sock.poll(left * 1000, zmq.POLLIN):
+                if left <= 0 or not await self._sock.poll(left * 1000):
                     return None
             frame = await self._sock.recv()
             msg = self.dropped.decode(frame)

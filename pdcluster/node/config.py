@@ -1,7 +1,9 @@
-"""The prefill / decode node config: every knob of `EngineArgs` (declared there, once) plus the node's own.
+"""The prefill / decode node config: the common knobs, the node's own, and every `EngineArgs` knob.
 
-`NodeConfig`'s engine fields are made from `dataclasses.fields(EngineArgs)` (the ones marked as settings),
-with the node-side defaults in `NODE_DEFAULTS`; `engine_args_from_config` turns a config back into
+`NodeConfig` declares the engine knobs by name so a type checker sees them, but takes each one's default,
+help text, choices and parser from `EngineArgs` (declared there, once) through `engine_knob`, with the
+node-side defaults in `NODE_DEFAULTS`; tests/test_config.py checks that the declared engine fields are exactly
+the settings of `EngineArgs`, with the same types. `engine_args_from_config` turns a config back into
 `EngineArgs`, which also validates the engine knobs.
 """
 
@@ -11,10 +13,15 @@ import dataclasses
 import ipaddress
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdcluster.control.config import CommonConfig, check_advertised_host, check_port, knob, settings
 from pdcluster.engine.args import EngineArgs
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdcluster.engine.weight_pool import SharedWeightPool
 
 KV_BACKENDS = ("auto", "shm", "tcp", "gloo", "nccl", "hccl", "cuda_ipc")
 ROLES = ("prefill", "decode")
@@ -25,12 +32,22 @@ NODE_DEFAULTS: dict[str, Any] = {
 }
 ENGINE_KNOBS = tuple(f.name for f in settings(EngineArgs))
 TIMEOUT_KNOBS = ("prefill_timeout", "heartbeat_interval", "router_reconnect_timeout", "kv_connect_timeout",
-                 "kv_ack_timeout", "drain_timeout")
+                 "kv_ack_timeout", "kv_landing_timeout", "kv_release_timeout", "drain_timeout")
+_ENGINE_FIELDS = {f.name: f for f in dataclasses.fields(EngineArgs)}
+
+
+def engine_knob(name: str) -> Any:
+    """The node-config field of the `EngineArgs` knob `name`: its metadata, and its default unless the node
+    has its own (`NODE_DEFAULTS`)."""
+    f = _ENGINE_FIELDS[name]
+    if not f.metadata.get("setting"):
+        raise ValueError(f"EngineArgs.{name} is not a setting")
+    return dataclasses.field(default=NODE_DEFAULTS.get(name, f.default), metadata=f.metadata)
 
 
 @dataclass
-class NodeFields(CommonConfig):
-    """What a node adds to the common knobs besides the engine's (those are appended by `NodeConfig`)."""
+class NodeConfig(CommonConfig):
+    """A prefill or decode node: the common knobs, the node's own, and every EngineArgs knob."""
 
     role: str = ""  # set from the process kind by `finish`; not a setting
     kv_backend: str = knob("auto", "KV transfer backend; auto: hccl on NPU, shm on one host, cuda_ipc on one GPU, "
@@ -50,8 +67,37 @@ class NodeFields(CommonConfig):
                                      "finish the handshake; a destination that does not answer fails only "
                                      "its own prompts")
     kv_ack_timeout: float = knob(10.0, "prefill: seconds to wait for the receiver's checksum ack of a transfer")
+    kv_landing_timeout: float = knob(5.0, "decode: seconds after a PrefillDone for the receiver to confirm the KV "
+                                     "landed (checksum) before prefilling locally")
+    kv_release_timeout: float = knob(10.0, "decode: seconds to wait for the receiver to give a cancelled "
+                                     "reservation's blocks back (no write can land any more) before freeing "
+                                     "them anyway")
     drain_timeout: float = knob(60.0, "seconds a draining node waits for its requests to finish before exiting")
     served_model_name: str = knob("", "the \"model\" requests name to be routed here; default: the model dir's name")
+
+    # The engine's knobs (EngineArgs), in its order.
+    model: str = engine_knob("model")
+    dtype: str | torch.dtype = engine_knob("dtype")
+    device: str | None = engine_knob("device")
+    block_size: int = engine_knob("block_size")
+    kv_cache_dtype: str = engine_knob("kv_cache_dtype")
+    kv_cache_memory: int | None = engine_knob("kv_cache_memory")
+    gpu_memory_utilization: float = engine_knob("gpu_memory_utilization")
+    num_gpu_blocks_override: int | None = engine_knob("num_gpu_blocks_override")
+    max_num_seqs: int = engine_knob("max_num_seqs")
+    max_num_batched_tokens: str | int = engine_knob("max_num_batched_tokens")
+    max_model_len: int | None = engine_knob("max_model_len")
+    max_context_len_to_capture: int | None = engine_knob("max_context_len_to_capture")
+    attention_sinks: int = engine_knob("attention_sinks")
+    streaming_window: int = engine_knob("streaming_window")
+    enable_chunked_prefill: bool = engine_knob("enable_chunked_prefill")
+    enable_prefix_caching: bool = engine_knob("enable_prefix_caching")
+    tensor_parallel_size: int = engine_knob("tensor_parallel_size")
+    collective_timeout: float = engine_knob("collective_timeout")
+    attention_backend: str | None = engine_knob("attention_backend")
+    enforce_eager: bool = engine_knob("enforce_eager")
+    seed: int = engine_knob("seed")
+    weight_pool: str | SharedWeightPool | None = engine_knob("weight_pool")
 
     def finish(self, kind: str) -> None:
         super().finish(kind)
@@ -61,7 +107,7 @@ class NodeFields(CommonConfig):
         super().validate()
         if self.role not in ROLES:
             raise ValueError(f"role: {self.role!r} is not one of {', '.join(ROLES)}")
-        if not getattr(self, "model"):
+        if not self.model:
             raise ValueError("model: a checkpoint directory is required")
         for name in ("control_port", "load_port", "kv_port"):
             check_port(name, getattr(self, name))
@@ -69,16 +115,6 @@ class NodeFields(CommonConfig):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
         engine_args_from_config(self)  # EngineArgs checks the engine knobs
-
-
-def _engine_field(f: dataclasses.Field) -> tuple[str, Any, dataclasses.Field]:
-    default = NODE_DEFAULTS.get(f.name, f.default)
-    return f.name, f.type, dataclasses.field(default=default, metadata=f.metadata)
-
-
-NodeConfig = dataclasses.make_dataclass("NodeConfig", [_engine_field(f) for f in settings(EngineArgs)],
-                                        bases=(NodeFields,), namespace={"__module__": __name__})
-NodeConfig.__doc__ = "A prefill or decode node: the common knobs, the node's own, and every EngineArgs knob."
 
 
 def engine_args_from_config(config: Any, **extra: Any) -> EngineArgs:
@@ -92,7 +128,7 @@ def check_host_is_here(host: str, etcd: list[str], addresses: set[str] | None = 
     interfaces (`addresses`; default: psutil's list), or loopback with etcd on loopback. ValueError saying why
     not."""
     try:
-        resolved = {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        resolved = {str(info[4][0]).split("%")[0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
     except socket.gaierror as exc:
         raise ValueError(f"host: {host} does not resolve ({exc})") from None
     ips = [ipaddress.ip_address(a) for a in resolved]

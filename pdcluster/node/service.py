@@ -1,9 +1,10 @@
 """What the prefill and decode services share: the service shell around the engine thread.
 
 The engine runs on a `pdcluster.engine.engine_thread.EngineThread` (stopping on a failed step); the asyncio
-side hands it work as callables (`call` / `post`). `NodeService` is the shell around it: control socket
-(zmq ROUTER), Load publisher, /metrics, etcd registration + cluster view, and drain on SIGTERM / SIGINT /
-admin state "draining".
+side hands it work as callables (`call` / `post`), and each step's outputs come back to the event loop
+(`on_outputs`). `NodeService` is the shell around it: control socket (zmq ROUTER), Load publisher, /metrics,
+etcd registration + cluster view, drain on SIGTERM / SIGINT / admin state "draining", and what both node
+kinds do alike: the deadline sweep, the only-the-sender-may-abort check, engine-failure handling.
 """
 
 from __future__ import annotations
@@ -13,15 +14,15 @@ import logging
 import os
 import signal
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from prometheus_client import Gauge
 
 from pdcluster.control.cluster_view import ClusterView
 from pdcluster.control.etcd_client import EtcdCredentials
 from pdcluster.control.keys import keys_from_config
-from pdcluster.control.metrics import DroppedFramesCollector, new_registry, serve_metrics
-from pdcluster.control.protocol import Load, Message, Ping, Pong
+from pdcluster.control.metrics import DroppedFramesCollector, MetricsServer, new_registry, serve_metrics
+from pdcluster.control.protocol import Abort, Load, Message, Ping, Pong
 from pdcluster.control.records import Capacity, NodeInfo
 from pdcluster.control.registration import NodeIdTaken, Registration
 from pdcluster.control.transport import LoadPublisher, RouterServer
@@ -30,22 +31,37 @@ from pdcluster.engine.stats import EngineStats
 from pdcluster.monitor import DeviceUsageCollector
 from pdcluster.node.config import NodeConfig, check_host_is_here
 
+if TYPE_CHECKING:
+    from pdcluster.engine.llm_engine import LLMEngine
+    from pdcluster.engine.outputs import RequestOutput
+
 log = logging.getLogger(__name__)
 
 LOAD_INTERVAL = 0.5  # seconds between Load reports (~2 Hz)
 MAX_REPORTED_HASHES = 4096  # prefix-cache block hashes per Load report (most recently used ones)
+DEADLINE_SWEEP = 0.25  # seconds between deadline checks
+
+
+class InFlight(Protocol):
+    """What the base reads of a subclass's per-request record."""
+    owner: bytes  # zmq identity of the peer that sent the request: its replies go there, only it may abort
+    deadline: float  # time.monotonic() seconds; 0: none
 
 
 class NodeService:
-    """Shell of a node process. Subclasses set `role`, build `self.engine`, and implement
-    `handle(identity, msg)`, `num_in_flight()`, `load()` and the engine-output hook."""
+    """Shell of a node process. Subclasses set `role` and `upstream` (who sends them work), build their engine
+    and pass it to this constructor (everything the base reads exists once it returns), and implement
+    `in_flight()`, `handle(identity, msg)`, `abort(rid, reason, expired)`, `on_outputs(outputs)`,
+    `on_engine_failure()` and `load()`."""
 
     role = ""
+    upstream = ""  # who sends this node its requests (and may abort them), for log and error text
 
-    def __init__(self, config: NodeConfig, drain_timeout: float = 30.0) -> None:
+    def __init__(self, config: NodeConfig, engine: LLMEngine) -> None:
         self.config = config
         self.node_id = config.node_id
-        self.drain_timeout = drain_timeout
+        self.engine = engine
+        self.drain_timeout = config.drain_timeout
         self.registry = new_registry()
         self.state = "serving"  # serving | cordoned | draining
         self.started_at = time.time()
@@ -58,30 +74,53 @@ class NodeService:
         self.view = ClusterView(config.etcd, config.cluster, registry=self.registry,
                                 credentials=EtcdCredentials.from_config(config))
         self.registration: Registration | None = None
-        self.metrics_server = None
-        self.engine_thread: EngineThread | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
+        self.metrics_server: MetricsServer | None = None
+        # Built here, started by the subclass's on_start; each step's outputs hop to the event loop.
+        self.engine_thread = EngineThread(engine, self._from_engine_thread)
+        self._engine_started = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._draining_task: asyncio.Task | None = None
         self.exit_code = 0   # of the process; non-zero after a supervised task died
         self._rate_marks: dict[str, tuple[float, float]] = {}
-        self.kv_bytes_moved = 0  # KV bytes sent (prefill) or received (decode), for Load.transfer_gbps
+        self.kv_bytes_moved = 0  # KV bytes sent (prefill) or received (decode), counted on the event loop
         self._cached_hashes: list[int] = []
+        # Sockets this node receives on, by metric label; subclasses add theirs as they create them.
+        self.frame_sources: dict[str, object] = {"control": self.control.dropped}
         self.registry.register(EngineStatsCollector(self.engine_stats))
         self.registry.register(DeviceUsageCollector(self.engine_device))
         self.registry.register(DroppedFramesCollector("pdcluster_node_dropped_frames", self.dropped_frames))
         Gauge("pdcluster_node_requests_in_flight", "requests held: admitted and not finished (decode), prompts not "
               "yet answered (prefill)", registry=self.registry).set_function(lambda: self.num_in_flight())
 
-    def engine_stats(self) -> EngineStats:
-        return self.engine_thread.stats if self.engine_thread is not None else EngineStats()
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop `serve()` runs on (RuntimeError before it started)."""
+        if self._loop is None:
+            raise RuntimeError(f"{self.role} node {self.node_id} is not serving yet")
+        return self._loop
 
-    def start_engine_thread(self, on_outputs) -> None:
-        """Drive `self.engine` on its thread; `on_outputs` runs on the event loop (a failed step stops it)."""
-        loop = self.loop
-        self.engine_thread = EngineThread(self.engine, lambda outputs: loop.call_soon_threadsafe(on_outputs, outputs))
+    def engine_stats(self) -> EngineStats:
+        return self.engine_thread.stats
+
+    def start_engine_thread(self) -> None:
+        """Drive `self.engine` on its thread; each step's outputs (or its failure) reach `on_outputs` /
+        `on_engine_failure` on the event loop."""
         self.engine_thread.start()
+        self._engine_started = True
+
+    def _from_engine_thread(self, outputs: list[RequestOutput] | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.engine_outputs, outputs)
+
+    def engine_outputs(self, outputs: list[RequestOutput] | BaseException) -> None:
+        """On the event loop: one step's outputs, or the exception that stopped the engine thread."""
+        if isinstance(outputs, BaseException):
+            self.on_engine_failure()
+            self.exit_code = 1   # a failed engine: exit non-zero, so systemd restarts the node
+            self.begin_drain("engine failure")
+            return
+        self.on_outputs(outputs)
 
     def cached_block_hashes(self) -> list[int]:
         """Block hashes in the engine's prefix cache, for `Load.cached_block_hashes`: read on the engine thread,
@@ -89,21 +128,21 @@ class NodeService:
         def refresh(engine) -> None:
             self._cached_hashes = engine.cached_block_hashes(MAX_REPORTED_HASHES)
 
-        if self.engine_thread is not None:
-            self.engine_thread.post(refresh)
+        self.engine_thread.post(refresh)
         return self._cached_hashes
 
     def dropped_frames(self) -> dict[str, object]:
         """The `DroppedFrames` of each socket this node receives on, by label."""
-        return {"control": self.control.dropped}
+        return dict(self.frame_sources)
 
-    def engine_device(self) -> tuple[str, int] | None:
-        """(type, index) of the engine's device; None until the subclass built its engine."""
-        device = getattr(getattr(self, "engine", None), "device", None)
-        return (device.type, device.index or 0) if device is not None else None
+    def engine_device(self) -> tuple[str, int]:
+        """(type, index) of the engine's device."""
+        device = self.engine.device
+        return device.type, device.index or 0
 
     def transfer_gbps(self) -> float:
-        """KV transfer rate in GB/s since the previous call (one caller: the Load report)."""
+        """KV transfer rate in GB/s since the previous call. Each call starts a new window: the Load report
+        is the one caller in production (tests call it too, and then the next report's window is shorter)."""
         return self.rate("kv_bytes", self.kv_bytes_moved) / 1e9
 
     def rate(self, key: str, value: float) -> float:
@@ -115,21 +154,36 @@ class NodeService:
 
     # ---- subclass hooks --------------------------------------------------------------------------
 
-    def handle(self, identity: bytes, msg: Message) -> None:
+    def in_flight(self) -> Mapping[str, InFlight]:
+        """The requests this node holds (not yet finished / answered), by id."""
         raise NotImplementedError
 
-    def num_in_flight(self) -> int:
+    def handle(self, identity: bytes, msg: Message) -> None:
+        """Any message but Ping and Abort (the base answers those)."""
+        raise NotImplementedError
+
+    def abort(self, rid: str, reason: str, expired: bool = False) -> None:
+        """Stop request `rid` (its sender asked, or `expired`: its deadline passed)."""
+        raise NotImplementedError
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """One engine step's outputs, on the event loop."""
+        raise NotImplementedError
+
+    def on_engine_failure(self) -> None:
+        """The engine thread died: answer every request in flight (the base then drains and exits 1)."""
         raise NotImplementedError
 
     def load(self) -> Load:
         raise NotImplementedError
 
+    def num_in_flight(self) -> int:
+        return len(self.in_flight())
+
     def capacity(self) -> Capacity:
-        engine = getattr(self, "engine", None)
-        block_size = engine.block_size if engine is not None else self.config.block_size   # NPU default: 128
-        return Capacity(num_blocks=self.engine_stats().num_total_blocks, block_size=block_size,
-                        max_num_seqs=self.config.max_num_seqs,
-                        max_model_len=engine.model_config.max_model_len if engine is not None else 0,
+        engine = self.engine
+        return Capacity(num_blocks=self.engine_stats().num_total_blocks, block_size=engine.block_size,
+                        max_num_seqs=self.config.max_num_seqs, max_model_len=engine.model_config.max_model_len,
                         tensor_parallel_size=self.config.tensor_parallel_size)
 
     def served_model_name(self) -> str:
@@ -137,6 +191,7 @@ class NodeService:
         return self.config.served_model_name or os.path.basename(os.path.normpath(self.config.model))
 
     def node_info(self) -> NodeInfo:
+        assert self.metrics_server is not None, "node_info before serve() bound the sockets"
         return NodeInfo(node_id=self.node_id, role=self.role, model=self.served_model_name(),
                         host=self.config.host, control_addr=self.control.address, load_addr=self.load_pub.address,
                         metrics_addr=f"http://{self.config.host}:{self.metrics_server.port}/metrics",
@@ -165,15 +220,15 @@ class NodeService:
 
     async def serve(self) -> None:
         """Run until drained (SIGTERM / SIGINT / admin drain) or `stop()`."""
-        self.loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         host = self.config.host
         self.control.bind(f"tcp://{host}:{self.config.control_port}")
         self.load_pub.bind(f"tcp://{host}:{self.config.load_port}")
-        self.metrics_server = serve_metrics(self.registry, self.config.metrics_port, host=host)
+        metrics_server = self.metrics_server = serve_metrics(self.registry, self.config.metrics_port, host=host)
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
-                self.loop.add_signal_handler(sig, self.begin_drain, f"signal {sig.name}")
+                loop.add_signal_handler(sig, self.begin_drain, f"signal {sig.name}")
             except (NotImplementedError, RuntimeError):  # not the main thread (tests)
                 pass
         await self.on_start()
@@ -192,11 +247,11 @@ class NodeService:
             self.exit_code = 2
             await self._shutdown()
             return
-        self.registration = Registration(self.config.etcd, self.config.cluster, self.node_info(),
+        registration = self.registration = Registration(self.config.etcd, self.config.cluster, self.node_info(),
                                          ttl=self.config.lease_ttl, registry=self.registry,
                                          credentials=EtcdCredentials.from_config(self.config))
         try:
-            registered = await self.registration.start(wait=10.0)
+            registered = await registration.start(wait=10.0)
         except NodeIdTaken as exc:  # a second process with this id: leave without touching the holder's record
             log.error("%s: %s", self.node_id, exc)
             self.registration = None
@@ -205,11 +260,13 @@ class NodeService:
             return
         if not registered:
             log.warning("%s: not registered in etcd yet (%s); serving and retrying", self.node_id, self.config.etcd)
-        self.registration.task.add_done_callback(self._on_task_done)  # ends only if the id was taken over
+        if registration.task is not None:
+            registration.task.add_done_callback(self._on_task_done)  # ends only if the id was taken over
         self._tasks = [self.supervised(self._recv_loop(), "control"),
-                       self.supervised(self.load_pub.run(self._load_snapshot, LOAD_INTERVAL), "load")]
+                       self.supervised(self.load_pub.run(self._load_snapshot, LOAD_INTERVAL), "load"),
+                       self.supervised(self._deadline_loop(), "deadlines")]
         log.info("%s node %s serving: control %s, load %s, metrics :%d", self.role, self.node_id,
-                 self.control.address, self.load_pub.address, self.metrics_server.port)
+                 self.control.address, self.load_pub.address, metrics_server.port)
         try:
             await self._stopped.wait()
         finally:
@@ -217,12 +274,12 @@ class NodeService:
 
     def begin_drain(self, reason: str = "") -> None:
         """Stop admitting; finish in-flight work; leave etcd; stop. Idempotent."""
-        if self._draining_task is not None or self.loop is None:
+        if self._draining_task is not None or self._loop is None:
             return
         log.info("%s: draining (%s), %d request(s) in flight", self.node_id, reason, self.num_in_flight())
         self.state = "draining"
         self.load_pub.publish(self._load_snapshot())  # routers stop picking this node now
-        self._draining_task = self.loop.create_task(self._drain())
+        self._draining_task = self._loop.create_task(self._drain())
 
     def stop(self) -> None:
         if self._stopped is not None:
@@ -260,7 +317,7 @@ class NodeService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.view.stop()
         await self.on_stop()
-        if self.engine_thread is not None:
+        if self._engine_started:
             self.engine_thread.stop()
         self.control.close()
         self.load_pub.close()
@@ -276,10 +333,26 @@ class NodeService:
             try:
                 if isinstance(msg, Ping):
                     self.control.send(identity, Pong(nonce=msg.nonce))
+                elif isinstance(msg, Abort):
+                    self._on_abort(identity, msg.rid)
                 else:
                     self.handle(identity, msg)
             except Exception:  # one bad message must not stop the node
                 log.exception("%s: handling %s failed", self.node_id, msg.TYPE)
+
+    def _on_abort(self, identity: bytes, rid: str) -> None:
+        held = self.in_flight().get(rid)
+        if held is not None and held.owner != identity:   # only the peer that sent the request may abort it
+            self.control.dropped.drop(f"Abort of request {rid} from a peer that did not send it")
+            return
+        self.abort(rid, f"aborted by the {self.upstream}")
+
+    async def _deadline_loop(self) -> None:
+        while True:
+            await asyncio.sleep(DEADLINE_SWEEP)
+            now = time.monotonic()
+            for rid in [rid for rid, r in self.in_flight().items() if r.deadline and now > r.deadline]:
+                self.abort(rid, "deadline exceeded", expired=True)
 
     def _load_snapshot(self) -> Load:
         load = self.load()
@@ -288,7 +361,7 @@ class NodeService:
         return load
 
     def _on_view_change(self, event: str, node_id: str | None) -> None:
-        if event.startswith("node_") and node_id != self.node_id:
+        if event.startswith("node_") and node_id is not None and node_id != self.node_id:
             self.on_peer_change(event, node_id)
         if node_id not in (None, self.node_id):
             return
@@ -307,6 +380,9 @@ def run_service(service_factory: Callable[[], NodeService]) -> int:
     # Until the loop's drain handlers are installed, SIGTERM exits through Python, so exit hooks (the
     # shared-memory KV pool's unlink) still run; the default action would end the process on the spot.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    from pdcluster.engine.onednn_caches import bound_onednn_caches
+
+    bound_onednn_caches()   # before the model loads: the first oneDNN primitive fixes the caches' sizes
     try:
         service = service_factory()
     except ValueError as exc:

@@ -10,6 +10,7 @@ https://docs.flashinfer.ai/tutorials/kv_layout.html).
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import torch
 
@@ -55,13 +56,13 @@ def check_page_table(indptr: torch.Tensor, indices: torch.Tensor, last_page_len:
     """Per request: (its page ids, its kv length). Docs: indptr [batch_size + 1], indices [indptr[-1]],
     last_page_len [batch_size] with 1 <= last_page_len <= page_size (0 for a request without pages);
     kv_len = (pages - 1) * page_size + last_page_len (page.get_seq_lens)."""
-    for name, t in zip(names, (indptr, indices, last_page_len)):
+    for name, t in zip(names, (indptr, indices, last_page_len), strict=True):
         check_int32(name, t)
     batch = last_page_len.shape[0]
     if indptr.shape[0] != batch + 1:
         raise ValueError(f"{names[0]} must have shape [batch_size + 1] = [{batch + 1}], got {tuple(indptr.shape)}")
     ptr, idx, last = indptr.cpu().tolist(), indices.cpu().tolist(), last_page_len.cpu().tolist()
-    if ptr[0] != 0 or any(b < a for a, b in zip(ptr, ptr[1:])):
+    if ptr[0] != 0 or any(b < a for a, b in pairwise(ptr)):
         raise ValueError(f"{names[0]} must start at 0 and be non-decreasing, got {ptr}")
     if ptr[-1] > len(idx):
         raise ValueError(f"{names[1]} must have shape [{names[0]}[-1]] = [{ptr[-1]}], got {len(idx)}")

@@ -86,7 +86,7 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
     requests = check_page_table(kv_indptr.int(), kv_indices.int(), kv_last_page_len.int(), page_size,
                                 ("kv_indptr", "kv_indices", "kv_last_page_len"))
     rows, slots = [], []
-    for i, (b, pos) in enumerate(zip(batch_indices.cpu().tolist(), positions.cpu().tolist())):
+    for i, (b, pos) in enumerate(zip(batch_indices.cpu().tolist(), positions.cpu().tolist(), strict=True)):
         if not 0 <= b < len(requests):
             raise ValueError(f"batch_indices[{i}] = {b} outside the batch of {len(requests)}")
         pages, kv_len = requests[b]

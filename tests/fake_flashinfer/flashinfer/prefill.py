@@ -7,6 +7,8 @@ logits_soft_cap, fp8 scales, return_lse, CUDA graphs, multi-item scoring, the cu
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import torch
 
 from flashinfer import _emulator
@@ -48,7 +50,7 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedWrapper):
             raise NotImplementedError(f"flashinfer emulator: backend={self._backend!r} is not emulated")
         check_int32("qo_indptr", qo_indptr)
         qo = qo_indptr.cpu().tolist()
-        if qo and (qo[0] != 0 or any(b < a for a, b in zip(qo, qo[1:]))):
+        if qo and (qo[0] != 0 or any(b < a for a, b in pairwise(qo))):
             raise ValueError(f"qo_indptr must start at 0 and be non-decreasing, got {qo}")
         self._plan_common(qo, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                           num_kv_heads, head_dim_qk, page_size,
@@ -56,7 +58,8 @@ class BatchPrefillWithPagedKVCacheWrapper(PagedWrapper):
                           pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                           logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, q_data_type=q_data_type,
                           kv_data_type=kv_data_type, o_data_type=o_data_type)
-        for b, (q_len, (_, kv_len)) in enumerate(zip((y - x for x, y in zip(qo, qo[1:])), self._plan["requests"])):
+        q_lens = [y - x for x, y in pairwise(qo)]
+        for b, (q_len, (_, kv_len)) in enumerate(zip(q_lens, self._plan["requests"], strict=True)):
             if causal and q_len > kv_len:
                 raise ValueError(f"request {b}: qo_len {q_len} > kv_len {kv_len} (append attention: the queries are "
                                  "the last qo_len of the kv_len positions)")

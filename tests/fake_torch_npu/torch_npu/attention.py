@@ -31,6 +31,7 @@ layouts, per-token antiquant modes 1-4) raise NotImplementedError.
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import torch
 
@@ -72,11 +73,11 @@ def _per_batch(name: str, lens: list[int], batch: int) -> list[int]:
 
 def _cumulative(name: str, cum: list[int], total: int) -> list[int]:
     """TND: each element is the sum of this and all earlier batches' lengths, so non-decreasing and >= 0."""
-    if any(c < 0 for c in cum) or any(b < a for a, b in zip(cum, cum[1:])):
+    if any(c < 0 for c in cum) or any(b < a for a, b in pairwise(cum)):
         _fail(f"{name}: TND needs non-decreasing, non-negative cumulative lengths; got {cum}")
     if cum and cum[-1] > total:
         _fail(f"{name}: the last cumulative length {cum[-1]} exceeds T = {total}")
-    return [b - a for a, b in zip([0] + cum[:-1], cum)]
+    return [b - a for a, b in zip([0] + cum[:-1], cum, strict=True)]
 
 
 def _split_query(query: torch.Tensor, layout: str, num_heads: int) -> tuple[torch.Tensor, int]:
@@ -363,7 +364,7 @@ def npu_fused_infer_attention_score(
             _fail("TND needs actual_seq_lengths and actual_seq_lengths_kv (their length is the batch)")
         q_lens = _cumulative("actual_seq_lengths", q_seq, query.shape[0])
         batch = len(q_lens)
-        q_starts = [c - n for c, n in zip(q_seq, q_lens)]
+        q_starts = [c - n for c, n in zip(q_seq, q_lens, strict=True)]
     else:
         batch, q_s = q4.shape[0], q4.shape[1]
         if q_s == 1 or q_seq is None:
@@ -431,7 +432,7 @@ def npu_fused_infer_attention_score(
             kv_lens = _cumulative("actual_seq_lengths_kv", kv_seq, key.shape[0])
             if len(kv_lens) != batch:
                 _fail("actual_seq_lengths and actual_seq_lengths_kv must have the same length in TND")
-            kv_starts = [c - n for c, n in zip(kv_seq, kv_lens)]
+            kv_starts = [c - n for c, n in zip(kv_seq, kv_lens, strict=True)]
         else:
             kv_s = k_all.shape[1]
             kv_lens = [kv_s] * batch if kv_seq is None else _per_batch("actual_seq_lengths_kv", kv_seq, batch)

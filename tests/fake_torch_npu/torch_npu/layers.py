@@ -102,7 +102,7 @@ def npu_rotary_mul(input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor,
     if d % 2 or d >= 896:
         _fail(op, f"input: D must be a multiple of 2 and < 896; got {d}")
     for name, r in (("r1", r1), ("r2", r2)):
-        if r.shape[-1] != d or any(rs not in (1, xs) for rs, xs in zip(r.shape[:3], input.shape[:3])):
+        if r.shape[-1] != d or any(rs not in (1, xs) for rs, xs in zip(r.shape[:3], input.shape[:3], strict=True)):
             _fail(op, f"{name} {tuple(r.shape)} does not broadcast to input {tuple(input.shape)}")
         if rotary_mode == "interleave" and sum(s != 1 for s in r.shape[:3]) > 1:
             _fail(op, f"{name}: interleave mode supports r layouts 11SD / 1S1D / S11D; got {tuple(r.shape)}")

@@ -1,0 +1,85 @@
+"""How much of this host each node of a local cluster may take: its devices and its memory.
+
+The nodes of `pdcluster up` start at once on one host and each would size itself as if it were alone (all the
+free memory, every device), so the local cluster divides the host among them before they start.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from pdcluster.control.config import declared_default, parse_bytes
+from pdcluster.node.config import NodeConfig
+
+log = logging.getLogger(__name__)
+
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+def node_knob(config: dict[str, Any], name: str) -> Any:
+    """A node knob as given in `config`, else the default NodeConfig declares for it."""
+    value = config.get(name)
+    return declared_default(NodeConfig, name) if value is None else value
+
+
+def node_device_env(device: str | None, tp: int, index: int, nodes: int,
+                    count: Callable[[str], int] | None = None) -> dict[str, str]:
+    """The visible-device variable of node `index` (of `nodes`) on an accelerator host: its own `tp` devices
+    when the host has enough for every node, else none set (every node sees every device; a warning)."""
+    if device not in VISIBLE_DEVICES:
+        return {}
+    if count is None:
+        from pdcluster.engine.parallel import visible_devices
+
+        count = visible_devices
+    have = count(device)
+    if have < tp * nodes:
+        log.warning("%d %s device(s) for %d nodes x tensor_parallel_size %d: the nodes share devices%s", have,
+                    device, nodes, tp, " (KV between nodes on one GPU moves through cuda_ipc: NCCL refuses two "
+                    "ranks on one device)" if device == "cuda" else "")
+        return {}
+    return {VISIBLE_DEVICES[device]: ",".join(str(d) for d in range(index * tp, (index + 1) * tp))}
+
+
+def shared_memory_fraction(device: str | None, tp: int, nodes: int, fraction: float,
+                           count: Callable[[str], int] | None = None) -> float:
+    """gpu_memory_utilization of each node when the nodes share accelerators (fewer than nodes x tp): each sizes
+    its KV pool from the free memory it sees, so k nodes on one device take fraction / k each, not k x fraction."""
+    if device not in VISIBLE_DEVICES:
+        return fraction
+    if count is None:
+        from pdcluster.engine.parallel import visible_devices
+
+        count = visible_devices
+    have = count(device)
+    return fraction / -(-tp * nodes // have) if 0 < have < tp * nodes else fraction
+
+
+def size_node_memory(node_config: dict[str, Any], nodes: int) -> None:
+    """Fill in `node_config` (shared by all `nodes` nodes) so that together they fit this host.
+
+    CPU nodes share its RAM: without kv_cache_memory each gets a share of what is available; with it, all of
+    them together must fit, or ValueError now with the numbers instead of an OOM kill later. Accelerator nodes
+    without kv_cache_memory that share devices split gpu_memory_utilization (`shared_memory_fraction`)."""
+    fraction = float(node_knob(node_config, "gpu_memory_utilization"))
+    device = node_knob(node_config, "device")
+    if device in ("auto", "cpu"):
+        _size_cpu_kv_pools(node_config, nodes, fraction)
+    elif node_config.get("kv_cache_memory") is None:
+        tp = int(node_knob(node_config, "tensor_parallel_size"))
+        node_config["gpu_memory_utilization"] = shared_memory_fraction(device, tp, nodes, fraction)
+
+
+def _size_cpu_kv_pools(node_config: dict[str, Any], nodes: int, fraction: float) -> None:
+    from pdcluster.engine.device import available_memory_bytes, default_cpu_kv_cache_bytes
+
+    asked = node_config.get("kv_cache_memory")
+    if asked is None:
+        node_config["kv_cache_memory"] = default_cpu_kv_cache_bytes(fraction, nodes)
+        return
+    total, available = parse_bytes(asked) * nodes, available_memory_bytes()
+    if total > available:
+        raise ValueError(f"kv_cache_memory: {nodes} nodes x {parse_bytes(asked) / 2**30:.2f} GiB = "
+                         f"{total / 2**30:.2f} GiB of KV pools, but this host has {available / 2**30:.2f} GiB "
+                         "available; lower --kv-cache-memory or start fewer nodes")

@@ -1,0 +1,53 @@
+"""What the engine and KV transfer must agree on about a device and a KV pool, in one place below both.
+
+- `bind_thread(device)`: the calling thread's device context (Ascend and CUDA).
+- The KV pool layout (engine/kv_cache.py describes it): `pool_shape`
+  `[num_layers, 2 * tp, num_blocks, block_size, num_kv_heads, row]`, and the row of an int8 pool, `head_dim`
+  int8 values followed by one fp16 scale (`SCALE_BYTES`, `SCALE_DTYPE`): `row_size`, `row_scale_bytes`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+SCALE_BYTES = 2   # one fp16 scale per (token, KV head) row of an int8 pool, after its head_dim values
+SCALE_DTYPE = torch.float16
+
+
+def row_scale_bytes(dtype: torch.dtype) -> int:
+    """Bytes of scale at the end of each row of a pool of `dtype`: SCALE_BYTES for int8, else none."""
+    return SCALE_BYTES if dtype == torch.int8 else 0
+
+
+def row_size(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one (token, KV head) row in a pool of `dtype` (an int8 element is one byte)."""
+    return head_dim + row_scale_bytes(dtype)
+
+
+def pool_shape(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, row: int,
+               tp: int = 1) -> tuple[int, ...]:
+    """The KV pool's shape: layer-major, then K and V of each of `tp` ranks, then blocks."""
+    return (num_layers, 2 * tp, num_blocks, block_size, num_kv_heads, row)
+
+
+def is_npu(device: torch.device) -> bool:
+    """Whether tensors on `device` run torch_npu's kernels: NPU tensors; and, under the CPU emulator of torch_npu
+    (tests/fake_torch_npu) set to `npu_on_cpu`, CPU tensors, which stand in for NPU ones there (a CPU process
+    cannot hold tensors on a device named "npu": docs/engine.md "NPU emulator")."""
+    if device.type == "npu":
+        return True
+    emulator = getattr(sys.modules.get("torch_npu"), "_emulator", None)
+    return device.type == "cpu" and bool(getattr(emulator, "npu_on_cpu", False))
+
+
+def bind_thread(device: torch.device) -> None:
+    """Bind the calling thread to `device`. On Ascend the device context is per thread: a thread that never called
+    `torch.npu.set_device` (an engine thread, a KV channel's connect, write or receive thread) fails its first
+    device op with "the context is empty". On CUDA, ops without an explicit device go to the current one.
+    Cheap to repeat; nothing on CPU."""
+    if is_npu(device):
+        torch.npu.set_device(device.index or 0)  # type: ignore[attr-defined]  # set by torch_npu
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)

@@ -1,0 +1,88 @@
+"""The engine's hooks on the prefill node: a prompt's KV leaves for its decode node as it is computed.
+
+Everything here runs on the engine thread. `TransferConnector` owns the table of transfers whose prompt is
+in the engine (`Outgoing`, prefill_node/job.py): the node adds one with the prompt (`add`, in the same engine
+call as `add_request`) and may drop one (`abort`); the hooks start each transfer on a connection the node
+opened beforehand (the engine thread never connects), queue its layer writes (layer by layer when
+`layerwise`, else in one go once the prompt is done), and hand it over (`handover`, which hops to the event
+loop) when the prompt is done: from then on the engine thread never touches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from pdcluster.engine.kv_connector import KVConnector, PromptInStep
+from pdcluster.kv_transfer import KVSender, Transfer
+from pdcluster.prefill_node.job import Outgoing
+
+log = logging.getLogger(__name__)
+
+
+class TransferConnector(KVConnector):
+    def __init__(self, layerwise: bool, handover: Callable[[Outgoing], None]) -> None:
+        self.layerwise = layerwise
+        self.handover = handover
+        self.sender: KVSender | None = None   # set by the node once the engine (and so its KV pool) exists
+        self.outgoing: dict[str, Outgoing] = {}   # prompts in the engine whose KV this node sends
+        self.streaming: list[Transfer] = []   # transfers whose prompt's last chunk runs in this step
+
+    # ---- the node's calls (through engine_thread.call / post) ----------------------------------------
+
+    def add(self, out: Outgoing) -> None:
+        self.outgoing[out.rid] = out
+
+    def abort(self, rid: str, reason: str) -> None:
+        """Drop the prompt's transfer (aborted on the wire if it started); a prompt already handed over is the
+        loop's to abort."""
+        out = self.outgoing.pop(rid, None)
+        if out is not None and out.transfer is not None:
+            out.transfer.abort(reason)
+
+    # ---- the engine's hooks ------------------------------------------------------------------------
+
+    def on_step_start(self, prompts: list[PromptInStep]) -> None:
+        self.streaming = []
+        if not self.layerwise:
+            return
+        for p in prompts:
+            out = self.outgoing.get(p.request_id)
+            if out is not None and out.transfer is None and out.error is None:
+                transfer = self._start(out, p.block_ids)
+                if transfer is not None:
+                    self.streaming.append(transfer)
+
+    def on_layer_done(self, layer: int) -> None:
+        for transfer in self.streaming:
+            if not transfer.failed:
+                transfer.send_layers(layer, layer + 1)
+
+    def on_prompt_done(self, request_id: str, block_ids: list[int]) -> None:
+        out = self.outgoing.pop(request_id, None)
+        if out is None:
+            return
+        if out.transfer is None and out.error is None:   # not sent layer by layer
+            transfer = self._start(out, block_ids)
+            if transfer is not None:
+                transfer.send_all()
+        self.handover(out)
+
+    def _start(self, out: Outgoing, block_table: list[int]) -> Transfer | None:
+        sender = self.sender
+        assert sender is not None, "the node sets the sender before the engine runs"
+        src = block_table[out.first_block:out.num_blocks]
+        out.nbytes = len(src) * sender.layout.block_bytes
+        out.first_write = time.monotonic()
+        try:
+            # Tensors the sender creates here (e.g. its shm mapping of the destination pool) are written by
+            # its own threads, so they must be normal even if the engine thread runs under inference mode.
+            with torch.inference_mode(False):
+                out.transfer = sender.start(out.dst, src, connect=False)   # connected by the node
+        except Exception as exc:
+            out.error = f"kv transfer to {out.dst.address} failed to start: {exc}"
+            log.warning("request %s: %s", out.rid, out.error)
+        return out.transfer

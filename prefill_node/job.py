@@ -1,0 +1,85 @@
+"""A prompt on the prefill node: one typed lifecycle (a pure transition table, no I/O) and the engine-thread
+side of its KV transfer.
+
+    CONNECTING ──connected, in the engine──► QUEUED ──prompt done, KV handed over──► SENDING ──ack──► DONE
+    CONNECTING ──unreachable / aborted / expired──► DONE
+    QUEUED ──aborted / expired / engine refused──► DONE (the engine's abort frees its blocks)
+    SENDING ──aborted / expired──► ABANDONED ──ack waiter returned──► DONE
+    CONNECTING / QUEUED / SENDING ──the engine failed (the node leaves)──► DONE
+
+A job is answered (`PrefillDone`) exactly once, on leaving CONNECTING / QUEUED / SENDING; ABANDONED is an
+answered job whose transfer may still read its blocks, so they are freed only once the ack waiter returns.
+
+Owners: every field of a `PrefillJob` belongs to the event loop. An `Outgoing` (the transfer) belongs to the
+engine thread while its prompt is in the engine (`TransferConnector` owns the table of them and starts and
+feeds the transfer from the engine's hooks); once the prompt is done the connector hands it to the event loop
+(`PrefillJob.outgoing`), and from then on only the loop and the ack waiter it starts read it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from pdcluster.control.lifecycle import check_move
+from pdcluster.kv_transfer import Destination, Transfer
+
+
+class JobState(enum.Enum):
+    CONNECTING = "connecting"  # opening the connection to the KV receiver (off the engine thread)
+    QUEUED = "queued"  # in the engine: prefilling, its KV leaving layer by layer
+    SENDING = "sending"  # prompt done; the receiver's checksum ack awaited
+    ABANDONED = "abandoned"  # answered (aborted) while sending: its blocks wait for the ack waiter
+    DONE = "done"  # answered, nothing of it left on this node (terminal)
+
+
+_NEXT: dict[JobState, set[JobState]] = {
+    JobState.CONNECTING: {JobState.QUEUED, JobState.DONE},
+    JobState.QUEUED: {JobState.SENDING, JobState.DONE},
+    JobState.SENDING: {JobState.DONE, JobState.ABANDONED},
+    JobState.ABANDONED: {JobState.DONE},
+    JobState.DONE: set(),
+}
+ANSWER_PENDING = frozenset({JobState.CONNECTING, JobState.QUEUED, JobState.SENDING})
+
+
+@dataclass
+class Outgoing:
+    """A prompt's KV on its way to the decode node: the engine thread's until the prompt is done."""
+    rid: str
+    dst: Destination
+    first_block: int  # the prompt's leading blocks the decode node already holds (not sent)
+    num_blocks: int  # the prompt's blocks
+    transfer: Transfer | None = None
+    error: str | None = None  # why the transfer could not start
+    nbytes: int = 0
+    first_write: float = 0.0  # monotonic time the first write was queued
+
+
+@dataclass
+class PrefillJob:
+    rid: str
+    owner: bytes  # zmq identity of the decode node's DEALER: where PrefillDone goes, the only one that may abort
+    prompt_ids: list[int]
+    dst: Destination
+    skip_blocks: int
+    deadline: float  # time.monotonic() seconds, from the Prefill message's timeout_s at receipt
+    state: JobState = JobState.CONNECTING
+    outgoing: Outgoing | None = None  # handed over by the connector once the prompt is done
+    outcome: str = ""  # ok | error | aborted: set when answered
+
+    def move(self, state: JobState) -> None:
+        self.state = check_move(_NEXT, self.state, state, f"prefill job {self.rid!r}")
+
+    @property
+    def answered(self) -> bool:
+        return self.state not in ANSWER_PENDING
+
+    @property
+    def aborted(self) -> bool:
+        return self.outcome == "aborted"
+
+    @property
+    def queued(self) -> bool:
+        """Its prompt is not computed yet (what `Load.queued_prefill_tokens` counts)."""
+        return self.state in (JobState.CONNECTING, JobState.QUEUED)
