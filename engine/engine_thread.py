@@ -41,6 +41,11 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
+        """Start stepping. The calling thread (which built the engine, in a node) gives its OpenMP workers back
+        first: a second team on the same cores makes every parallel region of the engine's slower (openmp.py)."""
+        from pdcluster.engine.openmp import release_thread_team
+
+        release_thread_team()
         self._thread.start()
 
     @property

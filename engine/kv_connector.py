@@ -23,7 +23,11 @@ class PromptInStep:
 
 
 class KVConnector:
-    """Base class: every hook does nothing."""
+    """Base class: every hook does nothing. `layerwise`: `on_layer_done` does work, so a step with prompts
+    finishing in it runs the eager layer loop (the compiled body has no per-layer hook); otherwise it is not
+    called and such a step may run compiled."""
+
+    layerwise = False
 
     def on_step_start(self, prompts: list[PromptInStep]) -> None:
         """Before the forward pass; `prompts` may be empty."""

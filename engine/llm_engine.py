@@ -222,7 +222,8 @@ class LLMEngine:
         else:
             prompts = _prompts_finishing(batch)
             connector.on_step_start(prompts)
-            sampled, tokens, logprobs = self.runner.run(batch, connector.on_layer_done)
+            sampled, tokens, logprobs = self.runner.run(
+                batch, connector.on_layer_done if connector.layerwise and prompts else None)
             for p in prompts:
                 connector.on_prompt_done(p.request_id, p.block_ids)
         self.num_generated_tokens += len(sampled)

@@ -11,6 +11,7 @@ import atexit
 import datetime
 import logging
 import multiprocessing as mp
+import os
 import pickle
 import threading
 import time
@@ -18,6 +19,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from pdcluster.control.cpus import share_cpus
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.kv_cache import RankPools
 from pdcluster.engine.parallel import TPGroup, init_group, leave_group
@@ -66,13 +68,17 @@ class TPWorkers:
                attention_backend: str | None, store: torch.distributed.TCPStore) -> None:
         size, timeout_s = self.size, self.timeout_s
         threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
-        if device.type == "cpu":   # the ranks share this host's cores
+        cores = sorted(os.sched_getaffinity(0))
+        # CPU ranks share this process's cores: each its own slice when there is one for every rank. Rank 0
+        # keeps them all (the caller's thread, and the node's other threads, run there too).
+        slices = share_cpus(cores, [1] * size) if device.type == "cpu" and len(cores) >= size else [[]] * size
+        if device.type == "cpu":
             torch.set_num_threads(threads)
         ctx = mp.get_context("spawn")
         for rank in range(1, size):
             parent_end, child_end = ctx.Pipe()
             spec = WorkerSpec(model_dir, config, str(dtype).removeprefix("torch."), device.type, attention_backend,
-                              rank, size, store.port, self.ring.attach_args(), threads, timeout_s,
+                              rank, size, store.port, self.ring.attach_args(), threads, slices[rank], timeout_s,
                               self.shm.attach_args(rank) if self.shm else None)
             proc = ctx.Process(target=run, args=(spec, child_end), name=f"pdcluster-tp-rank{rank}", daemon=True)
             proc.start()

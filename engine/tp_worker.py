@@ -31,6 +31,7 @@ class WorkerSpec:
     store_port: int            # rank 0's TCPStore on 127.0.0.1: the group's rendezvous
     ring: tuple                # BroadcastRing.attach arguments
     threads: int               # CPU threads for this rank's ops
+    cpus: list[int]            # the cores they run on ([]: the parent's)
     timeout_s: float           # every collective's
     collectives: tuple | None  # ShmCollectives.attach arguments (CPU ranks), or None: gloo
 
@@ -56,6 +57,8 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
 
     parent = os.getppid()
     reader = spec.rank - 1
+    if spec.cpus:
+        os.sched_setaffinity(0, spec.cpus)   # before the first parallel region: OpenMP's threads inherit it
     torch.set_num_threads(spec.threads)
     torch.set_grad_enabled(False)
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Coroutine, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -42,6 +42,8 @@ from pdcluster.router.validation import (
     prepare,
 )
 
+T = TypeVar("T")
+
 
 class _App(FastAPI):
     """FastAPI whose schema also holds the request bodies the endpoints parse themselves (`parse_body`),
@@ -70,7 +72,9 @@ class RouterAPI:
         app = self.app = _App(list(router.models), title="pdcluster router", lifespan=self.lifespan)
         app.state.router = router
         install_error_handlers(app)
-        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"], responses={503: {
+            "description": "not ready (a served model has no decode node) or draining: the error shape, with "
+                           "the same fields as a 200 beside it"}})
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"],
@@ -96,17 +100,24 @@ class RouterAPI:
         return self.membership is not None and self.membership.draining
 
     async def health(self, request: Request) -> dict[str, Any]:
+        """200 {"status": "ok", ...} once every served model has a decode node taking work; until then
+        ("no_decode_nodes") and while draining, 503 in the error shape with the same fields beside "error"."""
         cluster = self.router.cluster
-        decode = cluster.candidates("decode")
-        status = "draining" if self.draining else "ok" if decode else "no_decode_nodes"
-        if not has_key(self.settings, request):  # probes without a key learn the status only, not the topology
-            return {"status": status}
-        return {"status": status, "router": self.settings.node_id,
-                "decode_nodes": sorted(n.id for n in decode),
-                "prefill_nodes": sorted(n.id for n in cluster.candidates("prefill")),
-                "models": {name: sorted(n.id for n in cluster.candidates("decode", model=name))
-                           for name in self.router.models},
-                "in_flight": self.router.in_flight}
+        models = {name: sorted(n.id for n in cluster.candidates("decode", model=name)) for name in self.router.models}
+        missing = [name for name, ids in models.items() if not ids]
+        status = "draining" if self.draining else "no_decode_nodes" if missing else "ok"
+        body: dict[str, Any] = {"status": status}
+        keyed = has_key(self.settings, request)
+        if keyed:  # probes without a key learn the status only, not the topology
+            body.update(router=self.settings.node_id, decode_nodes=sorted(n.id for n in cluster.candidates("decode")),
+                        prefill_nodes=sorted(n.id for n in cluster.candidates("prefill")), models=models,
+                        in_flight=self.router.in_flight)
+        if status == "ok":
+            return body
+        message = (f"router {self.settings.node_id} is draining" if self.draining
+                   else f"no decode node serves {', '.join(map(repr, missing))} yet" if keyed
+                   else "not every served model has a decode node yet")
+        raise APIError(503, message, code=status, retry_after=self.settings.retry_after, extra=body)
 
     async def metrics(self, request: Request) -> Response:
         if self.settings.metrics_require_key:
@@ -114,10 +125,13 @@ class RouterAPI:
         return Response(render(self.router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> dict[str, Any]:
+        """The served models that some decode node serves now (a request for another still waits for one)."""
         check_auth(self.settings, request)
+        cluster = self.router.cluster
         return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "pdcluster",
                                             "root": m.info.path, "max_model_len": self.router.context_limit(m)}
-                                           for m in self.router.models.values()]}
+                                           for m in self.router.models.values()
+                                           if cluster.candidates("decode", model=m.name)]}
 
     async def completions(self, request: Request) -> Response:
         check_auth(self.settings, request)
@@ -159,7 +173,7 @@ class RouterAPI:
         arrival = time.monotonic()
         handed_off = False
         try:
-            streams = await router.start_streams(prep)
+            streams = await _unless_disconnected(request, router.start_streams(prep))
             runs = router.runs(prep, streams, arrival)
             if prep.stream:
                 handed_off = True  # the response owns the in-flight count and the streams from here
@@ -171,6 +185,9 @@ class RouterAPI:
 
                 return responses.SSEResponse(self.stream_body(prep, runs, chat, want_logprobs, arrival), cleanup)
             return await self.whole_body(request, prep, runs, chat, want_logprobs, arrival)
+        except ClientGone:   # it left waiting for a decode node, for the first tokens or for the whole body
+            router.metrics.requests.labels("client_disconnected").inc()
+            return Response(status_code=499)
         finally:
             if not handed_off:
                 router.release()
@@ -188,20 +205,9 @@ class RouterAPI:
                 if delta.finish_reason:
                     finish[delta.index] = delta.finish_reason
 
-        task = asyncio.create_task(collect())
-        watch = asyncio.create_task(_wait_disconnect(request))
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
         metrics = self.router.metrics
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            metrics.requests.labels("client_disconnected").inc()
-            return Response(status_code=499)
         try:
-            task.result()
+            await _unless_disconnected(request, collect())
         except (NoCapacity, StreamFailed) as exc:
             metrics.requests.labels("failed").inc()
             raise APIError(503, f"generation failed: {exc}", retry_after=self.settings.retry_after) from None
@@ -231,6 +237,26 @@ class RouterAPI:
             outcome = "ok"
         finally:
             self.router.metrics.requests.labels(outcome).inc()
+
+
+class ClientGone(Exception):
+    """The client disconnected before the work it waited for was done."""
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """`work`'s result; ClientGone, with `work` cancelled, when the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()
 
 
 async def _wait_disconnect(request: Request) -> None:

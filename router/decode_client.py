@@ -5,6 +5,7 @@ One DEALER per decode node (`PeerDealers`); replies (`Tokens`, the items of a `T
 (`<request id>.<attempt>`), so late messages from a node the request has left are simply dropped.
 
 A `RequestStream`:
+  * no decode node of its model at all when it starts -> it waits up to `queue_timeout` for one.
   * `Reject` (before any token) -> the next decode node, up to `max_retries`; none left -> NoCapacity.
   * no message for `stall_timeout` (a node sends `Progress` for a request that is queued or waiting on
     its prefill, so this is silence, not time to first token), the node left the cluster view, it ended
@@ -150,6 +151,21 @@ class DecodeClient:
             for queue in self.queues.values():   # wake() only schedules: the dict cannot change under us
                 queue.wake()
 
+    async def wait_for_node(self, model: str | None, deadline: float, request_id: str = "") -> None:
+        """Return once some decode node of `model` (None: any) takes new work, or after `queue_timeout` (at most
+        until `deadline`): a request that arrives before the first decode node registered, or while every one
+        restarts, waits for one instead of failing. Nodes that exist but are full answer Reject: no wait."""
+        timeout = self.settings.queue_timeout
+        if timeout <= 0 or self.cluster.candidates("decode", model=model):
+            return
+        self.metrics.queued.inc()
+        log.info("request %s: no decode node serves %s yet; waiting up to %g s", request_id,
+                 repr(model) if model else "any model", timeout, extra={"request_id": request_id})
+        until = min(time.monotonic() + timeout, deadline)
+        # Polled: a node shows up through the view's sync or its Load reports, and neither says so.
+        while not self.cluster.candidates("decode", model=model) and (left := until - time.monotonic()) > 0:
+            await asyncio.sleep(min(POLL_INTERVAL, left))
+
     def place(self, token_ids: list[int], max_tokens: int, exclude: set[str],
               model: str | None = None) -> tuple[NodeState, NodeState | None]:
         """(decode node, prefill node or None) of `model` (None: any) for a request, or NoCapacity."""
@@ -193,7 +209,9 @@ class RequestStream:
         self._sent_at = 0.0  # monotonic time of the current attempt's Generate, until its first reply
 
     async def start(self) -> None:
-        """Submit and wait for the first tokens: NoCapacity here means nothing was sent to the client."""
+        """Submit (once a decode node of the model is there: `DecodeClient.wait_for_node`) and wait for the
+        first tokens: NoCapacity here means nothing was sent to the client."""
+        await self.client.wait_for_node(self.model, self.deadline, self.request_id)
         self._first = await self.next()
 
     async def next(self) -> Tokens:

@@ -20,13 +20,14 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, extra: dict | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.extra = extra   # more top-level fields of the body, beside "error" (/health's topology)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -48,8 +49,8 @@ def error_response(err: APIError) -> JSONResponse:
     headers = {}
     if err.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after)))
-    return JSONResponse(error_body(err.status, err.message, err.param, err.code), status_code=err.status,
-                        headers=headers)
+    return JSONResponse({**(err.extra or {}), **error_body(err.status, err.message, err.param, err.code)},
+                        status_code=err.status, headers=headers)
 
 
 def from_validation_error(exc: ValidationError | RequestValidationError) -> APIError:

@@ -31,6 +31,9 @@ class RouterMetrics:
                                          registry=r)
         self.retries = Counter("pdcluster_router_retries_total", "Requests re-sent after a decode node's Reject",
                                registry=r)
+        self.queued = Counter("pdcluster_router_queued_total",
+                              "Requests that arrived while no decode node served their model and waited for one",
+                              registry=r)
         self.migrations = Counter("pdcluster_router_migrations_total",
                                   "Requests moved to another decode node mid-stream", registry=r)
         # Per decode node ("backend"): how its attempts ended and how long it took to answer.

@@ -112,7 +112,12 @@ class Router:
         for s in streams:
             log.info("request %s admitted: %d prompt tokens, max_tokens %s", s.request_id, len(prep.prompt_ids),
                      s.sampling.get("max_tokens"), extra={"request_id": s.request_id})
-        results = await asyncio.gather(*(s.start() for s in streams), return_exceptions=True)
+        try:
+            results = await asyncio.gather(*(s.start() for s in streams), return_exceptions=True)
+        except asyncio.CancelledError:   # the client left (waiting for a decode node, or for the first tokens)
+            for s in streams:
+                s.abort("client")
+            raise
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is None:
             return streams

@@ -39,6 +39,8 @@ class RouterSettings:
                                choices=ROUTING_POLICIES)
     disagg_min_tokens: int = knob(64, "shorter prompts with no cached prefix are prefilled on the decode node")
     request_timeout: float = knob(600.0, "seconds from arrival to the last token")
+    queue_timeout: float = knob(5.0, "seconds a request waits for a decode node of its model to appear (a router "
+                                     "started before its nodes) before it gets 503; 0 = at once")
     stall_timeout: float = knob(20.0, "seconds without a message from the decode node before migrating")
     max_retries: int = knob(3, "other decode nodes tried after Rejects")
     max_migrations: int = knob(2, "mid-stream moves of a request to another decode node")
@@ -111,8 +113,9 @@ class RouterSettings:
         for name in ("request_timeout", "stall_timeout", "load_stale_s", "keep_alive_timeout"):
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name}: must be > 0 seconds and finite, got {getattr(self, name)}")
-        if not 0 <= self.retry_after < math.inf:
-            raise ValueError(f"retry_after: must be >= 0 seconds and finite, got {self.retry_after}")
+        for name in ("retry_after", "queue_timeout"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ValueError(f"{name}: must be >= 0 seconds and finite, got {getattr(self, name)}")
 
 
 def read_api_keys(path: str) -> list[str]:

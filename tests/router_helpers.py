@@ -15,6 +15,7 @@ from pdcluster.router.settings import RouterSettings
 from pdcluster.router.tokenizer import Tokenizer
 
 BODY_LIMIT = 1 << 16
+QUEUE_TIMEOUT = 2.0   # a request for a model no decode node serves waits this long
 SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog."
 
 
@@ -25,7 +26,8 @@ class Env:
         self.source = StaticNodeSource()
         settings = RouterSettings(model=model_dir, served_model_name="tiny", routing_policy="least_loaded",
                                   stall_timeout=1.0, request_timeout=30.0, retry_after=2.0, max_retries=3,
-                                  node_id="router-test", disagg_min_tokens=64, max_body_bytes=BODY_LIMIT)
+                                  node_id="router-test", disagg_min_tokens=64, max_body_bytes=BODY_LIMIT,
+                                  queue_timeout=QUEUE_TIMEOUT)
         self.app = create_app(settings, self.source)
         self.server = ServerThread(self.app).start()
         self.http = httpx.Client(base_url=self.server.url, timeout=30)

@@ -272,8 +272,8 @@ def _flags(kind: str, argv: list[str]) -> dict:
     return params
 
 
-# Knobs whose text form is a keyword, not free text (`str | int`: a number or "auto").
-SAMPLES = {"max_num_batched_tokens": "auto"}
+# Knobs whose text form is a keyword, not free text (`str | int`: a number or "auto"), or a CPU list.
+SAMPLES = {"max_num_batched_tokens": "auto", "cpu_cores": str(min(os.sched_getaffinity(0)))}
 # Knobs whose only valid value is the default: setting another must fail with this (and not "unknown key").
 ONLY_DEFAULT: dict[str, str] = {}
 # Knobs naming a file that must exist when the config is validated, and knobs valid only with others set.
@@ -326,7 +326,7 @@ def test_config_classes_derive_from_the_declarations():
     common = {f.name for f in settings(CommonConfig)}
     assert "kv_pool_factory" not in node and "kv_pool_tensor" not in node and "kv_pool_factory" not in engine
     timeouts = set(TIMEOUT_KNOBS)
-    own = {"kv_backend", "control_port", "load_port", "kv_port", "served_model_name"}
+    own = {"kv_backend", "control_port", "load_port", "kv_port", "served_model_name", "cpu_cores"}
     assert set(engine) | common | own | timeouts == set(node)
     for name, f in engine.items():  # same type, help and default (unless the node says otherwise)
         assert (node[name].type, node[name].metadata["help"]) == (f.type, f.metadata["help"]) and f.metadata["help"]

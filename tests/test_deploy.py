@@ -39,6 +39,7 @@ DRAIN_TIMEOUT = 42
 NPU_DEVICES = [0, 1]
 TP_NPU_DEVICES = [0, 1, 2, 3]   # the tensor-parallel deployment: tensor_parallel_size 2 -> groups [0, 1], [2, 3]
 ROUTER_KEYS = ["team-a-0123456789", "team-b-9876543210"]
+PREFILL_CORES = str(min(os.sched_getaffinity(0)))   # cpuhost's prefill process runs there (cpu_cores)
 TLS_FILES = {"ca.crt": 0o644, "client.crt": 0o644, "client.key": 0o600, "etcd.password": 0o600,
              "cluster.secret": 0o600}
 
@@ -134,7 +135,8 @@ class Deployment:
                  "pdcluster_advertise_host": "127.0.0.1"}
         inventory = {"all": {
             "hosts": {
-                "cpuhost": {**local, "pdcluster_prefix": str(self.cpu), "pdcluster_device": "cpu"},
+                "cpuhost": {**local, "pdcluster_prefix": str(self.cpu), "pdcluster_device": "cpu",
+                            "pdcluster_prefill_cpu_cores": [PREFILL_CORES]},
                 "npuhost": {**local, "pdcluster_prefix": str(self.npu), "pdcluster_device": "npu",
                             "pdcluster_cann_set_env_scripts": [str(self.base / "cann" / "set_env.sh")],
                             "pdcluster_hccn_conf": str(self.base / "hccn.conf"),
@@ -262,6 +264,13 @@ def test_bad_settings_fail_before_touching_the_host(tmp_path):
     assert "differs between the prefill and decode hosts (cpuhost=1, npuhost=2)" in out, out[-3000:]
     out = refused("-e", '{"pdcluster_decode_config": {"tensor_parallel_size": 2}}')
     assert "pdcluster_decode_config sets tensor_parallel_size" in out, out[-3000:]
+    # One CPU list per node process of the role on the host (npuhost has two decode processes, cpuhost one).
+    out = refused("-e", '{"pdcluster_decode_cpu_cores": ["0", "1"]}')
+    assert ("cpuhost: pdcluster_decode_cpu_cores=['0', '1'] must be empty or hold one CPU list like \"0-15\" or "
+            "\"0-7,16-23\" for each of the 1 decode node process(es)") in out, out[-3000:]
+    assert "npuhost: pdcluster_decode_cpu_cores" not in out
+    out = refused("-e", '{"pdcluster_decode_cpu_cores": ["0-1,a", "2"]}')
+    assert "npuhost: pdcluster_decode_cpu_cores=['0-1,a', '2'] must be empty" in out, out[-3000:]
 
 
 # --- what site.yml renders -----------------------------------------------------------------------------
@@ -387,6 +396,7 @@ def check_node_instances(deployed: Deployment, host: str, role: str, groups: lis
         assert config.device == ("npu" if host == "npuhost" else "cpu")
         assert config.block_size == (128 if host == "npuhost" else 16)
         assert config.tensor_parallel_size == tensor_parallel_size
+        assert config.cpu_cores == (PREFILL_CORES if (host, role) == ("cpuhost", "prefill") else "")
         assert config.collective_timeout == everywhere["pdcluster_collective_timeout"]
         tls = config_dir / "tls"
         assert (config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_password_file) == (
@@ -615,6 +625,9 @@ def test_rendered_units_serve_a_request_and_drain_on_sigterm(deployed, tmp_path)
         answer: list[dict] = []
         wait_until(lambda: bool(answer.append(completion()) or answer[-1]), 180, "a completion through the router")
         assert answer[-1]["choices"][0]["text"] != "" or answer[-1]["usage"]["completion_tokens"] > 0
+        # The prefill unit's node runs on its cpu_cores (pdcluster_prefill_cpu_cores); the decode one on every core.
+        assert os.sched_getaffinity(procs["prefill"].proc.pid) == {int(PREFILL_CORES)}
+        assert os.sched_getaffinity(procs["decode"].proc.pid) == os.sched_getaffinity(0)
 
         for role in ("decode", "prefill"):
             key = f"/pdcluster/{CLUSTER}/nodes/{role}/cpuhost-{role}-0"

@@ -25,7 +25,8 @@ def test_fake_nodes_of_two_models(tmp_path) -> None:
     tokenizer = Tokenizer(alpha_dir)
     script = tokenizer.encode("The quick brown fox", add_special_tokens=False) + [tokenizer.eos_token_id]
     settings = RouterSettings(model=alpha_dir, served_model_name="alpha", models=[beta_dir],
-                              routing_policy="round_robin", node_id="router-mm", disagg_min_tokens=0)
+                              routing_policy="round_robin", node_id="router-mm", disagg_min_tokens=0,
+                              queue_timeout=0.5)
     assert [name for name, _ in settings.served_models()] == ["alpha", "beta"]
     source = StaticNodeSource()
     tag = uuid.uuid4().hex[:6]
@@ -53,9 +54,13 @@ def test_fake_nodes_of_two_models(tmp_path) -> None:
         with pytest.raises(openai.NotFoundError) as info:
             client.completions.create(model="gamma", prompt="Hello", max_tokens=2)
         assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
-        # No node of a served model: 503, not a request sent to the other model's node.
+        # No node of a served model: /health 503 and the model unlisted; a request for it waits queue_timeout
+        # for one, then 503, never sent to the other model's node.
         source.set_nodes([a.info])
         assert wait_until(lambda: http.get("/health").json()["models"]["beta"] == [])
+        health = http.get("/health")
+        assert health.status_code == 503 and "'beta'" in health.json()["error"]["message"]
+        assert [m.id for m in client.models.list().data] == ["alpha"]
         r = http.post("/v1/completions", json={"model": "beta", "prompt": "Hello", "max_tokens": 2})
         assert r.status_code == 503 and len(a.generates) == 3
     finally:

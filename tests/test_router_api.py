@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
 from router_fakes import make_tokenizer_dir, wait_until
-from router_helpers import BODY_LIMIT, SCRIPT_TEXT, Env, expected
+from router_helpers import BODY_LIMIT, QUEUE_TIMEOUT, SCRIPT_TEXT, Env, expected
 
+from pdcluster.cli.supervisor import LocalCluster
 from pdcluster.control.records import NodeInfo
 from pdcluster.router.app import create_app
 from pdcluster.router.cluster import StaticNodeSource
@@ -232,20 +235,92 @@ def test_reject_is_retried_on_another_node(env: Env) -> None:
 
 def test_all_nodes_rejecting_gives_429_with_retry_after(env: Env) -> None:
     env.use_nodes("reject", "reject")
+    queued = env.metric("pdcluster_router_queued_total")
     r = env.http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2})
     assert r.status_code == 429 and r.headers["retry-after"] == "2"
     assert r.json()["error"]["type"] == "rate_limit_error"
     r = env.http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 2,
                                                "stream": True})
     assert r.status_code == 429  # streaming too: the status is known before any byte is sent
+    assert env.metric("pdcluster_router_queued_total") == queued   # nodes that are full: no waiting for one
 
 
-def test_no_decode_node_gives_503_with_retry_after(env: Env) -> None:
+def no_decode_node(env: Env) -> None:
     env.source.set_nodes([])
-    assert wait_until(lambda: env.http.get("/health").json()["decode_nodes"] == [], timeout=5)
+    assert wait_until(lambda: env.http.get("/health").status_code == 503, timeout=5)
+
+
+def test_health_and_models_wait_for_a_decode_node(env: Env) -> None:
+    """Until a decode node serves the model, /health is a 503 in the error shape with its fields beside the
+    error and /v1/models lists nothing (a prefill node is not enough); both turn as a decode node registers."""
+    no_decode_node(env)
+    env.source.add(NodeInfo(node_id="p0", role="prefill", model="tiny"))
+    assert wait_until(lambda: env.http.get("/health").json()["prefill_nodes"] == ["p0"], timeout=5)
+    r = env.http.get("/health")
+    body = r.json()
+    assert r.status_code == 503 and r.headers["retry-after"] == "2"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "service_unavailable_error" and body["error"]["code"] == "no_decode_nodes"
+    assert "'tiny'" in body["error"]["message"]
+    assert (body["status"], body["router"], body["decode_nodes"], body["models"], body["in_flight"]) == (
+        "no_decode_nodes", "router-test", [], {"tiny": []}, 0)
+    assert env.client.models.list().data == []
+    (node,) = env.use_nodes("ok")
+    r = env.http.get("/health")
+    assert r.status_code == 200 and "error" not in r.json() and r.json()["status"] == "ok"
+    assert r.json()["models"] == {"tiny": [node.node_id]}
+    assert [m.id for m in env.client.models.list().data] == ["tiny"]
+
+
+def test_local_cluster_reads_the_503_health_and_waits_for_the_200(env: Env) -> None:
+    no_decode_node(env)
+    cluster = LocalCluster(port=env.server.port)
+    assert cluster.health()["status"] == "no_decode_nodes" and cluster.health()["decode_nodes"] == []
+    with pytest.raises(TimeoutError, match="no_decode_nodes"):
+        cluster.wait_ready(0, 0, timeout=0.5, serving=True)
+    assert cluster.wait_ready(0, 0, timeout=5)["status"] == "no_decode_nodes"   # counted, not serving
+    (node,) = env.use_nodes("ok")
+    assert cluster.wait_ready(0, 1, timeout=5, serving=True)["decode_nodes"] == [node.node_id]
+
+
+def test_a_request_sent_before_any_decode_node_is_served_once_one_joins(env: Env) -> None:
+    no_decode_node(env)
+    queued = env.metric("pdcluster_router_queued_total")
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(env.client.completions.create, model="tiny", prompt="Hello world", max_tokens=5)
+        streamed = pool.submit(lambda: list(env.client.completions.create(model="tiny", prompt="Hello world",
+                                                                          max_tokens=5, stream=True)))
+        assert wait_until(lambda: env.metric("pdcluster_router_queued_total") == queued + 2, timeout=5)
+        (node,) = env.use_nodes("ok")   # well within queue_timeout
+        assert whole.result(10).choices[0].text == " The quick brown fox jumps"
+        assert "".join(c.choices[0].text for c in streamed.result(10)) == " The quick brown fox jumps"
+    assert len(node.generates) == 2
+
+
+def test_no_decode_node_gives_503_with_retry_after_once_queue_timeout_passed(env: Env) -> None:
+    no_decode_node(env)
+    t0 = time.monotonic()
     r = env.http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]})
+    assert QUEUE_TIMEOUT <= time.monotonic() - t0 < QUEUE_TIMEOUT + 2
     assert r.status_code == 503 and r.headers["retry-after"] == "2"
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert "no decode node available" in r.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_while_waiting_for_a_decode_node_is_dropped(env: Env) -> None:
+    no_decode_node(env)
+    gone = env.metric('pdcluster_router_requests_total{outcome="client_disconnected"}')
+    t0 = time.monotonic()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(env.server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+                   timeout=0.3)
+    # Released at the disconnect, not when queue_timeout would have ended the wait.
+    assert wait_until(lambda: env.http.get("/health").json()["in_flight"] == 0, timeout=QUEUE_TIMEOUT)
+    assert time.monotonic() - t0 < QUEUE_TIMEOUT
+    assert env.metric('pdcluster_router_requests_total{outcome="client_disconnected"}') == gone + 1
+    (node,) = env.use_nodes("ok")
+    time.sleep(0.5)
+    assert not node.generates
 
 
 def test_decode_node_dies_mid_stream_request_migrates(env: Env) -> None:
@@ -318,7 +393,8 @@ def test_api_key_and_router_config(env: Env) -> None:
     config = RouterConfig(model=env.tokenizer.path, api_key="sekret", served_model_name="tiny")
     settings = RouterSettings.from_config(config)
     assert settings.routing_policy == "prefix_aware" and settings.api_key == "sekret"
-    with TestClient(create_app(settings, StaticNodeSource())) as client:
+    with TestClient(create_app(settings, StaticNodeSource([NodeInfo(node_id="d0", role="decode", model="tiny")]))) \
+            as client:
         r = client.get("/v1/models")
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert client.get("/v1/models", headers={"Authorization": "Bearer sekret"}).json()["data"][0]["id"] == "tiny"

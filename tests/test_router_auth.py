@@ -51,7 +51,7 @@ def test_every_configured_key_is_accepted_and_others_get_401(model_dir, key_file
         for key in ("flag-key", "team-a-0123456789", "team-b-abcdefghij   # not a comment: the whole stripped "
                     "line is the key"):
             r = client.get("/v1/models", headers=bearer(key))
-            assert r.status_code == 200 and r.json()["data"][0]["id"] == "tiny", key
+            assert r.status_code == 200 and r.json() == {"object": "list", "data": []}, key   # no decode node
         for headers in ({}, bearer("retired-key"), bearer("team-a-012345678"), bearer("team-a-0123456789x"),
                         bearer(""), {"Authorization": "Basic team-a-0123456789"},
                         {"Authorization": "team-a-0123456789"}):
@@ -82,9 +82,12 @@ def test_the_presented_key_is_compared_with_every_key(model_dir, key_file, monke
 
 def test_health_shows_only_the_status_without_a_key_and_metrics_need_one(model_dir, key_file):
     with client_for(model_dir, api_key_file=key_file) as client:
-        assert client.get("/health").json() == {"status": "no_decode_nodes"}
+        probe = client.get("/health")   # 503 (no decode node yet): the status and the error, nothing more
+        assert probe.status_code == 503 and set(probe.json()) == {"status", "error"}
+        assert probe.json()["status"] == "no_decode_nodes" and "'tiny'" not in probe.json()["error"]["message"]
         detail = client.get("/health", headers=bearer("team-a-0123456789")).json()
         assert detail["router"] == "r-auth" and detail["decode_nodes"] == [] and detail["in_flight"] == 0
+        assert detail["models"] == {"tiny": []} and "'tiny'" in detail["error"]["message"]
         assert client.get("/metrics").status_code == 401
         r = client.get("/metrics", headers=bearer("team-a-0123456789"))
         assert r.status_code == 200 and "pdcluster_router_requests_in_flight" in r.text

@@ -22,7 +22,7 @@ from pdcluster.router.app import create_app
 from pdcluster.router.cluster import StaticNodeSource
 from pdcluster.router.settings import RouterSettings
 
-REQUEST = b"GET /health HTTP/1.1\r\nHost: router\r\n\r\n"
+REQUEST = b"GET /v1/models HTTP/1.1\r\nHost: router\r\n\r\n"
 
 
 @pytest.fixture(scope="module")

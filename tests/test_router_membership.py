@@ -62,7 +62,9 @@ def test_membership_drains_the_router_and_reports_tokens_as_they_arrive(model_di
             source.set_admin_state(ROUTER_ID, "draining")
             assert wait_until(lambda: membership.draining)
             assert events == ["stop_listening"]
-            assert other.get("/health").json()["status"] == "draining"
+            health = other.get("/health")   # 503, its topology beside the error
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            assert health.json()["error"]["code"] == "draining" and health.json()["decode_nodes"] == ["d0"]
             refused = other.post("/v1/completions", json=completion(5, stream=False))
             assert refused.status_code == 503 and refused.headers["retry-after"] == "2"
             assert "is draining" in refused.json()["error"]["message"]

@@ -41,7 +41,7 @@ from pdcluster.control.records import NodeInfo
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import DealerClient, PeerDealers, RouterServer
 from pdcluster.router.cluster import RouterCluster, StaticNodeSource
-from pdcluster.router.decode_client import DecodeClient
+from pdcluster.router.decode_client import DecodeClient, StreamFailed
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policies import make_policy
 from pdcluster.router.settings import RouterSettings
@@ -181,6 +181,16 @@ async def test_a_reader_that_fell_behind_gets_the_queued_tokens_at_once_and_a_ga
     finally:
         server.close()
         spare.stop()
+
+
+async def test_waiting_for_a_decode_node_ends_at_the_request_deadline():
+    """queue_timeout is a bound within the request's own deadline, not beside it."""
+    async with router_client(StaticNodeSource(), queue_timeout=30.0) as client:
+        t0 = time.monotonic()
+        stream = client.stream([1, 2, 3], {"max_tokens": 5}, deadline=t0 + 0.5)
+        with pytest.raises(StreamFailed, match="deadline"):
+            await asyncio.wait_for(stream.start(), WAIT)
+        assert 0.5 <= time.monotonic() - t0 < 2 and not client.queues
 
 
 async def collect_rest(stream) -> list[int]:
@@ -432,3 +442,6 @@ def test_up_refuses_timeouts_that_fight_each_other():
                        load_config("router", overrides={"stall_timeout": 2}, env={}))
     with pytest.raises(ValueError, match="kv_connect_timeout: must be > 0"):
         load_config("prefill", overrides={"model": "/m", "kv_connect_timeout": 0}, env={})
+    assert load_config("router", overrides={"queue_timeout": 0}, env={}).queue_timeout == 0   # 0: 503 at once
+    with pytest.raises(ValueError, match="queue_timeout: must be >= 0"):
+        load_config("router", overrides={"queue_timeout": -1}, env={})

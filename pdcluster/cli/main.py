@@ -10,6 +10,7 @@ import typer
 
 from pdcluster.cli.config import KINDS, check_timeouts, flag_parameters, load_config, with_flags
 from pdcluster.control.config import DEFAULT_ETCD, CommonConfig, declared_default
+from pdcluster.node.config import use_cpu_cores
 
 app = typer.Typer(no_args_is_help=True, add_completion=False,
                   help="pdcluster: disaggregated prefill/decode LLM serving.")
@@ -91,6 +92,7 @@ def _router(config: Optional[Path] = _CONFIG, **flags: Any) -> None:
 def _node_command(kind: str):
     def command(config: Optional[Path] = _CONFIG, **flags: Any) -> None:
         cfg = _load(kind, config, flags)
+        use_cpu_cores(cfg)   # before the node's modules load torch (and OpenMP, which reads its binding once)
         if kind == "prefill":
             from pdcluster.prefill_node.node import main as serve
         else:

@@ -1,4 +1,4 @@
-"""How much of this host each node of a local cluster may take: its devices and its memory.
+"""How much of this host each node of a local cluster may take: its devices, its memory and its cores.
 
 The nodes of `pdcluster up` start at once on one host and each would size itself as if it were alone (all the
 free memory, every device), so the local cluster divides the host among them before they start.
@@ -10,11 +10,15 @@ import logging
 from typing import Any, Callable
 
 from pdcluster.control.config import declared_default, parse_bytes
+from pdcluster.control.cpus import share_cpus
 from pdcluster.node.config import NodeConfig
 
 log = logging.getLogger(__name__)
 
 VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
+# Cores kept off the nodes for the router and etcd: one once the host has 2 cores more than the nodes have
+# ranks, two from 16 cores with 4 to spare. Fewer and they share the nodes' cores (they need little CPU).
+RESERVE_ONE_SPARE, RESERVE_TWO_CORES, RESERVE_TWO_SPARE = 2, 16, 4
 
 
 def node_knob(config: dict[str, Any], name: str) -> Any:
@@ -83,3 +87,17 @@ def _size_cpu_kv_pools(node_config: dict[str, Any], nodes: int, fraction: float)
         raise ValueError(f"kv_cache_memory: {nodes} nodes x {parse_bytes(asked) / 2**30:.2f} GiB = "
                          f"{total / 2**30:.2f} GiB of KV pools, but this host has {available / 2**30:.2f} GiB "
                          "available; lower --kv-cache-memory or start fewer nodes")
+
+
+def share_host_cores(cores: list[int], ranks: list[int]) -> tuple[list[int], list[list[int]]]:
+    """(the cores of the router and etcd, each node's cores) on a host with `cores` for nodes of `ranks`
+    tensor-parallel ranks each: the first cores go to the router and etcd when there are enough to spare
+    (RESERVE_*; else []: they share), the rest in contiguous slices in node order, proportional to the ranks
+    (`share_cpus`). Fewer cores than ranks: a warning, every node at least one core, as few sharing as can be."""
+    spare = len(cores) - sum(ranks)
+    reserved = (2 if len(cores) >= RESERVE_TWO_CORES and spare >= RESERVE_TWO_SPARE
+                else 1 if spare >= RESERVE_ONE_SPARE else 0)
+    if spare < 0:
+        log.warning("%d cores for %d nodes of %d tensor-parallel ranks in all: ranks share cores (threads on a "
+                    "shared core wait for each other)", len(cores), len(ranks), sum(ranks))
+    return cores[:reserved], share_cpus(cores[reserved:], ranks)

@@ -29,8 +29,9 @@ from typing import Any
 
 import yaml
 
-from pdcluster.cli.sizing import node_device_env, node_knob, size_node_memory
+from pdcluster.cli.sizing import node_device_env, node_knob, share_host_cores, size_node_memory
 from pdcluster.control.config import CommonConfig, check_advertised_host, declared_default, parse_endpoint
+from pdcluster.control.cpus import format_cpus, on_cpus
 from pdcluster.control.etcd_server import EtcdServer, free_port, is_reachable
 from pdcluster.control.process import pid_alive, with_parent
 from pdcluster.router.settings import RouterConfig
@@ -85,13 +86,14 @@ class LocalCluster:
     router_config: dict[str, Any] = field(default_factory=dict)
     lease_ttl: int = declared_default(CommonConfig, "lease_ttl")
     log_level: str = declared_default(CommonConfig, "log_level")
-    threads_per_node: int | None = None  # OMP_NUM_THREADS of node processes (None: torch default)
+    threads_per_node: int | None = None  # OMP_NUM_THREADS of node processes (None: one per core of its share)
     cluster_secret: str | None = None  # secret file for every service; None: a new one in the work dir; "": none
     work_dir: Path | None = None
     etcd_server: EtcdServer | None = None
     services: list[Service] = field(default_factory=list)
     _own_dir: bool = False
     _node_env: dict[str, dict[str, str]] = field(default_factory=dict)  # node id -> its visible devices
+    _cores: tuple[list[int], list[list[int]]] | None = None   # core_plan()'s
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -150,7 +152,8 @@ class LocalCluster:
                 client_port = port
         self.etcd_server = EtcdServer(data_dir=self.work_dir / "etcd" / "data", client_port=client_port,
                                       end_with_parent=True)
-        self.etcd_server.start()
+        with on_cpus(self.core_plan()[0]):
+            self.etcd_server.start()
         self.etcd = self.etcd_server.endpoint
         log.info("started etcd at %s", self.etcd)
 
@@ -195,6 +198,9 @@ class LocalCluster:
                   "cluster_secret": self.cluster_secret,
                   **self.node_config, **overrides}
         index = sum(1 for s in self.services if s.kind != "router")
+        shares = self.core_plan()[1]
+        if shares and not config.get("cpu_cores"):
+            config["cpu_cores"] = format_cpus(shares[index % len(shares)])
         self._node_env[node_id] = node_device_env(node_knob(config, "device"),
                                                   int(node_knob(config, "tensor_parallel_size")),
                                                   index, self.num_prefill + self.num_decode)
@@ -214,8 +220,24 @@ class LocalCluster:
         if kind != "router" and self.threads_per_node:
             env["OMP_NUM_THREADS"] = str(self.threads_per_node)
         cmd = with_parent([sys.executable, "-m", "pdcluster", kind, "--config", str(config_path)])
-        with open(log_path, "ab") as out:
+        with open(log_path, "ab") as out, on_cpus(self.core_plan()[0] if kind == "router" else []):
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def core_plan(self) -> tuple[list[int], list[list[int]]]:
+        """(the router's and etcd's cores, each node's) of this process's CPUs, shared once among the nodes
+        (`sizing.share_host_cores`, weighted by tensor_parallel_size); ([], []) when the user placed the
+        nodes (threads_per_node, or cpu_cores in node_config, which every node then takes as it is)."""
+        if self._cores is None:
+            if self.threads_per_node or self.node_config.get("cpu_cores"):
+                self._cores = ([], [])
+            else:
+                tp = int(node_knob(self.node_config, "tensor_parallel_size"))
+                cores = sorted(os.sched_getaffinity(0))
+                self._cores = share_host_cores(cores, [tp] * (self.num_prefill + self.num_decode))
+                log.info("cores %s: router + etcd %s; nodes %s", format_cpus(cores),
+                         format_cpus(self._cores[0]) or "on the nodes' cores",
+                         ", ".join(format_cpus(c) for c in self._cores[1]))
+        return self._cores
 
     def supervise(self) -> list[str]:
         """Restart children that died, with backoff (RESTART_BACKOFF), while the others keep serving; what
@@ -263,15 +285,22 @@ class LocalCluster:
     # ---- readiness -------------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any] | None:
+        """The router's /health body, 200 or 503 alike ("status" says which: ok, no_decode_nodes, draining);
+        None while it does not answer."""
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=2.0) as resp:
+            try:
+                resp = urllib.request.urlopen(self.url + "/health", timeout=2.0)
+            except urllib.error.HTTPError as exc:   # a 503 carries the same fields, beside "error"
+                resp = exc
+            with resp:
                 return json.loads(resp.read())
-        except (OSError, ValueError, urllib.error.URLError):
+        except (OSError, ValueError):
             return None
 
     def wait_ready(self, num_prefill: int, num_decode: int, timeout: float = 60.0,
-                   nodes: set[str] | None = None) -> dict[str, Any]:
-        """Until the router's /health lists the nodes (at least these counts, or exactly `nodes`)."""
+                   nodes: set[str] | None = None, serving: bool = False) -> dict[str, Any]:
+        """Until the router's /health lists the nodes (at least these counts, or exactly `nodes`); `serving`:
+        and answers 200 (every model it serves has a decode node: requests are served)."""
         deadline = time.monotonic() + timeout
         health = None
         while time.monotonic() < deadline:
@@ -283,10 +312,10 @@ class LocalCluster:
             health = self.health()
             if health is not None:
                 listed = set(health.get("prefill_nodes", [])) | set(health.get("decode_nodes", []))
-                if nodes is not None and nodes <= listed:
-                    return health
-                if (nodes is None and len(health.get("prefill_nodes", [])) >= num_prefill
-                        and len(health.get("decode_nodes", [])) >= num_decode):
+                counted = (nodes <= listed if nodes is not None
+                           else len(health.get("prefill_nodes", [])) >= num_prefill
+                           and len(health.get("decode_nodes", [])) >= num_decode)
+                if counted and (not serving or health.get("status") == "ok"):
                     return health
             time.sleep(0.1)
         tails = "\n".join(f"--- {s.node_id}\n{s.log_tail(10)}" for s in self.services)

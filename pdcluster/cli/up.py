@@ -14,11 +14,13 @@ from pdcluster.cli.supervisor import LocalCluster
 
 
 def run_up(cluster: LocalCluster, smoke: bool = False) -> int:
-    """Start, print the URL, serve until SIGINT/SIGTERM (or one smoke request); the exit code."""
+    """Start, wait until the router's /health is 200 (every served model has a decode node), print the URL,
+    serve until SIGINT/SIGTERM (or one smoke request); the exit code."""
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         cluster.start()
+        cluster.wait_ready(cluster.num_prefill, cluster.num_decode, serving=True)
         assert cluster.model is not None
         served_name = cluster.router_config.get("served_model_name") or Path(cluster.model).name
         print(f"pdcluster up: {cluster.num_prefill} prefill + {cluster.num_decode} decode node(s), "

@@ -9,19 +9,26 @@ the settings of `EngineArgs`, with the same types. `engine_args_from_config` tur
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
+import logging
+import os
 import socket
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pdcluster.control.config import CommonConfig, check_advertised_host, check_port, knob, settings
+from pdcluster.control.cpus import format_cpus, omp_binding_env, parse_cpus
 from pdcluster.engine.args import EngineArgs
 
 if TYPE_CHECKING:
     import torch
 
     from pdcluster.engine.weight_pool import SharedWeightPool
+
+log = logging.getLogger(__name__)
 
 KV_BACKENDS = ("auto", "shm", "tcp", "gloo", "nccl", "hccl", "cuda_ipc")
 ROLES = ("prefill", "decode")
@@ -74,6 +81,8 @@ class NodeConfig(CommonConfig):
                                      "them anyway")
     drain_timeout: float = knob(60.0, "seconds a draining node waits for its requests to finish before exiting")
     served_model_name: str = knob("", "the \"model\" requests name to be routed here; default: the model dir's name")
+    cpu_cores: str = knob("", "CPUs this node runs on, a list like 0-3,8 (as taskset): one torch thread each, "
+                          "OpenMP threads bound one per core; empty = the CPUs the process was started with")
 
     # The engine's knobs (EngineArgs), in its order.
     model: str = engine_knob("model")
@@ -114,6 +123,13 @@ class NodeConfig(CommonConfig):
         for name in TIMEOUT_KNOBS:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
+        try:
+            cores, usable = parse_cpus(self.cpu_cores), os.sched_getaffinity(0)
+        except ValueError as exc:
+            raise ValueError(f"cpu_cores: {exc}") from None
+        if not set(cores) <= usable:
+            raise ValueError(f"cpu_cores: {self.cpu_cores} is not within the CPUs this process may use "
+                             f"({format_cpus(sorted(usable))})")
         engine_args_from_config(self)  # EngineArgs checks the engine knobs
 
 
@@ -121,6 +137,32 @@ def engine_args_from_config(config: Any, **extra: Any) -> EngineArgs:
     """`EngineArgs` for a node config (the engine knobs map one to one); `extra` adds code-only fields
     such as `kv_pool_factory`."""
     return EngineArgs(**{name: getattr(config, name) for name in ENGINE_KNOBS}, **extra)
+
+
+def use_cpu_cores(config: NodeConfig) -> None:
+    """The node process's start on its `cpu_cores` (nothing for ""), before torch loads: the process moves to
+    those cores, and (one rank, no binding of the user's in the environment) OpenMP binds its threads one per
+    core; then torch uses one thread per core unless OMP_NUM_THREADS says otherwise. Tensor-parallel ranks
+    split the cores among themselves (engine/tp_executor.py)."""
+    cores = parse_cpus(config.cpu_cores)
+    if not cores:
+        return
+    os.sched_setaffinity(0, cores)
+    bound = (config.tensor_parallel_size == 1 and "torch" not in sys.modules
+             and not any(k in os.environ for k in ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY")))
+    binding = omp_binding_env(cores) if bound else {}
+    os.environ.update(binding)
+    import torch
+
+    for name in binding:   # read once as OpenMP loaded: child processes (compile workers) must not bind to them
+        del os.environ[name]
+    for tid in os.listdir("/proc/self/task"):   # loading OpenMP bound this thread (and what it started) to one core
+        with contextlib.suppress(ProcessLookupError):
+            os.sched_setaffinity(int(tid), cores)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(len(cores))
+    log.info("cpu_cores %s: %d torch threads%s", format_cpus(cores), torch.get_num_threads(),
+             ", OpenMP threads bound one per core" if bound else "")
 
 
 def check_host_is_here(host: str, etcd: list[str], addresses: set[str] | None = None) -> None:
