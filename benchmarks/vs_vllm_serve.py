@@ -42,7 +42,7 @@ SERVED = "smollm2"
 # name -> (input tokens, output tokens, prompts, request rates (inf = all at once), max concurrency or 0)
 WORKLOADS: dict[str, tuple[int, int, int, tuple[float, ...], int]] = {
     "chat": (128, 128, 64, (1.0, 4.0, float("inf")), 0),
-    "long": (2048, 128, 24, (0.25, 1.0, float("inf")), 0),
+    "long": (2048, 128, 24, (0.5, 2.0, float("inf")), 0),
     "longdoc": (2048, 256, 64, (float("inf"),), 64),   # the seed's long-document case, >= 50 in flight
 }
 METRICS = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms")
