@@ -264,12 +264,15 @@ def main() -> None:
                 if args.client != "serving" else \
                 bench_serving_client(args, s, model_dir, "chat", float("inf"), 999, work / f"warm-{s.name}.json")
         for rnd in range(args.rounds):
-            for w, r in pts:
+            for i, (w, r) in enumerate(pts):
                 order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
+                # New prompts per point and round (the same for every server): a repeated seed would be served
+                # from the prefix cache of the point before.
+                seed = args.seed + 1000 * rnd + i
                 for client in clients:
                     for s in order:
                         out = work / f"{client}-{s.name}-{point_name(w, r)}-{rnd}.json"
-                        res = CLIENTS[client](args, s, model_dir, w, r, args.seed + rnd, out)
+                        res = CLIENTS[client](args, s, model_dir, w, r, seed, out)
                         s.results.setdefault(f"{client}:{point_name(w, r)}", []).append(res)
                         print(f"round {rnd} {client:7s} {point_name(w, r):14s} {s.name:10s} "
                               + " ".join(f"{m}={res[m]:.0f}" for m in METRICS)
