@@ -260,9 +260,7 @@ def main() -> None:
             s.start()
             print(f"{s.name}: serving after {s.wait_ready(args.start_timeout):.0f} s (log {s.log})", flush=True)
         for s in servers:   # warm-up, not recorded
-            bench_vllm_client(args, s, model_dir, "chat", float("inf"), 999, work / f"warm-{s.name}.json") \
-                if args.client != "serving" else \
-                bench_serving_client(args, s, model_dir, "chat", float("inf"), 999, work / f"warm-{s.name}.json")
+            CLIENTS[clients[0]](args, s, model_dir, "chat", float("inf"), 999, work / f"warm-{s.name}.json")
         for rnd in range(args.rounds):
             for i, (w, r) in enumerate(pts):
                 order = servers[rnd % len(servers):] + servers[:rnd % len(servers)]
