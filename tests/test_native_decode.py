@@ -74,7 +74,7 @@ def test_built_kernel_is_reused_from_the_cache(monkeypatch, tmp_path):
     native.load.cache_clear()
     try:
         assert native.load() is not None
-        built = list(tmp_path.glob("paged_decode-*.so"))
+        built = list(tmp_path.glob("paged_attention-*.so"))
         assert len(built) == 1
         native.load.cache_clear()
         monkeypatch.setattr(native, "_build", lambda *a: pytest.fail("rebuilt although the cached build exists"))

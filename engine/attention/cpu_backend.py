@@ -1,9 +1,11 @@
-"""CPU attention: decode through the native paged kernel (paged_decode.c), the rest as the torch path
-(whose per-step metadata it reuses for those fallbacks).
+"""CPU attention: decode and prefill through the native paged kernels (paged_decode.c, paged_prefill.c), the
+rest as the torch path (whose per-step metadata it reuses for those fallbacks).
 
-The kernel reads each sequence's K/V straight from the pool blocks, once; the torch path gathers them
-into a buffer and reads them again in SDPA (slower: measured in docs/benchmarks.md).
-Without a C compiler the kernel is missing and this backend behaves exactly as the torch one.
+The decode kernel reads each sequence's K/V straight from the pool blocks, once; the torch path gathers them
+into a buffer and reads them again in SDPA (slower: measured in docs/benchmarks.md). The prefill kernel packs a
+chunk's keys once per KV head and runs a register-tiled flash loop, about twice torch's CPU flash SDPA
+(docs/benchmarks.md "Prefill attention"). Without a C compiler (or, for prefill, without AVX-512 or with a head
+size other than 64/128/256) this backend behaves exactly as the torch one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from pdcluster.engine.attention import native
+from pdcluster.engine.attention.metadata import PrefillChunk
 from pdcluster.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 
 
@@ -29,3 +32,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if kernel is None or tables is None or lens is None:
             return super()._decode(q, k_cache, v_cache, meta, window)
         return native.paged_decode(kernel, q, k_cache, v_cache, tables, lens, self.scale, window)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, chunk: PrefillChunk, window: int) -> torch.Tensor:
+        kernel = native.prefill_kernel(q.dtype, k_cache.dtype) if q.device.type == "cpu" else None
+        out = None if kernel is None else native.paged_prefill(kernel, q, k_cache, v_cache, chunk.block_table,
+                                                               chunk.num_cached, self.scale, window)
+        return super()._prefill(q, k, v, k_cache, v_cache, chunk, window) if out is None else out

@@ -1,4 +1,4 @@
-"""Builds and loads the CPU paged-decode kernel (paged_decode.c) with the system C compiler.
+"""Builds and loads the CPU paged attention kernels (paged_decode.c, paged_prefill.c) with the system C compiler.
 
 Compiled once per machine and source version (`-march=native`, so the key includes the CPU's flags)
 into a user cache dir, then loaded with ctypes. Without a compiler, or if the build fails, `load()`
@@ -25,15 +25,18 @@ from pdcluster.device import row_size
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+SOURCES = [Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("paged_prefill.c")]   # one library
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # (q dtype, cache dtype) -> symbol; an int8 cache holds D int8 values + an fp16 scale per row (engine/kv_cache.py)
 _SYMBOLS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
             (torch.float16, torch.float16): "paged_decode_f16", (torch.float32, torch.int8): "paged_decode_i8_f32",
             (torch.bfloat16, torch.int8): "paged_decode_i8_bf16", (torch.float16, torch.int8): "paged_decode_i8_f16"}
+_PREFILL_SYMBOLS = {key: symbol.replace("paged_decode", "paged_prefill") for key, symbol in _SYMBOLS.items()}
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
              ctypes.c_int]
+_PREFILL_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
+                     ctypes.c_int]
 
 
 def cache_dir() -> Path:
@@ -62,7 +65,7 @@ def _cpu_signature() -> str:
 def _build(compiler: list[str], out: Path) -> None:
     tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
     try:
-        subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True, capture_output=True,
+        subprocess.run([*compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp), "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(tmp, out)   # atomic: concurrent builders each install a complete file
     finally:
@@ -78,20 +81,22 @@ def load() -> ctypes.CDLL | None:
     if not compiler:
         log.warning("no C compiler found: CPU decode attention uses the torch path (install gcc for the native kernel)")
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
-    path = cache_dir() / f"paged_decode-{key}.so"
+    sources = [s.read_text() for s in SOURCES]
+    key = hashlib.sha256("\0".join([*sources, *compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
+    path = cache_dir() / f"paged_attention-{key}.so"
     try:
         if not path.exists():
             _build(compiler, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = str(getattr(e, "stderr", None) or e)
-        log.warning("native CPU decode kernel unavailable, using the torch path: %s", detail.strip()[-2000:])
+        log.warning("native CPU attention kernels unavailable, using the torch path: %s", detail.strip()[-2000:])
         return None
-    for symbol in _SYMBOLS.values():
-        fn = getattr(lib, symbol, None)
-        if fn is not None:
-            fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    for symbols, argtypes in ((_SYMBOLS, _ARGTYPES), (_PREFILL_SYMBOLS, _PREFILL_ARGTYPES)):
+        for symbol in symbols.values():
+            fn = getattr(lib, symbol, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib
 
 
@@ -126,4 +131,42 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                 torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged_decode: could not allocate per-thread work buffers")
+    return out
+
+
+def prefill_kernel(dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
+    """The compiled prefill function for queries of `dtype` over a cache of `cache_dtype`, or None. It may still
+    decline a call (returns -2: no AVX-512, or a head size other than 64/128/256): `paged_prefill` then says so."""
+    lib = load()
+    symbol = _PREFILL_SYMBOLS.get((dtype, cache_dtype or dtype))
+    return None if lib is None or symbol is None else getattr(lib, symbol, None)
+
+
+def paged_prefill(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                  num_cached: int, scale: float, window: int = 0) -> torch.Tensor | None:
+    """Causal attention of one prompt chunk: q [n, Hq, D] (token rows may be strided) at positions num_cached ..
+    num_cached + n - 1, whose K/V (and the context's) are already in the caches (a layer's [num_blocks,
+    block_size, Hkv, row] views) through `block_table` (int32 block ids of the sequence); window > 0: each row
+    attends to its last `window` positions. Returns [n, Hq, D], or None where the kernel has no path for this
+    shape (no AVX-512, head size not 64/128/256): the caller falls back to the torch path."""
+    n, hq, d = q.shape
+    _, bs, hkv, row = k_cache.shape
+    if q.stride()[1:] != (d, 1) or k_cache.stride()[1:] != (hkv * row, row, 1) or v_cache.stride() != k_cache.stride():
+        raise ValueError("paged_prefill: q heads and cache blocks must be contiguous")
+    if k_cache.dtype not in (q.dtype, torch.int8) or v_cache.dtype != k_cache.dtype or hq % hkv \
+            or row != row_size(d, k_cache.dtype):
+        raise ValueError(f"paged_prefill: q {tuple(q.shape)} {q.dtype} does not fit the cache "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype}")
+    needed = -(-(num_cached + n) // bs)
+    if block_table.numel() < needed:
+        raise ValueError(f"paged_prefill: {block_table.numel()} blocks cannot hold {num_cached + n} positions")
+    table = block_table if block_table.dtype == torch.int32 and block_table.is_contiguous() \
+        else block_table.to(torch.int32).contiguous()
+    out = torch.empty((n, hq, d), dtype=q.dtype)
+    rc = kernel(q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+                num_cached, n, hq, hkv, d, bs, k_cache.stride(0), scale, window, torch.get_num_threads())
+    if rc == -2:
+        return None
+    if rc != 0:
+        raise MemoryError("paged_prefill: could not allocate the packed K/V buffer")
     return out

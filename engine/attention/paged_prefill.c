@@ -1,0 +1,438 @@
+/* Paged prefill attention for CPUs with AVX-512: the query rows of one prompt chunk (positions c .. c+n-1)
+ * attend causally to the chunk's K/V and the context before it, read through the sequence's block table from
+ * the pool, in fp32 with an online softmax (flash attention's loop, register-tiled for AVX-512).
+ *
+ * Why not torch's SDPA: its CPU flash kernel runs small GEMM calls per tile and, without AMX, computes bf16 at
+ * fp32 speed anyway; on a 2k-token prompt it spent ~50 % of a prefill step (docs/benchmarks.md, "Prefill
+ * attention"). Here, per KV head, the keys are packed once into fp32 K^T [D][L] and V [L][D] (any pool dtype,
+ * int8 rows dequantized with their scale), then every query head of the group walks them in 64-key tiles:
+ * scores of 4 rows x 64 keys in 16 registers, the weighted V sum of 4 rows (D = 64) in 16 more.
+ *
+ * Layout (engine/kv_cache.py) as in paged_decode.c: a layer's K and V caches [num_blocks, block_size, Hkv, row],
+ * blocks `block_stride` elements apart, int32 block table; row = D (float pool) or D int8 values + an fp16 scale.
+ * Compiled with paged_decode.c into one library by engine/attention/native.py; without AVX-512 the functions
+ * return -2 and the caller keeps the torch path.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+enum { PF_F32, PF_BF16, PF_F16, PF_I8 };
+#define PF_SCALE_BYTES 2
+#define MR 16   /* query rows of one work item */
+#define KT 64   /* keys of one tile: four 16-lane vectors */
+
+#ifdef __AVX512F__
+#define PF_INLINE static inline __attribute__((always_inline))
+
+PF_INLINE int64_t pf_elem(int kind) { return kind == PF_F32 ? 4 : kind == PF_I8 ? 1 : 2; }
+
+PF_INLINE __m512 pf_load16(const char *p, int kind) {
+    if (kind == PF_F32) return _mm512_loadu_ps(p);
+    if (kind == PF_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (kind == PF_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+PF_INLINE void pf_store16(char *p, __m512 x, int kind) {
+    if (kind == PF_F32) _mm512_storeu_ps(p, x);
+    else if (kind == PF_F16) _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+    else {   /* bf16, round to nearest even as torch does (NaN kept a NaN) */
+        __m512i u = _mm512_castps_si512(x);
+        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+        __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+        _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+    }
+}
+
+PF_INLINE float pf_half(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
+
+PF_INLINE __m512 pf_exp16(__m512 x) {   /* exp(x) for x <= 0 (Cephes polynomial, as paged_decode.c) */
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Keys kfirst..kend-1 of KV head h into kt [D][lp] and vp [L][D] (fp32; keys from kend to lp are zero). */
+PF_INLINE void pack_head(int ckind, const int NV, const void *k_pool, const void *v_pool, const int32_t *table,
+                         int64_t kfirst, int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs,
+                         int64_t block_stride, float *kt, float *vp) {
+    const int64_t d = 16 * NV, hs = ckind == PF_I8 ? d + PF_SCALE_BYTES : d, es = pf_elem(ckind);
+    const int64_t len = kend - kfirst;
+#pragma omp for schedule(static)
+    for (int64_t t0 = 0; t0 < lp; t0 += 16) {
+        float tile[16 * 256] __attribute__((aligned(64)));   /* 16 keys x D, then transposed into kt */
+        int64_t cnt = len - t0 < 16 ? (len - t0 > 0 ? len - t0 : 0) : 16;
+        for (int64_t t = 0; t < 16; t++) {
+            if (t >= cnt) {   /* padding keys: zero, so that a masked p (0) times them stays 0 */
+                for (int j = 0; j < NV; j++) {
+                    _mm512_store_ps(tile + t * d + 16 * j, _mm512_setzero_ps());
+                    _mm512_storeu_ps(vp + (t0 + t) * d + 16 * j, _mm512_setzero_ps());
+                }
+                continue;
+            }
+            int64_t pos = kfirst + t0 + t;
+            int64_t off = (table[pos / bs] * block_stride + (pos % bs) * hkv * hs + h * hs) * es;
+            const char *kr = (const char *)k_pool + off, *vr = (const char *)v_pool + off;
+            __m512 ks = _mm512_set1_ps(1.0f), vs = ks;
+            if (ckind == PF_I8) {
+                uint16_t a, b;
+                memcpy(&a, kr + d, 2);
+                memcpy(&b, vr + d, 2);
+                ks = _mm512_set1_ps(pf_half(a));
+                vs = _mm512_set1_ps(pf_half(b));
+            }
+            for (int j = 0; j < NV; j++) {
+                _mm512_store_ps(tile + t * d + 16 * j, _mm512_mul_ps(pf_load16(kr + 16 * j * es, ckind), ks));
+                _mm512_storeu_ps(vp + (t0 + t) * d + 16 * j, _mm512_mul_ps(pf_load16(vr + 16 * j * es, ckind), vs));
+            }
+        }
+        for (int64_t i = 0; i < d; i++) {   /* column i of the 16 x D tile -> kt[i][t0 .. t0+15] */
+            __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+                                                                                  13, 14, 15), _mm512_set1_epi32((int)d)),
+                                           _mm512_set1_epi32((int)i));
+            _mm512_storeu_ps(kt + i * lp + t0, _mm512_i32gather_ps(idx, tile, 4));
+        }
+    }
+}
+
+#ifdef __AVX512BF16__
+/* bf16 pool and queries: the same keys as bf16 pairs, for vdpbf16ps (two products per fp32 lane): kt2 [D/2][lp]
+ * words (the pair of dimensions 2e, 2e+1 of each key) and vp2 [lp/2][D] words (dimension e of keys 2t, 2t+1). */
+PF_INLINE void pack_head_bf16(const int NV, const void *k_pool, const void *v_pool, const int32_t *table,
+                              int64_t kfirst, int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs,
+                              int64_t block_stride, uint32_t *kt2, uint32_t *vp2) {
+    const int64_t d = 16 * NV, len = kend - kfirst;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#pragma omp for schedule(static)
+    for (int64_t t0 = 0; t0 < lp; t0 += 16) {
+        uint32_t tile[16 * 128] __attribute__((aligned(64)));   /* 16 keys x D/2 words */
+        for (int64_t t = 0; t < 16; t += 2) {
+            const uint16_t *kr[2], *vr[2];
+            for (int u = 0; u < 2; u++) {
+                int64_t pos = kfirst + t0 + t + u;
+                if (t0 + t + u < len) {
+                    int64_t off = table[pos / bs] * block_stride + (pos % bs) * hkv * d + h * d;
+                    kr[u] = (const uint16_t *)k_pool + off, vr[u] = (const uint16_t *)v_pool + off;
+                } else {
+                    kr[u] = vr[u] = NULL;
+                }
+            }
+            for (int j = 0; j < NV / 2; j++)
+                for (int u = 0; u < 2; u++)
+                    _mm512_store_si512(tile + (t + u) * (d / 2) + 16 * j,
+                                       kr[u] ? _mm512_loadu_si512(kr[u] + 32 * j) : _mm512_setzero_si512());
+            for (int j = 0; j < NV; j++) {   /* interleave keys t, t+1 per dimension */
+                __m512i a = vr[0] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[0] + 16 * j)))
+                                  : _mm512_setzero_si512();
+                __m512i b = vr[1] ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vr[1] + 16 * j)))
+                                  : _mm512_setzero_si512();
+                _mm512_storeu_si512(vp2 + ((t0 + t) / 2) * d + 16 * j, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
+            }
+        }
+        for (int64_t e = 0; e < d / 2; e++) {
+            __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(lane, _mm512_set1_epi32((int)(d / 2))),
+                                           _mm512_set1_epi32((int)e));
+            _mm512_storeu_si512(kt2 + e * lp + t0, _mm512_i32gather_epi32(idx, tile, 4));
+        }
+    }
+}
+#endif
+
+/* Rows r0 .. r0+rows-1 of the chunk (positions c+r0 ..) for one query head: qf [MR][D] holds q * scale. */
+PF_INLINE void rows_item(const int NV, const int BF, const float *qf, const uint32_t *q2, int64_t rows, int64_t p0,
+                         int64_t kfirst, int64_t window, const float *kt, const float *vp, const uint32_t *kt2,
+                         const uint32_t *vp2, int64_t lp, float scale, float *acc, float *m, float *l) {
+    const int64_t d = 16 * NV;
+    const int RB = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;   /* rows of one weighted-V pass: 16 accumulators */
+    float s[MR * KT] __attribute__((aligned(64)));
+    int64_t hi = p0 + rows;   /* keys up to the last row's own position */
+    int64_t lo = window > 0 && p0 - window + 1 > kfirst ? p0 - window + 1 : kfirst;
+    for (int64_t r = 0; r < MR; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(acc, 0, sizeof(float) * MR * d);
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t j0 = (lo - kfirst) / KT * KT + kfirst; j0 < hi; j0 += KT) {
+        const float *kcol = kt + (j0 - kfirst);
+        /* Scores: 4 rows x 64 keys per pass, summed over D. */
+        for (int64_t r = 0; r < rows; r += 4) {
+            __m512 a[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int v = 0; v < 4; v++) a[i][v] = _mm512_setzero_ps();
+#ifdef __AVX512BF16__
+            if (BF) {   /* q2: bf16 pairs of the raw q; the scale is applied to the sums */
+                const uint32_t *kcol2 = kt2 + (j0 - kfirst);
+                for (int64_t e = 0; e < d / 2; e++) {
+                    const uint32_t *kr = kcol2 + e * lp;
+                    __m512bh k0 = (__m512bh)_mm512_loadu_si512(kr), k1 = (__m512bh)_mm512_loadu_si512(kr + 16),
+                             k2 = (__m512bh)_mm512_loadu_si512(kr + 32), k3 = (__m512bh)_mm512_loadu_si512(kr + 48);
+                    for (int i = 0; i < 4; i++) {
+                        __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q2[(r + i) * (d / 2) + e]);
+                        a[i][0] = _mm512_dpbf16_ps(a[i][0], qb, k0);
+                        a[i][1] = _mm512_dpbf16_ps(a[i][1], qb, k1);
+                        a[i][2] = _mm512_dpbf16_ps(a[i][2], qb, k2);
+                        a[i][3] = _mm512_dpbf16_ps(a[i][3], qb, k3);
+                    }
+                }
+                for (int i = 0; i < 4; i++)
+                    for (int v = 0; v < 4; v++) a[i][v] = _mm512_mul_ps(a[i][v], _mm512_set1_ps(scale));
+            }
+#endif
+            for (int64_t e = 0; e < (BF ? 0 : d); e++) {
+                const float *kr = kcol + e * lp;
+                __m512 k0 = _mm512_loadu_ps(kr), k1 = _mm512_loadu_ps(kr + 16), k2 = _mm512_loadu_ps(kr + 32),
+                       k3 = _mm512_loadu_ps(kr + 48);
+                for (int i = 0; i < 4; i++) {
+                    __m512 qb = _mm512_set1_ps(qf[(r + i) * d + e]);
+                    a[i][0] = _mm512_fmadd_ps(qb, k0, a[i][0]);
+                    a[i][1] = _mm512_fmadd_ps(qb, k1, a[i][1]);
+                    a[i][2] = _mm512_fmadd_ps(qb, k2, a[i][2]);
+                    a[i][3] = _mm512_fmadd_ps(qb, k3, a[i][3]);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int v = 0; v < 4; v++) _mm512_store_ps(s + (r + i) * KT + 16 * v, a[i][v]);
+        }
+        /* Online softmax per row over its visible keys of the tile; p replaces s. */
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t pos = p0 + r, first = window > 0 && pos - window + 1 > kfirst ? pos - window + 1 : kfirst;
+            __mmask16 vis[4];
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int v = 0; v < 4; v++) {
+                __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(j0 + 16 * v)));
+                vis[v] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)pos)) &
+                         _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32((int)first));
+                mx = _mm512_mask_max_ps(mx, vis[v], mx, _mm512_load_ps(s + r * KT + 16 * v));
+            }
+            float tmax = _mm512_reduce_max_ps(mx);
+            if (tmax == -INFINITY) {   /* no visible key in this tile (window rows): p = 0 */
+                for (int v = 0; v < 4; v++) _mm512_store_ps(s + r * KT + 16 * v, _mm512_setzero_ps());
+                continue;
+            }
+            float mnew = tmax > m[r] ? tmax : m[r];
+            __m512 sum = _mm512_setzero_ps(), mb = _mm512_set1_ps(mnew);
+            for (int v = 0; v < 4; v++) {
+                __m512 p = _mm512_maskz_mov_ps(vis[v], pf_exp16(_mm512_sub_ps(_mm512_load_ps(s + r * KT + 16 * v), mb)));
+                _mm512_store_ps(s + r * KT + 16 * v, p);
+                sum = _mm512_add_ps(sum, p);
+            }
+            float corr = m[r] == -INFINITY ? 0.0f : mnew != m[r] ? expf(m[r] - mnew) : 1.0f;
+            l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
+            m[r] = mnew;
+            if (corr != 1.0f) {
+                __m512 cb = _mm512_set1_ps(corr);
+                for (int j = 0; j < NV; j++)
+                    _mm512_storeu_ps(acc + r * d + 16 * j, _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * j), cb));
+            }
+        }
+        /* acc += p @ V: RB rows x D in registers over the tile's keys. */
+        int64_t keys = hi - j0 < KT ? hi - j0 : KT;
+#ifdef __AVX512BF16__
+        if (BF) {   /* p as bf16 pairs of consecutive keys, against vp2's pairs */
+            uint32_t p2[MR * KT / 2] __attribute__((aligned(64)));
+            for (int64_t r = 0; r < rows; r++)
+                for (int v = 0; v < 4; v += 2)
+                    _mm512_store_si512(p2 + r * (KT / 2) + 8 * v,
+                                       (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(s + r * KT + 16 * v + 16),
+                                                                    _mm512_load_ps(s + r * KT + 16 * v)));
+            const uint32_t *vcol = vp2 + ((j0 - kfirst) / 2) * d;
+            for (int64_t r = 0; r < rows; r += RB) {
+                __m512 a[4][16];
+                for (int i = 0; i < RB; i++)
+                    for (int j = 0; j < NV; j++) a[i][j] = _mm512_loadu_ps(acc + (r + i) * d + 16 * j);
+                for (int64_t t = 0; t < (keys + 1) / 2; t++) {
+                    __m512bh vv[16];
+                    for (int j = 0; j < NV; j++) vv[j] = (__m512bh)_mm512_loadu_si512(vcol + t * d + 16 * j);
+                    for (int i = 0; i < RB; i++) {
+                        __m512bh pb = (__m512bh)_mm512_set1_epi32((int)p2[(r + i) * (KT / 2) + t]);
+                        for (int j = 0; j < NV; j++) a[i][j] = _mm512_dpbf16_ps(a[i][j], pb, vv[j]);
+                    }
+                }
+                for (int i = 0; i < RB; i++)
+                    for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + (r + i) * d + 16 * j, a[i][j]);
+            }
+            continue;
+        }
+#endif
+        for (int64_t r = 0; r < rows; r += RB) {   /* rows is a multiple of 4, so of RB */
+            __m512 a[4][16];
+            const int nr = RB;
+            for (int i = 0; i < nr; i++)
+                for (int j = 0; j < NV; j++) a[i][j] = _mm512_loadu_ps(acc + (r + i) * d + 16 * j);
+            for (int64_t t = 0; t < keys; t++) {
+                const float *vr = vp + (j0 - kfirst + t) * d;
+                __m512 vv[16];
+                for (int j = 0; j < NV; j++) vv[j] = _mm512_loadu_ps(vr + 16 * j);
+                for (int i = 0; i < nr; i++) {
+                    __m512 pb = _mm512_set1_ps(s[(r + i) * KT + t]);
+                    for (int j = 0; j < NV; j++) a[i][j] = _mm512_fmadd_ps(pb, vv[j], a[i][j]);
+                }
+            }
+            for (int i = 0; i < nr; i++)
+                for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + (r + i) * d + 16 * j, a[i][j]);
+        }
+    }
+}
+
+/* One work item: rows r0 .. r0+rows-1 of query head `head`, from q to out (dtype `kind`); BF: the bf16-pair path
+ * (kbuf, vbuf hold kt2, vp2), else fp32 (kt, vp). */
+PF_INLINE void item(int kind, const int NV, const int BF, const void *q, int64_t q_stride, void *out, int64_t r0,
+                    int64_t rows, int64_t head, int64_t hq, int64_t c, int64_t kfirst, int64_t window, const void *kbuf,
+                    const void *vbuf, int64_t lp, float scale) {
+    const int64_t d = 16 * NV, es = pf_elem(kind);
+    float qf[MR * 256] __attribute__((aligned(64))), acc[MR * 256] __attribute__((aligned(64)));
+    uint32_t q2[MR * 128] __attribute__((aligned(64)));
+    float m[MR], l[MR];
+    for (int64_t r = 0; r < MR; r++)
+        for (int j = 0; j < NV; j++) {
+            const char *qr = (const char *)q + ((r0 + r) * q_stride + head * d + 16 * j) * es;
+            if (BF) {
+                if (j % 2 == 0)
+                    _mm512_store_si512(q2 + r * (d / 2) + 8 * j,
+                                       r < rows ? _mm512_loadu_si512(qr) : _mm512_setzero_si512());
+                continue;
+            }
+            __m512 x = r < rows ? pf_load16(qr, kind) : _mm512_setzero_ps();
+            _mm512_store_ps(qf + r * d + 16 * j, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
+        }
+    int64_t padded = (rows + 3) / 4 * 4;   /* whole 4-row passes; the padding rows are never stored */
+    rows_item(NV, BF, qf, q2, padded < MR ? padded : MR, c + r0, kfirst, window, (const float *)kbuf,
+              (const float *)vbuf, (const uint32_t *)kbuf, (const uint32_t *)vbuf, lp, scale, acc, m, l);
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int j = 0; j < NV; j++)
+            pf_store16((char *)out + (((r0 + r) * hq + head) * d + 16 * j) * es,
+                       _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * j), inv), kind);
+    }
+}
+
+/* One compiled function per (cache dtype, head size) for packing and per (q dtype, head size) for the items:
+ * the dtypes and the vector count must be constants inside the loops, which values passed through an OpenMP
+ * region are not (its body is outlined once). Index 4 of PACKS / 3 of ITEMS: the bf16-pair path. */
+typedef void (*pack_fn)(const void *k_pool, const void *v_pool, const int32_t *table, int64_t kfirst, int64_t kend,
+                        int64_t lp, int64_t h, int64_t hkv, int64_t bs, int64_t block_stride, void *kbuf, void *vbuf);
+typedef void (*item_fn)(const void *q, int64_t q_stride, void *out, int64_t r0, int64_t rows, int64_t head, int64_t hq,
+                        int64_t c, int64_t kfirst, int64_t window, const void *kbuf, const void *vbuf, int64_t lp,
+                        float scale);
+#define PACK(CK, NV)                                                                                               \
+    static void pack_##CK##_##NV(const void *k_pool, const void *v_pool, const int32_t *table, int64_t kfirst,     \
+                                 int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs, int64_t block_stride, \
+                                 void *kbuf, void *vbuf) {                                                        \
+        pack_head(CK, NV, k_pool, v_pool, table, kfirst, kend, lp, h, hkv, bs, block_stride, kbuf, vbuf);         \
+    }
+#define ITEM(K, NV)                                                                                                \
+    static void item_##K##_##NV(const void *q, int64_t q_stride, void *out, int64_t r0, int64_t rows, int64_t head, \
+                                int64_t hq, int64_t c, int64_t kfirst, int64_t window, const void *kbuf,          \
+                                const void *vbuf, int64_t lp, float scale) {                                      \
+        item(K, NV, 0, q, q_stride, out, r0, rows, head, hq, c, kfirst, window, kbuf, vbuf, lp, scale);             \
+    }
+#define FOR_NV(X, A) X(A, 4) X(A, 8) X(A, 16)
+FOR_NV(PACK, PF_F32) FOR_NV(PACK, PF_BF16) FOR_NV(PACK, PF_F16) FOR_NV(PACK, PF_I8)
+FOR_NV(ITEM, PF_F32) FOR_NV(ITEM, PF_BF16) FOR_NV(ITEM, PF_F16)
+#ifdef __AVX512BF16__
+#define PACK_PAIRS(X, NV)                                                                                          \
+    static void pack_pairs_##NV(const void *k_pool, const void *v_pool, const int32_t *table, int64_t kfirst,     \
+                                int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs, int64_t block_stride, \
+                                void *kbuf, void *vbuf) {                                                         \
+        pack_head_bf16(NV, k_pool, v_pool, table, kfirst, kend, lp, h, hkv, bs, block_stride, kbuf, vbuf);        \
+    }
+#define ITEM_PAIRS(X, NV)                                                                                          \
+    static void item_pairs_##NV(const void *q, int64_t q_stride, void *out, int64_t r0, int64_t rows, int64_t head, \
+                                int64_t hq, int64_t c, int64_t kfirst, int64_t window, const void *kbuf,          \
+                                const void *vbuf, int64_t lp, float scale) {                                      \
+        item(PF_BF16, NV, 1, q, q_stride, out, r0, rows, head, hq, c, kfirst, window, kbuf, vbuf, lp, scale);       \
+    }
+FOR_NV(PACK_PAIRS, _) FOR_NV(ITEM_PAIRS, _)
+#define PAIRS(F) {F##_pairs_4, F##_pairs_8, F##_pairs_16}
+#else
+#define PAIRS(F) {NULL, NULL, NULL}
+#endif
+#define BY_NV(F, A) {F##_##A##_4, F##_##A##_8, F##_##A##_16}
+static const pack_fn PACKS[5][3] = {BY_NV(pack, PF_F32), BY_NV(pack, PF_BF16), BY_NV(pack, PF_F16), BY_NV(pack, PF_I8),
+                                    PAIRS(pack)};
+static const item_fn ITEMS[4][3] = {BY_NV(item, PF_F32), BY_NV(item, PF_BF16), BY_NV(item, PF_F16), PAIRS(item)};
+
+/* One prefill chunk, every head. Returns 0, -1 if a buffer could not be allocated. */
+static int prefill(int kind, int ckind, int nvi, int64_t d, const void *q, int64_t q_stride, void *out,
+                   const void *k_pool, const void *v_pool, const int32_t *table, int64_t c, int64_t n, int64_t hq,
+                   int64_t hkv, int64_t bs, int64_t block_stride, float scale, int64_t window, int num_threads) {
+    const int pairs = kind == PF_BF16 && ckind == PF_BF16 && PACKS[4][nvi] != NULL;
+    const pack_fn pack = pairs ? PACKS[4][nvi] : PACKS[ckind][nvi];
+    const item_fn run = pairs ? ITEMS[3][nvi] : ITEMS[kind][nvi];
+    const int64_t group = hq / hkv;
+    const int64_t kend = c + n, kfirst = window > 0 && c - window + 1 > 0 ? c - window + 1 : 0;
+    /* One spare tile (tiles start KT-aligned), and 16 more so that kt's rows are an odd number of cache lines
+     * apart: at a multiple of 4 lines (a 64-key multiple) the D rows a tile reads fell into a quarter of the L1
+     * sets and evicted each other (an fp32 8k-token context ran slower than torch's SDPA). */
+    const int64_t lp = (kend - kfirst + KT - 1) / KT * KT + KT + 16;
+    float *kt = aligned_alloc(64, (size_t)(lp * d * 2) * sizeof(float));
+    if (!kt) return -1;
+    float *vp = kt + lp * d;
+    const int64_t items = group * ((n + MR - 1) / MR);
+    for (int64_t h = 0; h < hkv; h++) {
+#pragma omp parallel num_threads(num_threads)
+        {
+            pack(k_pool, v_pool, table, kfirst, kend, lp, h, hkv, bs, block_stride, kt, vp);
+            /* the implicit barrier of pack's omp for: the packed head is complete */
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = items - 1; it >= 0; it--) {   /* longest rows (the last blocks) first */
+                int64_t g = it % group, r0 = (it / group) * MR, rows = n - r0 < MR ? n - r0 : MR;
+                run(q, q_stride, out, r0, rows, h * group + g, hq, c, kfirst, window, kt, vp, lp, scale);
+            }
+        }
+    }
+    free(kt);
+    return 0;
+}
+#endif
+
+/* q: [n, hq, d] rows `q_stride` elements apart (heads contiguous); out: [n, hq, d] contiguous; table: the
+ * sequence's int32 block ids; c: tokens already in the cache before this chunk (the chunk's own K/V are in the
+ * pool too: positions c .. c+n-1); window > 0: each row sees its last `window` positions. Returns 0, -1 if a
+ * buffer could not be allocated, -2 if this build has no kernel for d (AVX-512 and d in 64, 128, 256 only). */
+#define PF_EXPORT(NAME, KIND, CKIND)                                                                              \
+    int NAME(const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,                \
+             const int32_t *table, int64_t c, int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t bs,            \
+             int64_t block_stride, float scale, int64_t window, int num_threads);                               \
+    int NAME(const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,                \
+             const int32_t *table, int64_t c, int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t bs,            \
+             int64_t block_stride, float scale, int64_t window, int num_threads) {                              \
+        PF_DISPATCH(KIND, CKIND)                                                                                 \
+        return -2;                                                                                               \
+    }
+
+#ifdef __AVX512F__
+#define PF_DISPATCH(KIND, CKIND)                                                                                 \
+    if (hq % hkv == 0 && n > 0) {                                                                              \
+        int nvi = d == 64 ? 0 : d == 128 ? 1 : d == 256 ? 2 : -1;                                          \
+        if (nvi >= 0) return prefill(KIND, CKIND, nvi, d, q, q_stride, out, k_pool, v_pool, table, c, n, hq, hkv,  \
+                                     bs, block_stride, scale, window, num_threads);                            \
+    }
+#else
+#define PF_DISPATCH(KIND, CKIND)                                                                                 \
+    (void)q, (void)q_stride, (void)out, (void)k_pool, (void)v_pool, (void)table, (void)c, (void)n, (void)hq,    \
+        (void)hkv, (void)d, (void)bs, (void)block_stride, (void)scale, (void)window, (void)num_threads;
+#endif
+
+PF_EXPORT(paged_prefill_f32, PF_F32, PF_F32)
+PF_EXPORT(paged_prefill_bf16, PF_BF16, PF_BF16)
+PF_EXPORT(paged_prefill_f16, PF_F16, PF_F16)
+PF_EXPORT(paged_prefill_i8_f32, PF_F32, PF_I8)
+PF_EXPORT(paged_prefill_i8_bf16, PF_BF16, PF_I8)
+PF_EXPORT(paged_prefill_i8_f16, PF_F16, PF_I8)

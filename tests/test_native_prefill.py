@@ -1,0 +1,150 @@
+"""The native CPU paged-prefill kernel (engine/attention/paged_prefill.c) against dense causal attention, and the
+CPU backend's prefill against the torch backend's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_decode_cases import needs_compiler
+
+from pdcluster.engine.attention import native
+from pdcluster.engine.attention.cpu_backend import CpuAttentionBackend
+from pdcluster.engine.attention.metadata import PrefillChunk
+from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
+from pdcluster.engine.kv_cache import dequantize_rows, quantize_rows
+
+
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f " in f.read()
+    except OSError:
+        return False
+
+
+needs_kernel = pytest.mark.skipif(not _has_avx512(), reason="the prefill kernel has an AVX-512 path only")
+
+
+def prefill_case(dtype, cached, n, hq, hkv, d, bs, seed=0, int8=False):
+    """A pool whose blocks (scattered, strided: 2 layers) hold `cached + n` positions of K/V; q for the last n."""
+    g = torch.Generator().manual_seed(seed)
+    total = cached + n
+    nblocks = -(-total // bs)
+    pool_blocks = nblocks + 4
+    row = d + 2 if int8 else d
+    pool = torch.zeros(pool_blocks, 2, 2, bs, hkv, row, dtype=torch.int8 if int8 else dtype)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    table = torch.randperm(pool_blocks, generator=g)[:nblocks].to(torch.int32)
+    k = torch.randn(total, hkv, d, generator=g).to(dtype)
+    v = torch.randn(total, hkv, d, generator=g).to(dtype)
+    if int8:
+        k, v = quantize_rows(k), quantize_rows(v)
+    for p in range(total):
+        k_cache[table[p // bs], p % bs] = k[p]
+        v_cache[table[p // bs], p % bs] = v[p]
+    if int8:
+        k, v = dequantize_rows(k, dtype), dequantize_rows(v, dtype)
+    q = torch.randn(n, hq + hkv, d, generator=g).to(dtype)[:, :hq]   # strided rows, as the layer's q
+    return q, k, v, k_cache, v_cache, table
+
+
+def dense_causal(q, k, v, cached, window=0):
+    """fp32 attention of rows at positions cached.. over keys 0..: causal, and within `window` if > 0."""
+    n, hq, _ = q.shape
+    g = hq // k.shape[1]
+    pos_q = torch.arange(cached, cached + n)[:, None]
+    pos_k = torch.arange(k.shape[0])[None, :]
+    visible = pos_k <= pos_q
+    if window:
+        visible &= pos_k > pos_q - window
+    kk = k.float().repeat_interleave(g, 1).transpose(0, 1)
+    vv = v.float().repeat_interleave(g, 1).transpose(0, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), kk, vv,
+                                                            attn_mask=visible).transpose(0, 1)
+
+
+def _tolerance(dtype, ref):
+    if dtype == torch.float32:
+        return 1e-5
+    # the final rounding to the storage dtype, plus (bf16) p rounded to bf16 before the weighted V sum
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    return 2 * ulp * max(1.0, ref.abs().max().item())
+
+
+@needs_compiler
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cached,n,hq,hkv,d,bs", [
+    (0, 100, 9, 3, 64, 16),     # SmolLM2's heads: GQA 3, rows not a multiple of the 16-row item
+    (37, 70, 8, 2, 128, 7),     # a chunk after cached context; blocks not a multiple of anything
+    (0, 300, 4, 4, 256, 16),    # MHA, the widest head
+    (130, 1, 4, 1, 64, 1),      # one row (a one-token chunk), one-token blocks, MQA
+    (64, 64, 2, 1, 64, 64),     # tile-aligned everything
+])
+def test_kernel_matches_dense_attention(dtype, cached, n, hq, hkv, d, bs):
+    kernel = native.prefill_kernel(dtype)
+    assert kernel is not None
+    q, k, v, k_cache, v_cache, table = prefill_case(dtype, cached, n, hq, hkv, d, bs)
+    out = native.paged_prefill(kernel, q, k_cache, v_cache, table, cached, d ** -0.5)
+    assert out is not None and out.shape == (n, hq, d) and out.dtype == dtype
+    ref = dense_causal(q, k, v, cached)
+    assert (out.float() - ref).abs().max().item() <= _tolerance(dtype, ref)
+
+
+@needs_compiler
+@needs_kernel
+@pytest.mark.parametrize("window", [1, 5, 40, 64, 500])
+def test_kernel_sliding_window(window):
+    """Rows see their last `window` positions; the cache before the window's first position is never read
+    (its blocks are poisoned with NaN here, as a released block may hold anything)."""
+    cached, n, bs = 90, 80, 16
+    q, k, v, k_cache, v_cache, table = prefill_case(torch.float32, cached, n, 6, 2, 64, bs, seed=window)
+    first = max(0, cached - window + 1)
+    for b in range(first // bs):
+        k_cache[table[b]] = float("nan")
+        v_cache[table[b]] = float("nan")
+    out = native.paged_prefill(native.prefill_kernel(torch.float32), q, k_cache, v_cache, table, cached, 64 ** -0.5,
+                               window)
+    assert out is not None
+    assert (out - dense_causal(q, k, v, cached, window)).abs().max().item() < 1e-5
+
+
+@needs_compiler
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_int8_cache(dtype):
+    """An int8 pool: rows dequantized with their fp16 scale, as the torch path reads them."""
+    q, k, v, k_cache, v_cache, table = prefill_case(dtype, 20, 50, 8, 2, 64, 16, int8=True)
+    out = native.paged_prefill(native.prefill_kernel(dtype, torch.int8), q, k_cache, v_cache, table, 20, 0.125)
+    ref = dense_causal(q, k, v, 20)
+    assert out is not None and (out.float() - ref).abs().max().item() <= _tolerance(dtype, ref)
+
+
+@needs_compiler
+def test_head_size_without_a_path_returns_none():
+    kernel = native.prefill_kernel(torch.float32)
+    q, _, _, k_cache, v_cache, table = prefill_case(torch.float32, 0, 10, 4, 2, 80, 16)
+    assert native.paged_prefill(kernel, q, k_cache, v_cache, table, 0, 80 ** -0.5) is None
+
+
+@needs_compiler
+def test_refuses_a_table_too_short_for_the_positions():
+    q, _, _, k_cache, v_cache, table = prefill_case(torch.float32, 30, 10, 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="cannot hold"):
+        native.paged_prefill(native.prefill_kernel(torch.float32), q, k_cache, v_cache, table[:2], 30, 0.125)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached,window", [(0, 0), (50, 0), (50, 33)])
+def test_cpu_backend_prefill_equals_torch_backend(dtype, cached, window):
+    """One chunk through both backends' `_prefill` (the torch one: SDPA): same answer (d 80 falls back)."""
+    for d in (64, 80):
+        n, hq, hkv, bs = 45, 8, 4, 16
+        q, k, v, k_cache, v_cache, table = prefill_case(dtype, cached, n, hq, hkv, d, bs, seed=cached + d)
+        chunk = PrefillChunk(start=0, end=n, num_cached=cached, block_table=table)
+        new_k, new_v = k[cached:], v[cached:]
+        cpu = CpuAttentionBackend(hq, hkv, d)._prefill(q, new_k, new_v, k_cache, v_cache, chunk, window)
+        ref = TorchAttentionBackend(hq, hkv, d)._prefill(q, new_k, new_v, k_cache, v_cache, chunk, window)
+        tol = 1e-5 if dtype == torch.float32 else 2.0 ** -5
+        assert (cpu.float() - ref.float()).abs().max().item() < tol
