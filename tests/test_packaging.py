@@ -38,7 +38,7 @@ def test_wheel_holds_only_the_pdcluster_package_and_installs_without_the_old_nam
     assert top == {"pdcluster"}
     for room in ROOMS:
         assert f"pdcluster/{room}/__init__.py" in names
-    for source in ("paged_decode.c", "paged_prefill.c"):   # compiled on first use, must ship
+    for source in ("paged_decode.c", "paged_prefill.c", "paged_simd.h"):   # compiled on first use, must ship
         assert f"pdcluster/engine/attention/{source}" in names
 
     site = tmp_path / "site"

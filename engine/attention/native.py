@@ -26,6 +26,7 @@ from pdcluster.device import row_size
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("paged_prefill.c")]   # one library
+HEADERS = [Path(__file__).with_name("paged_simd.h")]   # included by both; part of the build key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # (q dtype, cache dtype) -> symbol; an int8 cache holds D int8 values + an fp16 scale per row (engine/kv_cache.py)
 _SYMBOLS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
@@ -81,7 +82,7 @@ def load() -> ctypes.CDLL | None:
     if not compiler:
         log.warning("no C compiler found: CPU decode attention uses the torch path (install gcc for the native kernel)")
         return None
-    sources = [s.read_text() for s in SOURCES]
+    sources = [s.read_text() for s in SOURCES + HEADERS]
     key = hashlib.sha256("\0".join([*sources, *compiler, *FLAGS, _cpu_signature()]).encode()).hexdigest()[:16]
     path = cache_dir() / f"paged_attention-{key}.so"
     try:

@@ -12,19 +12,9 @@
  * pool; an int8 pool's row is D int8 values then the row's fp16 scale (row = D + 2 bytes, engine/kv_cache.py):
  * the kernel reads the int8 values and folds the scale into the score (K) and the probability (V).
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "paged_simd.h"
 
 #define TILE 16   /* tokens scored together; a tile never crosses a block boundary */
-#define INLINE static inline __attribute__((always_inline))
-
-enum { KIND_F32, KIND_BF16, KIND_F16, KIND_I8 };
-#define SCALE_BYTES 2   /* fp16 scale after each int8 row */
 
 INLINE float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -81,10 +71,6 @@ INLINE void store1(void *p, int64_t i, float x, int kind) {
 #endif
 }
 
-INLINE int64_t elem_size(int kind) { return kind == KIND_F32 ? 4 : kind == KIND_I8 ? 1 : 2; }
-
-/* Elements from one KV head's row to the next in the cache. */
-INLINE int64_t head_stride(int64_t d, int ckind) { return ckind == KIND_I8 ? d + SCALE_BYTES : d; }
 
 /* exp(x) for x <= 0 (a score minus the running maximum), Cephes' expf polynomial, ~1 ulp. Below -87.3
  * it returns ~1e-38 instead of 0, which does not change a softmax sum. */
@@ -190,30 +176,6 @@ INLINE void item_generic(int kind, int ckind, const void *q, void *out, const vo
 #ifdef __AVX512F__
 INLINE void prefetch_span(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
-}
-
-INLINE __m512 load16(const char *p, int kind) {
-    if (kind == KIND_F32) return _mm512_loadu_ps(p);
-    if (kind == KIND_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    if (kind == KIND_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-}
-
-INLINE __m512 exp16_nonpositive(__m512 x) {   /* exp_nonpositive on 16 lanes */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
 }
 
 /* One sequence, KV heads [h0, h1), head size 16 * NV (NV a compile-time constant after inlining, so the

@@ -13,35 +13,15 @@
  * Compiled with paged_decode.c into one library by engine/attention/native.py; without AVX-512 the functions
  * return -2 and the caller keeps the torch path.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "paged_simd.h"
 
-enum { PF_F32, PF_BF16, PF_F16, PF_I8 };
-#define PF_SCALE_BYTES 2
 #define MR 16   /* query rows of one work item */
 #define KT 64   /* keys of one tile: four 16-lane vectors */
 
 #ifdef __AVX512F__
-#define PF_INLINE static inline __attribute__((always_inline))
-
-PF_INLINE int64_t pf_elem(int kind) { return kind == PF_F32 ? 4 : kind == PF_I8 ? 1 : 2; }
-
-PF_INLINE __m512 pf_load16(const char *p, int kind) {
-    if (kind == PF_F32) return _mm512_loadu_ps(p);
-    if (kind == PF_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    if (kind == PF_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
-}
-
-PF_INLINE void pf_store16(char *p, __m512 x, int kind) {
-    if (kind == PF_F32) _mm512_storeu_ps(p, x);
-    else if (kind == PF_F16) _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+INLINE void store16(char *p, __m512 x, int kind) {
+    if (kind == KIND_F32) _mm512_storeu_ps(p, x);
+    else if (kind == KIND_F16) _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
     else {   /* bf16, round to nearest even as torch does (NaN kept a NaN) */
         __m512i u = _mm512_castps_si512(x);
         __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -52,29 +32,13 @@ PF_INLINE void pf_store16(char *p, __m512 x, int kind) {
     }
 }
 
-PF_INLINE float pf_half(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
-
-PF_INLINE __m512 pf_exp16(__m512 x) {   /* exp(x) for x <= 0 (Cephes polynomial, as paged_decode.c) */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+INLINE float f16_scale(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 
 /* Keys kfirst..kend-1 of KV head h into kt [D][lp] and vp [L][D] (fp32; keys from kend to lp are zero). */
-PF_INLINE void pack_head(int ckind, const int NV, const void *k_pool, const void *v_pool, const int32_t *table,
-                         int64_t kfirst, int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs,
-                         int64_t block_stride, float *kt, float *vp) {
-    const int64_t d = 16 * NV, hs = ckind == PF_I8 ? d + PF_SCALE_BYTES : d, es = pf_elem(ckind);
+INLINE void pack_head(int ckind, const int NV, const void *k_pool, const void *v_pool, const int32_t *table,
+                      int64_t kfirst, int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs,
+                      int64_t block_stride, float *kt, float *vp) {
+    const int64_t d = 16 * NV, hs = ckind == KIND_I8 ? d + SCALE_BYTES : d, es = elem_size(ckind);
     const int64_t len = kend - kfirst;
 #pragma omp for schedule(static)
     for (int64_t t0 = 0; t0 < lp; t0 += 16) {
@@ -92,16 +56,16 @@ PF_INLINE void pack_head(int ckind, const int NV, const void *k_pool, const void
             int64_t off = (table[pos / bs] * block_stride + (pos % bs) * hkv * hs + h * hs) * es;
             const char *kr = (const char *)k_pool + off, *vr = (const char *)v_pool + off;
             __m512 ks = _mm512_set1_ps(1.0f), vs = ks;
-            if (ckind == PF_I8) {
+            if (ckind == KIND_I8) {
                 uint16_t a, b;
                 memcpy(&a, kr + d, 2);
                 memcpy(&b, vr + d, 2);
-                ks = _mm512_set1_ps(pf_half(a));
-                vs = _mm512_set1_ps(pf_half(b));
+                ks = _mm512_set1_ps(f16_scale(a));
+                vs = _mm512_set1_ps(f16_scale(b));
             }
             for (int j = 0; j < NV; j++) {
-                _mm512_store_ps(tile + t * d + 16 * j, _mm512_mul_ps(pf_load16(kr + 16 * j * es, ckind), ks));
-                _mm512_storeu_ps(vp + (t0 + t) * d + 16 * j, _mm512_mul_ps(pf_load16(vr + 16 * j * es, ckind), vs));
+                _mm512_store_ps(tile + t * d + 16 * j, _mm512_mul_ps(load16(kr + 16 * j * es, ckind), ks));
+                _mm512_storeu_ps(vp + (t0 + t) * d + 16 * j, _mm512_mul_ps(load16(vr + 16 * j * es, ckind), vs));
             }
         }
         for (int64_t i = 0; i < d; i++) {   /* column i of the 16 x D tile -> kt[i][t0 .. t0+15] */
@@ -116,9 +80,9 @@ PF_INLINE void pack_head(int ckind, const int NV, const void *k_pool, const void
 #ifdef __AVX512BF16__
 /* bf16 pool and queries: the same keys as bf16 pairs, for vdpbf16ps (two products per fp32 lane): kt2 [D/2][lp]
  * words (the pair of dimensions 2e, 2e+1 of each key) and vp2 [lp/2][D] words (dimension e of keys 2t, 2t+1). */
-PF_INLINE void pack_head_bf16(const int NV, const void *k_pool, const void *v_pool, const int32_t *table,
-                              int64_t kfirst, int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs,
-                              int64_t block_stride, uint32_t *kt2, uint32_t *vp2) {
+INLINE void pack_head_bf16(const int NV, const void *k_pool, const void *v_pool, const int32_t *table,
+                           int64_t kfirst, int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs,
+                           int64_t block_stride, uint32_t *kt2, uint32_t *vp2) {
     const int64_t d = 16 * NV, len = kend - kfirst;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 #pragma omp for schedule(static)
@@ -157,10 +121,11 @@ PF_INLINE void pack_head_bf16(const int NV, const void *k_pool, const void *v_po
 #endif
 
 /* Rows r0 .. r0+rows-1 of the chunk (positions c+r0 ..) for one query head: qf [MR][D] holds q * scale. */
-PF_INLINE void rows_item(const int NV, const int BF, const float *qf, const uint32_t *q2, int64_t rows, int64_t p0,
-                         int64_t kfirst, int64_t window, const float *kt, const float *vp, const uint32_t *kt2,
-                         const uint32_t *vp2, int64_t lp, float scale, float *acc, float *m, float *l) {
+INLINE void rows_item(const int NV, const int BF, const float *qf, const uint32_t *q2, int64_t rows, int64_t p0,
+                      int64_t kfirst, int64_t window, const float *kt, const float *vp, const uint32_t *kt2,
+                      const uint32_t *vp2, int64_t lp, float scale, float *acc, float *m, float *l) {
     const int64_t d = 16 * NV;
+    (void)q2, (void)kt2, (void)vp2, (void)scale;   /* the bf16-pair path's; unused where it is not compiled */
     const int RB = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;   /* rows of one weighted-V pass: 16 accumulators */
     float s[MR * KT] __attribute__((aligned(64)));
     int64_t hi = p0 + rows;   /* keys up to the last row's own position */
@@ -228,7 +193,7 @@ PF_INLINE void rows_item(const int NV, const int BF, const float *qf, const uint
             float mnew = tmax > m[r] ? tmax : m[r];
             __m512 sum = _mm512_setzero_ps(), mb = _mm512_set1_ps(mnew);
             for (int v = 0; v < 4; v++) {
-                __m512 p = _mm512_maskz_mov_ps(vis[v], pf_exp16(_mm512_sub_ps(_mm512_load_ps(s + r * KT + 16 * v), mb)));
+                __m512 p = _mm512_maskz_mov_ps(vis[v], exp16_nonpositive(_mm512_sub_ps(_mm512_load_ps(s + r * KT + 16 * v), mb)));
                 _mm512_store_ps(s + r * KT + 16 * v, p);
                 sum = _mm512_add_ps(sum, p);
             }
@@ -292,10 +257,10 @@ PF_INLINE void rows_item(const int NV, const int BF, const float *qf, const uint
 
 /* One work item: rows r0 .. r0+rows-1 of query head `head`, from q to out (dtype `kind`); BF: the bf16-pair path
  * (kbuf, vbuf hold kt2, vp2), else fp32 (kt, vp). */
-PF_INLINE void item(int kind, const int NV, const int BF, const void *q, int64_t q_stride, void *out, int64_t r0,
-                    int64_t rows, int64_t head, int64_t hq, int64_t c, int64_t kfirst, int64_t window, const void *kbuf,
-                    const void *vbuf, int64_t lp, float scale) {
-    const int64_t d = 16 * NV, es = pf_elem(kind);
+INLINE void item(int kind, const int NV, const int BF, const void *q, int64_t q_stride, void *out, int64_t r0,
+                 int64_t rows, int64_t head, int64_t hq, int64_t c, int64_t kfirst, int64_t window, const void *kbuf,
+                 const void *vbuf, int64_t lp, float scale) {
+    const int64_t d = 16 * NV, es = elem_size(kind);
     float qf[MR * 256] __attribute__((aligned(64))), acc[MR * 256] __attribute__((aligned(64)));
     uint32_t q2[MR * 128] __attribute__((aligned(64)));
     float m[MR], l[MR];
@@ -308,7 +273,7 @@ PF_INLINE void item(int kind, const int NV, const int BF, const void *q, int64_t
                                        r < rows ? _mm512_loadu_si512(qr) : _mm512_setzero_si512());
                 continue;
             }
-            __m512 x = r < rows ? pf_load16(qr, kind) : _mm512_setzero_ps();
+            __m512 x = r < rows ? load16(qr, kind) : _mm512_setzero_ps();
             _mm512_store_ps(qf + r * d + 16 * j, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
         }
     int64_t padded = (rows + 3) / 4 * 4;   /* whole 4-row passes; the padding rows are never stored */
@@ -317,7 +282,7 @@ PF_INLINE void item(int kind, const int NV, const int BF, const void *q, int64_t
     for (int64_t r = 0; r < rows; r++) {
         __m512 inv = _mm512_set1_ps(1.0f / l[r]);
         for (int j = 0; j < NV; j++)
-            pf_store16((char *)out + (((r0 + r) * hq + head) * d + 16 * j) * es,
+            store16((char *)out + (((r0 + r) * hq + head) * d + 16 * j) * es,
                        _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * j), inv), kind);
     }
 }
@@ -343,8 +308,8 @@ typedef void (*item_fn)(const void *q, int64_t q_stride, void *out, int64_t r0, 
         item(K, NV, 0, q, q_stride, out, r0, rows, head, hq, c, kfirst, window, kbuf, vbuf, lp, scale);             \
     }
 #define FOR_NV(X, A) X(A, 4) X(A, 8) X(A, 16)
-FOR_NV(PACK, PF_F32) FOR_NV(PACK, PF_BF16) FOR_NV(PACK, PF_F16) FOR_NV(PACK, PF_I8)
-FOR_NV(ITEM, PF_F32) FOR_NV(ITEM, PF_BF16) FOR_NV(ITEM, PF_F16)
+FOR_NV(PACK, KIND_F32) FOR_NV(PACK, KIND_BF16) FOR_NV(PACK, KIND_F16) FOR_NV(PACK, KIND_I8)
+FOR_NV(ITEM, KIND_F32) FOR_NV(ITEM, KIND_BF16) FOR_NV(ITEM, KIND_F16)
 #ifdef __AVX512BF16__
 #define PACK_PAIRS(X, NV)                                                                                          \
     static void pack_pairs_##NV(const void *k_pool, const void *v_pool, const int32_t *table, int64_t kfirst,     \
@@ -356,7 +321,7 @@ FOR_NV(ITEM, PF_F32) FOR_NV(ITEM, PF_BF16) FOR_NV(ITEM, PF_F16)
     static void item_pairs_##NV(const void *q, int64_t q_stride, void *out, int64_t r0, int64_t rows, int64_t head, \
                                 int64_t hq, int64_t c, int64_t kfirst, int64_t window, const void *kbuf,          \
                                 const void *vbuf, int64_t lp, float scale) {                                      \
-        item(PF_BF16, NV, 1, q, q_stride, out, r0, rows, head, hq, c, kfirst, window, kbuf, vbuf, lp, scale);       \
+        item(KIND_BF16, NV, 1, q, q_stride, out, r0, rows, head, hq, c, kfirst, window, kbuf, vbuf, lp, scale);       \
     }
 FOR_NV(PACK_PAIRS, _) FOR_NV(ITEM_PAIRS, _)
 #define PAIRS(F) {F##_pairs_4, F##_pairs_8, F##_pairs_16}
@@ -364,15 +329,15 @@ FOR_NV(PACK_PAIRS, _) FOR_NV(ITEM_PAIRS, _)
 #define PAIRS(F) {NULL, NULL, NULL}
 #endif
 #define BY_NV(F, A) {F##_##A##_4, F##_##A##_8, F##_##A##_16}
-static const pack_fn PACKS[5][3] = {BY_NV(pack, PF_F32), BY_NV(pack, PF_BF16), BY_NV(pack, PF_F16), BY_NV(pack, PF_I8),
+static const pack_fn PACKS[5][3] = {BY_NV(pack, KIND_F32), BY_NV(pack, KIND_BF16), BY_NV(pack, KIND_F16), BY_NV(pack, KIND_I8),
                                     PAIRS(pack)};
-static const item_fn ITEMS[4][3] = {BY_NV(item, PF_F32), BY_NV(item, PF_BF16), BY_NV(item, PF_F16), PAIRS(item)};
+static const item_fn ITEMS[4][3] = {BY_NV(item, KIND_F32), BY_NV(item, KIND_BF16), BY_NV(item, KIND_F16), PAIRS(item)};
 
 /* One prefill chunk, every head. Returns 0, -1 if a buffer could not be allocated. */
 static int prefill(int kind, int ckind, int nvi, int64_t d, const void *q, int64_t q_stride, void *out,
                    const void *k_pool, const void *v_pool, const int32_t *table, int64_t c, int64_t n, int64_t hq,
                    int64_t hkv, int64_t bs, int64_t block_stride, float scale, int64_t window, int num_threads) {
-    const int pairs = kind == PF_BF16 && ckind == PF_BF16 && PACKS[4][nvi] != NULL;
+    const int pairs = kind == KIND_BF16 && ckind == KIND_BF16 && PACKS[4][nvi] != NULL;
     const pack_fn pack = pairs ? PACKS[4][nvi] : PACKS[ckind][nvi];
     const item_fn run = pairs ? ITEMS[3][nvi] : ITEMS[kind][nvi];
     const int64_t group = hq / hkv;
@@ -430,9 +395,9 @@ static int prefill(int kind, int ckind, int nvi, int64_t d, const void *q, int64
         (void)hkv, (void)d, (void)bs, (void)block_stride, (void)scale, (void)window, (void)num_threads;
 #endif
 
-PF_EXPORT(paged_prefill_f32, PF_F32, PF_F32)
-PF_EXPORT(paged_prefill_bf16, PF_BF16, PF_BF16)
-PF_EXPORT(paged_prefill_f16, PF_F16, PF_F16)
-PF_EXPORT(paged_prefill_i8_f32, PF_F32, PF_I8)
-PF_EXPORT(paged_prefill_i8_bf16, PF_BF16, PF_I8)
-PF_EXPORT(paged_prefill_i8_f16, PF_F16, PF_I8)
+PF_EXPORT(paged_prefill_f32, KIND_F32, KIND_F32)
+PF_EXPORT(paged_prefill_bf16, KIND_BF16, KIND_BF16)
+PF_EXPORT(paged_prefill_f16, KIND_F16, KIND_F16)
+PF_EXPORT(paged_prefill_i8_f32, KIND_F32, KIND_I8)
+PF_EXPORT(paged_prefill_i8_bf16, KIND_BF16, KIND_I8)
+PF_EXPORT(paged_prefill_i8_f16, KIND_F16, KIND_I8)

@@ -1,0 +1,53 @@
+/* What the CPU paged attention kernels (paged_decode.c, paged_prefill.c) share: the dtype kinds of queries and
+ * pool rows, and the AVX-512 loads and exp they both use. Static inline: each kernel file compiles its own copy. */
+#ifndef PDCLUSTER_PAGED_SIMD_H
+#define PDCLUSTER_PAGED_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+enum { KIND_F32, KIND_BF16, KIND_F16, KIND_I8 };
+#define SCALE_BYTES 2   /* fp16 scale after each int8 row */
+
+INLINE int64_t elem_size(int kind) { return kind == KIND_F32 ? 4 : kind == KIND_I8 ? 1 : 2; }
+
+/* Elements from one KV head's row to the next in the cache. */
+INLINE int64_t head_stride(int64_t d, int ckind) { return ckind == KIND_I8 ? d + SCALE_BYTES : d; }
+
+#ifdef __AVX512F__
+/* 16 values of `kind` at p, widened to fp32 (int8: the raw values, the row scale applied by the caller). */
+INLINE __m512 load16(const char *p, int kind) {
+    if (kind == KIND_F32) return _mm512_loadu_ps(p);
+    if (kind == KIND_I8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (kind == KIND_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* exp(x) on 16 lanes for x <= 0 (a score minus the running maximum): Cephes' expf polynomial, ~1 ulp. Below
+ * -87.3 it returns ~1e-38 instead of 0, which does not change a softmax sum. */
+INLINE __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#endif
