@@ -34,7 +34,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def main() -> None:
-    from test_native_prefill import prefill_case
+    from paged_decode_cases import prefill_case
 
     from pdcluster.engine.attention.cpu_backend import CpuAttentionBackend
     from pdcluster.engine.attention.metadata import PrefillChunk

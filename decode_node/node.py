@@ -172,6 +172,7 @@ class DecodeNode(NodeService):
         if resumed:  # migration: what was already streamed counts against the limits
             sampling["max_tokens"] = int(sampling.get("max_tokens", SamplingParams.max_tokens)) - resumed
             sampling["min_tokens"] = max(0, int(sampling.get("min_tokens", 0)) - resumed)
+            sampling.pop("prompt_logprobs", None)   # the router has them from the first attempt
             if sampling["max_tokens"] < 1:
                 self.control.send(identity, Tokens(rid=msg.rid, ids=[], finish="length",
                                                    num_prompt_tokens=len(prompt)))
@@ -195,19 +196,24 @@ class DecodeNode(NodeService):
         log.info("request %s admitted from router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
                  msg.router, len(prompt), resumed, msg.prefill_node or "this node", extra={"request_id": req.rid})
         peer = self.view.nodes.get(msg.prefill_node) if msg.prefill_node else None
-        if peer is not None and peer.role == "prefill":
+        # A resumed structured output rebuilds its grammar's matcher from the tokens so far: prefilled here.
+        resumed_ids = list(msg.resume_ids) if params.structured_outputs is not None else []
+        if params.prompt_logprobs is not None or resumed_ids:   # prompt logprobs: the prompt's logits are needed here
+            self._prefill_locally(req, resumed_ids)
+        elif peer is not None and peer.role == "prefill":
             self._prefill_remotely(req, peer)
         else:
             if msg.prefill_node:
                 self.metrics.remote_failures.labels(RemoteFailure.UNKNOWN_NODE.value).inc()
             self._prefill_locally(req)
 
-    def _prefill_locally(self, req: DecodeRequest) -> None:
+    def _prefill_locally(self, req: DecodeRequest, resumed_ids: list[int] | None = None) -> None:
         req.move(State.ENGINE)
         req.prefill_path = "local"
         self.metrics.prefills.labels("local").inc()
-        rid, prompt, params = req.rid, req.prompt_ids, req.params
-        self._engine_call(req, lambda e: e.add_request(rid, prompt, params), "engine rejected the request")
+        rid, prompt, params, resumed = req.rid, req.prompt_ids, req.params, resumed_ids or []
+        self._engine_call(req, lambda e: e.add_request(rid, prompt, params, resumed_output_ids=resumed),
+                          "engine rejected the request")
 
     def _engine_call(self, req: DecodeRequest, fn: Callable[[LLMEngine], object], error: str) -> None:
         """`fn` on the engine thread; if it raises, the request fails with `error` (its abort frees the blocks)."""
@@ -391,11 +397,13 @@ class DecodeNode(NodeService):
             self.engine_thread.post(lambda e: e.abort(rid))   # queued behind any add: it frees what that took
             self._forget(req, "abort")
 
-    def _fail(self, req: DecodeRequest, error: str) -> None:
+    def _fail(self, req: DecodeRequest, error: str, finish: str = "error") -> None:
+        """finish "error": this node failed it (the router tries another); "invalid": the request itself is
+        (a grammar only the engine's compiler refuses), which the router answers with a 400."""
         if self.requests.get(req.rid) is not req:
             return
         log.warning("request %s failed: %s", req.rid, error)
-        self.control.send(req.owner, Tokens(rid=req.rid, ids=[], finish="error", error=error))
+        self.control.send(req.owner, Tokens(rid=req.rid, ids=[], finish=finish, error=error))
         self.engine_thread.post(lambda e: e.abort(req.rid))
         self._forget(req, "error")
 
@@ -418,6 +426,9 @@ class DecodeNode(NodeService):
         for out in outputs:
             req = self.requests.get(out.request_id)
             if req is None or req.state is not State.ENGINE:
+                continue
+            if out.error is not None:   # the engine gave up on it (a structured output's grammar failed)
+                self._fail(req, out.error, "invalid")
                 continue
             batches.setdefault(req.owner, []).append((req, req.tokens(out)))
         for router, items in batches.items():

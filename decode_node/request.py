@@ -125,6 +125,8 @@ class DecodeRequest:
             msg.num_prompt_tokens = len(self.prompt_ids)
             msg.num_cached_tokens = self.num_cached_tokens or out.num_cached_tokens
             msg.prefill_path = self.prefill_path
+            if out.prompt_logprobs is not None:
+                msg.prompt_logprobs = [logprob_to_wire(lp) for lp in out.prompt_logprobs]
         self.sent += len(msg.ids)
         if out.finished:
             self.move(State.FINISHED)

@@ -16,6 +16,7 @@ from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import AsyncEngineArgs, EngineArgs
 from pdcluster.engine.engine_thread import EngineThread
 from pdcluster.engine.outputs import RequestOutput
+from pdcluster.engine.prompts import PromptType, resolve_prompt
 from pdcluster.engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+        self._shut_down = False
         self._thread = EngineThread(engine, self._on_outputs, stop_on_error=False, idle_wait=0.1, name="engine-loop")
         self._thread.start()
 
@@ -71,13 +73,13 @@ class AsyncLLMEngine:
 
     # ---- public API -----------------------------------------------------------------------------
 
-    async def generate_stream(self, prompt: str | list[int], params: SamplingParams,
+    async def generate_stream(self, prompt: PromptType, params: SamplingParams,
                               request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields a RequestOutput per engine step that produced tokens (`new_token_ids`, `logprobs`: that step's);
         the last one has finished=True and the whole completion in `outputs[0]`, its text decoded."""
         if self._thread.stopped:
             raise RuntimeError("engine is shut down")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        ids, text = resolve_prompt(prompt, self.tokenizer)
         if not ids:
             raise ValueError("prompt: the prompt is empty")
         rid = request_id or f"async-{next(self._ids)}"
@@ -93,7 +95,7 @@ class AsyncLLMEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                item.prompt = prompt if isinstance(prompt, str) else None
+                item.prompt = text
                 finished = item.finished
                 if finished:   # the one output that carries the whole completion: detokenized once
                     completion = item.outputs[0]
@@ -107,7 +109,7 @@ class AsyncLLMEngine:
                 self._streams.pop(rid, None)
                 self._thread.post(lambda engine: engine.abort(rid))
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
+    async def generate(self, prompt: PromptType, params: SamplingParams,
                        request_id: str | None = None) -> RequestOutput:
         """The final RequestOutput of one request."""
         last = None
@@ -124,4 +126,22 @@ class AsyncLLMEngine:
         self._thread.post(lambda engine: engine.abort(request_id))
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine thread, then release the tensor-parallel ranks, their shared memory and the
+        torch.distributed group (another engine may be built in this process after). Idempotent."""
+        if self._shut_down:
+            return
+        self._shut_down = True
         self._thread.stop(timeout)
+        self.engine.shutdown()
+
+    def __enter__(self) -> "AsyncLLMEngine":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> "AsyncLLMEngine":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.shutdown)

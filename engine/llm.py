@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import itertools
 from typing import Sequence as Seq
+from typing import cast
 
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import EngineArgs
 from pdcluster.engine.outputs import RequestOutput
+from pdcluster.engine.prompts import PromptType, is_single_prompt, resolve_prompt
 from pdcluster.engine.stats import EngineStats
 
 
@@ -18,6 +20,20 @@ class LLM:
         self.engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+        self._shut_down = False
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Release the tensor-parallel ranks, their shared memory and the torch.distributed group (another
+        engine may be built in this process after). Idempotent; the LLM is unusable after."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.engine.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -25,34 +41,30 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
 
-    def generate(self, prompts: str | list[int] | Seq[str | list[int]],
+    def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); results in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """Generate for every prompt (text, token ids, `{"prompt": ...}` or `{"prompt_token_ids": [...]}`, as
+        vLLM takes them; one or a list of them, mixed); results in prompt order."""
+        if self._shut_down:
+            raise RuntimeError("LLM: shut down")
+        prompt_list = [cast(PromptType, prompts)] if is_single_prompt(prompts) else list(cast(Seq[PromptType], prompts))
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
         else:
-            params = [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+            params = [sampling_params] * len(prompt_list)
+        if len(params) != len(prompt_list):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompt_list)} prompts")
+        resolved = [resolve_prompt(prompt, self.tokenizer) for prompt in prompt_list]   # all checked before any runs
         order: dict[str, int] = {}
-        texts: list[str | None] = []
-        for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
-            if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt)
-                texts.append(prompt)
-            else:
-                ids = list(prompt)
-                texts.append(None)
+        texts = [text for _, text in resolved]
+        for i, ((ids, _), sp) in enumerate(zip(resolved, params, strict=True)):
             rid = f"llm-{next(self._ids)}"
             self.engine.add_request(rid, ids, sp)
             order[rid] = i
-        results: list[RequestOutput | None] = [None] * len(prompts)
+        results: list[RequestOutput | None] = [None] * len(prompt_list)
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():

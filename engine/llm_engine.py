@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.device import bind_thread
@@ -30,8 +31,12 @@ from pdcluster.engine.stats import EngineStats
 from pdcluster.engine.tp_executor import TPWorkers
 from pdcluster.engine.weight_pool import SharedWeightPool
 
+if TYPE_CHECKING:
+    from pdcluster.engine.structured_output import GrammarCompiler
+
 log = logging.getLogger(__name__)
 
+GRAMMAR_IDLE_WAIT_S = 0.01   # an idle step waits at most this long for a grammar compile
 RATE_INTERVAL_S = 2.0   # EngineStats.tokens_per_s: generated tokens over about the last this many seconds
 
 
@@ -88,6 +93,7 @@ class LLMEngine:
             self.scheduler.enable_streaming(args.attention_sinks, args.streaming_window, self.kv_pool, cfg,
                                             self.tp_size)
         self._arrivals = 0
+        self._grammars: GrammarCompiler | None = None   # made on the first structured-output request
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_generated_tokens = 0
@@ -143,18 +149,47 @@ class LLMEngine:
         if len(ids) > self.model_config.max_model_len:
             raise ValueError(f"prompt_token_ids: prompt has {len(ids)} tokens, longer than the model context "
                              f"max_model_len={self.model_config.max_model_len}")
+        outside = [t for t in params.logit_bias or {} if t >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {outside[:5]}")
+        if params.prompt_logprobs is not None and self.scheduler.streaming_window:
+            raise ValueError("prompt_logprobs: not available with StreamingLLM (streaming_window)")
         self._arrivals += 1
-        return Sequence(request_id, ids, params, self.model_config.eos_token_ids, self.model_config.max_model_len,
-                        self._arrivals, hold_blocks)
+        seq = Sequence(request_id, ids, params, self.model_config.eos_token_ids, self.model_config.max_model_len,
+                       self._arrivals, hold_blocks)
+        if params.structured_outputs is not None:
+            from pdcluster.engine.structured_output import Grammar  # xgrammar: loaded when first needed
+            spec = params.structured_outputs
+            seq.grammar = Grammar(self.grammar_compiler().submit(spec), spec.get("after"))
+        return seq
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            from pdcluster.engine.structured_output import BitmaskBuffer, GrammarCompiler
+
+            cfg = self.model_config
+            self._grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+            self.runner.sampler.bitmask = BitmaskBuffer(cfg.vocab_size)
+        return self._grammars
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    hold_blocks: bool = False, remote_kv: bool = False) -> bool:
+                    hold_blocks: bool = False, remote_kv: bool = False,
+                    resumed_output_ids: list[int] | None = None) -> bool:
         """Queue a request. `hold_blocks`: a finished request keeps its blocks (and reports them in
         `block_ids`) until `abort`. `remote_kv`: another node computes the prompt's KV: blocks for the whole
         prompt are reserved now (leading prefix-cache hits shared), `kv_connector.on_remote_reserved` gets them
         before this returns, and the request waits (never scheduled) for `remote_kv_landed` or
-        `remote_kv_failed`; False, adding nothing, when too few blocks are free. True otherwise."""
+        `remote_kv_failed`; False, adding nothing, when too few blocks are free. True otherwise.
+        `resumed_output_ids` (a migrated structured-output request): its outputs so far, the tail of the prompt,
+        which its grammar accepts before it samples."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, hold_blocks)
+        if seq.grammar is not None:   # a migrated request's outputs so far (the tail of its prompt) obey the grammar
+            if remote_kv and resumed_output_ids:
+                raise ValueError("structured_outputs: a resumed request is prefilled where its grammar runs")
+            for token in resumed_output_ids or []:
+                seq.grammar.accept(token)
+        if remote_kv and params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: the prompt's logits are computed where it runs: prefill it here")
         if not remote_kv:
             self.scheduler.add(seq)
             return True
@@ -174,6 +209,9 @@ class LLMEngine:
         ValueError when the request is not waiting for remote KV, or the token is outside the vocabulary."""
         if not 0 <= int(first_token) < self.model_config.vocab_size:
             raise ValueError(f"first_token: {first_token} is not in [0, {self.model_config.vocab_size})")
+        seq = self.scheduler.waiting_for_kv.get(request_id)
+        if seq is not None and seq.grammar is not None:
+            seq.grammar.matcher_now()   # the remote side compiled it too: a short wait, or its ValueError
         return _request_output(self.scheduler.remote_kv_landed(request_id, int(first_token), first_logprobs))
 
     def remote_kv_failed(self, request_id: str) -> None:
@@ -203,13 +241,19 @@ class LLMEngine:
         """Stop the tensor-parallel worker processes (also done at interpreter exit); the engine is unusable after."""
         if self.runner.workers is not None:
             self.runner.workers.close()
+        if self._grammars is not None:
+            self._grammars.shutdown()
 
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        failed = [_request_output(seq) for seq in self.scheduler.admit_compiled()] \
+            if self.scheduler.waiting_for_grammar else []
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            return []
+            if self.scheduler.waiting_for_grammar:   # nothing runs but a compile: wait for it, do not spin
+                next(iter(self.scheduler.waiting_for_grammar.values())).grammar.wait(GRAMMAR_IDLE_WAIT_S)
+            return failed
         self.num_steps += 1
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
             if seq.num_computed_tokens >= seq.num_prompt_tokens:
@@ -229,7 +273,8 @@ class LLMEngine:
         self.num_generated_tokens += len(sampled)
         self._rate_marks.append((time.monotonic(), self.num_generated_tokens))
         self._drop_old_rate_marks()
-        return [_request_output(seq) for seq in self.scheduler.update_from_output(batch, sampled, tokens, logprobs)]
+        return failed + [_request_output(seq)
+                         for seq in self.scheduler.update_from_output(batch, sampled, tokens, logprobs)]
 
     # ---- stats ----------------------------------------------------------------------------------
 
@@ -257,6 +302,7 @@ class LLMEngine:
             num_total_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
             num_reserved_blocks=sched.num_reserved_blocks(), num_running=len(sched.running),
             num_waiting=len(sched.waiting), num_waiting_for_kv=len(sched.waiting_for_kv),
+            num_waiting_for_grammar=len(sched.waiting_for_grammar),
             num_preemptions=sched.num_preemptions, prefix_cache_hit_tokens=bm.prefix_hit_tokens,
             prefix_cache_query_tokens=bm.prefix_query_tokens, num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens, num_generated_tokens=self.num_generated_tokens,
@@ -284,4 +330,6 @@ def _request_output(seq: Sequence) -> RequestOutput:
         request_id=seq.request_id, prompt=None, prompt_token_ids=seq.prompt_token_ids, outputs=completions,
         finished=seq.stopped, new_token_ids=seq.output_token_ids[-1:],
         logprobs=seq.output_logprobs[-1:] if want_lp else None, finish_reason=seq.finish_reason,
-        num_cached_tokens=seq.num_cached_tokens, block_ids=list(seq.block_table) if seq.hold_blocks else None)
+        num_cached_tokens=seq.num_cached_tokens, block_ids=list(seq.block_table) if seq.hold_blocks else None,
+        prompt_logprobs=seq.prompt_logprobs if len(seq.output_token_ids) == 1 or seq.stopped else None,
+        error=seq.error)

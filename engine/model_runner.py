@@ -18,7 +18,7 @@ from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.kv_cache import KVCachePool
 from pdcluster.engine.loader import load_model
 from pdcluster.engine.parallel import TPGroup
-from pdcluster.engine.sampler import Sampler, SampleRequest
+from pdcluster.engine.sampler import Sampler, SampleRequest, gather_logprobs
 from pdcluster.engine.scheduler import ScheduledBatch
 from pdcluster.engine.sequence import Sequence
 from pdcluster.engine.step_inputs import StepInputs
@@ -77,6 +77,8 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         prefills: list[tuple[int, int, int, int]] = []   # (row in batch, start, end, num_cached)
+        prompt_rows: list[int] = []
+        prompt_spans: list[tuple[Sequence, int, int]] = []
         for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             start = len(ids)
             c = seq.num_computed_tokens
@@ -87,6 +89,12 @@ class ModelRunner:
                 ids.extend(seq.token_ids[c:c + n])
                 positions.extend(range(c, c + n))
                 prefills.append((row, start, start + n, c))
+                if seq.needs_prompt_logprobs:   # the logits at position p score prompt token p + 1
+                    assert seq.prompt_logprobs is not None
+                    first, end = max(c + 1, len(seq.prompt_logprobs)), min(c + n, seq.num_prompt_tokens - 1) + 1
+                    if first < end:
+                        prompt_rows.extend(range(start + first - 1 - c, start + end - 1 - c))
+                        prompt_spans.append((seq, first, end - first))
             if c + n == seq.num_tokens:
                 sample_rows.append(start + n - 1)
                 sample_seqs.append(seq)
@@ -105,7 +113,8 @@ class ModelRunner:
         for row, start, end, c in prefills:
             nblocks = -(-(c + end - start) // bs)
             meta.prefills.append(PrefillChunk(start, end, c, tables[row, :nblocks]))
-        return StepInputs(torch.tensor(ids, dtype=torch.long), positions_t, meta, sample_rows), sample_seqs
+        return (StepInputs(torch.tensor(ids, dtype=torch.long), positions_t, meta, sample_rows + prompt_rows,
+                           prompt_spans), sample_seqs)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs,
@@ -125,7 +134,8 @@ class ModelRunner:
             hidden = self.model(inputs.ids, inputs.positions, meta, layer_done_callback)
         if not inputs.sample_rows:
             return None
-        if len(inputs.sample_rows) < hidden.shape[0]:   # else every row samples (a decode step): no gather
+        rows = inputs.sample_rows
+        if len(rows) < hidden.shape[0] or rows != list(range(len(rows))):   # else every row in order: no gather
             hidden = hidden.index_select(0, torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device))
         return self.model.compute_logits(hidden)
 
@@ -146,8 +156,35 @@ class ModelRunner:
         logits = self.execute_all_ranks(inputs, layer_done_callback)
         if logits is None:
             return [], [], []
-        requests = [SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids)
+        requests = [SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids, s.grammar)
                     for s in sample_seqs]
         with torch.inference_mode():
+            if inputs.prompt_spans:
+                _add_prompt_logprobs(logits[len(sample_seqs):], inputs.prompt_spans)
+                logits = logits[:len(sample_seqs)]
+            if not sample_seqs:
+                return [], [], []
             tokens, logprobs = self.sampler(logits, requests)
         return sample_seqs, tokens, logprobs
+
+
+PROMPT_LOGPROB_ROWS = 256   # rows per log-softmax: bounds its fp32 copies of [rows, vocab]
+
+
+def _add_prompt_logprobs(logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> None:
+    """Append to each sequence's `prompt_logprobs` the entries of its prompt tokens scored this step (the
+    runner is their one writer): (logprob, top-N) like a sampled token's, N = params.prompt_logprobs."""
+    targets: list[int] = []
+    tops: list[int] = []
+    for seq, first, count in spans:
+        targets.extend(seq.prompt_token_ids[first:first + count])
+        tops.extend([seq.params.prompt_logprobs or 0] * count)
+    entries = []
+    for i in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+        raw = torch.log_softmax(logits[i:i + PROMPT_LOGPROB_ROWS].float(), dim=-1)
+        entries.extend(gather_logprobs(raw, targets[i:i + PROMPT_LOGPROB_ROWS], tops[i:i + PROMPT_LOGPROB_ROWS]))
+    done = 0
+    for seq, _, count in spans:
+        assert seq.prompt_logprobs is not None
+        seq.prompt_logprobs.extend(entries[done:done + count])
+        done += count

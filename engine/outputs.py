@@ -36,6 +36,10 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" once finished
     num_cached_tokens: int = 0
     block_ids: list[int] | None = None   # set when the request was added with hold_blocks=True
+    # params.prompt_logprobs: per prompt token (logprob, [(token id, logprob), ...top-N]), the first None;
+    # on the request's first output and its finished one
+    prompt_logprobs: list | None = None
+    error: str | None = None          # set when it finished "abort" on its own (a structured output's grammar failed)
 
     @property
     def text(self) -> str:

@@ -20,6 +20,9 @@ from pdcluster.engine.shm_collectives import ShmCollectives
 from pdcluster.engine.tp_shards import check_divisible
 
 BACKEND_FOR_DEVICE = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+ALREADY_IN_GROUP = ("tensor parallelism: this process already belongs to a torch.distributed group (another "
+                    "tensor-parallel engine is alive here: shut it down first with LLM.shutdown() / "
+                    "AsyncLLMEngine.shutdown(), or build it in a `with` block)")
 
 
 @dataclass
@@ -98,8 +101,7 @@ def init_group(rank: int, size: int, device: torch.device, store: torch.distribu
     """Join the group (blocks until every rank joined, or `timeout_s`). `shm`: this rank's handle on the
     CPU ranks' shared-memory collectives, which then carry the collectives that fit its slots."""
     if torch.distributed.is_initialized():
-        raise RuntimeError("tensor parallelism: this process already belongs to a torch.distributed group "
-                           "(one tensor-parallel engine per process)")
+        raise RuntimeError(ALREADY_IN_GROUP)
     # All ranks of one engine are on one host: gloo talks over loopback unless told otherwise.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     if device.type == "npu":   # HCCL's own timeouts (CANN env vars; documented ranges [120, 7200] and [68, 17340] s)
@@ -133,6 +135,8 @@ def check_tensor_parallel(config: ModelConfig, tp: int, device: torch.device, we
     """Refuse a tensor-parallel configuration that cannot run, before any process starts."""
     if tp == 1:
         return
+    if torch.distributed.is_initialized():   # before any rank starts (init_group checks again, for the workers)
+        raise RuntimeError(ALREADY_IN_GROUP)
     check_divisible(config, tp)
     backend_for(device.type)
     have = visible_devices(device.type)

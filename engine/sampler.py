@@ -1,4 +1,4 @@
-"""Batched token sampler: penalties, min_tokens masking, temperature, top-k / top-p / min-p, logprobs.
+"""Batched token sampler: penalties, logit_bias, min_tokens masking, temperature, top-k / top-p / min-p, logprobs.
 
 A row is sampled by inverse-CDF: one uniform number u per row picks the token whose cumulative
 probability interval (in token-id order) contains u. For a seeded request u is a pure function of
@@ -15,6 +15,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Any
 
 import torch
 
@@ -37,6 +38,7 @@ class SampleRequest:
     prompt_ids: list[int]
     output_ids: list[int]
     eos_token_ids: list[int] = field(default_factory=list)
+    grammar: Any = None   # structured output (engine/structured_output.Grammar): masks the row's next tokens
 
     @property
     def position(self) -> int:
@@ -46,6 +48,8 @@ class SampleRequest:
         """Token ids that may not be sampled yet because min_tokens is not reached."""
         if len(self.output_ids) >= self.params.min_tokens:
             return []
+        if self.grammar is not None:   # the grammar decides where EOS may come: masking it could leave no token
+            return [t for t in self.params.stop_token_ids if t not in self.eos_token_ids]
         return list(self.eos_token_ids) + list(self.params.stop_token_ids)
 
 
@@ -65,12 +69,18 @@ def _is_greedy(p: SamplingParams) -> bool:
 class Sampler:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)   # for unseeded requests
+        self.bitmask: Any = None   # engine/structured_output.BitmaskBuffer, set by the engine with its first grammar
 
     def __call__(self, logits: torch.Tensor,
                  requests: list[SampleRequest]) -> tuple[list[int], list[Logprobs | None]]:
         if logits.dim() != 2 or logits.shape[0] != len(requests):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(requests)} requests")
+        if self.bitmask is not None and any(r.grammar is not None for r in requests):
+            # Structured output first, as vLLM: what follows (logprobs included) sees the masked distribution.
+            logits = logits.float()
+            self.bitmask.apply(logits, [r.grammar for r in requests])
         plain_greedy = all(_is_greedy(r.params) and not r.params.has_penalties and r.params.logprobs is None
+                           and not r.params.logit_bias
                            and len(r.output_ids) >= r.params.min_tokens for r in requests)
         if plain_greedy:  # max().indices: same first-maximum index as argmax, faster on CPU bf16 (docs/benchmarks.md)
             return logits.max(dim=-1).indices.tolist(), [None] * len(requests)
@@ -87,6 +97,7 @@ class Sampler:
         pen_rows = [i for i, r in enumerate(requests) if r.params.has_penalties]
         if pen_rows:
             apply_penalties(x, pen_rows, [requests[i] for i in pen_rows])
+        _add_logit_bias(x, requests)
         _mask_min_tokens(x, requests)
 
         greedy_rows = [i for i, r in enumerate(requests) if _is_greedy(r.params)]
@@ -105,7 +116,7 @@ class Sampler:
 
         logprobs: list[Logprobs | None] = [None] * len(requests)
         if raw_logprobs is not None:   # some rows asked for logprobs
-            entries = _gather_logprobs(raw_logprobs, [token_list[i] for i in lp_rows], list(lp_tops.values()))
+            entries = gather_logprobs(raw_logprobs, [token_list[i] for i in lp_rows], list(lp_tops.values()))
             for i, entry in zip(lp_rows, entries, strict=True):
                 logprobs[i] = entry
         return token_list, logprobs
@@ -172,6 +183,27 @@ def apply_penalties(x: torch.Tensor, rows: list[int], requests: list[SampleReque
     values = torch.where(values > 0, values / rep, values * rep)
     values = values - freq * count - pres * (count > 0).float()
     x[index] = values
+
+
+def _add_logit_bias(x: torch.Tensor, requests: list[SampleRequest]) -> None:
+    """In place: every request's logit_bias added to its row, for the whole batch in one index_put_ (ids
+    outside the vocabulary are ignored; the engine refuses them at admission)."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    vocab = x.shape[1]
+    for i, r in enumerate(requests):
+        bias = r.params.logit_bias
+        if bias:
+            for t, b in bias.items():
+                if t < vocab:
+                    rows.append(i)
+                    cols.append(t)
+                    values.append(b)
+    if rows:
+        device = x.device
+        x.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                     torch.tensor(values, dtype=x.dtype, device=device), accumulate=True)
 
 
 def _mask_min_tokens(x: torch.Tensor, requests: list[SampleRequest]) -> None:
@@ -256,7 +288,7 @@ def _nucleus_cutoff(values: torch.Tensor, ks: list[int],
     return cutoff, resolved
 
 
-def _gather_logprobs(raw: torch.Tensor, tokens: list[int], tops: list[int]) -> list[Logprobs]:
+def gather_logprobs(raw: torch.Tensor, tokens: list[int], tops: list[int]) -> list[Logprobs]:
     device = raw.device
     sampled = raw.gather(1, torch.tensor(tokens, device=device).unsqueeze(1)).squeeze(1).tolist()
     max_top = max(tops)

@@ -73,14 +73,43 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.waiting_for_kv: dict[str, Sequence] = {}
+        self.waiting_for_grammar: dict[str, Sequence] = {}   # structured output whose grammar still compiles
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        self._queue(seq)
+
+    def _queue(self, seq: Sequence) -> None:
+        """A request with a grammar waits for its compile (`admit_compiled`) before it may be scheduled."""
+        if seq.grammar is not None:
+            seq.move_to(SequenceStatus.WAITING_FOR_GRAMMAR)
+            self.waiting_for_grammar[seq.request_id] = seq
+        else:
+            self.waiting.append(seq)
+
+    def admit_compiled(self) -> list[Sequence]:
+        """Queue the requests whose grammar is compiled (and has accepted their outputs so far); finish, with
+        finish_reason "abort" and `error` set, those whose grammar failed. Returns the failed ones."""
+        failed: list[Sequence] = []
+        for rid, seq in list(self.waiting_for_grammar.items()):
+            if not seq.grammar.ready:
+                continue
+            del self.waiting_for_grammar[rid]
+            try:
+                seq.grammar.matcher_now()
+            except ValueError as exc:
+                seq.error, seq.finish_reason = str(exc), "abort"
+                seq.move_to(SequenceStatus.FINISHED)
+                del self.requests[rid]
+                failed.append(seq)
+                continue
+            seq.move_to(SequenceStatus.WAITING)
+            self.waiting.append(seq)
+        return failed
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.waiting_for_grammar)
 
     # ---- scheduling -----------------------------------------------------------------------------
 
@@ -108,7 +137,7 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            hits = bm.match_prefix(seq)
+            hits = [] if seq.needs_prompt_logprobs else bm.match_prefix(seq)   # every prompt position's logits
             num_cached = len(hits) * self.block_size
             remaining = seq.num_tokens - num_cached
             n = min(remaining, budget)
@@ -236,7 +265,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.move_to(SequenceStatus.WAITING)
-        self.waiting.append(seq)
+        self._queue(seq)
 
     def _waiting_for_kv(self, request_id: str) -> Sequence:
         seq = self.waiting_for_kv.get(request_id)
@@ -262,6 +291,8 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
             del self.waiting_for_kv[request_id]
+        elif seq.status is SequenceStatus.WAITING_FOR_GRAMMAR:
+            del self.waiting_for_grammar[request_id]
         self.block_manager.free(seq)
         if seq.status is not SequenceStatus.FINISHED:
             seq.move_to(SequenceStatus.FINISHED)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from pdcluster.control.block_hash import chain_hash
 from pdcluster.control.lifecycle import check_move
@@ -13,6 +14,7 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"   # blocks held; another node writes the prompt's KV
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"       # structured output: its grammar compiles (no blocks yet)
     FINISHED = "finished"
 
 
@@ -21,8 +23,11 @@ class SequenceStatus(enum.Enum):
 #      ▲                     │
 #      └────preempted────────┘
 #   new, remote_kv ──► WAITING_FOR_REMOTE_KV ──landed──► RUNNING;  ──failed──► WAITING;  ──aborted──► FINISHED
+#   new, structured output ──► WAITING_FOR_GRAMMAR ──compiled──► WAITING;  ──compile failed / aborted──► FINISHED
 _NEXT = {
-    SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_REMOTE_KV, SequenceStatus.FINISHED},
+    SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_REMOTE_KV,
+                             SequenceStatus.WAITING_FOR_GRAMMAR, SequenceStatus.FINISHED},
+    SequenceStatus.WAITING_FOR_GRAMMAR: {SequenceStatus.WAITING, SequenceStatus.FINISHED},
     SequenceStatus.RUNNING: {SequenceStatus.WAITING, SequenceStatus.FINISHED},
     SequenceStatus.WAITING_FOR_REMOTE_KV: {SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED},
     SequenceStatus.FINISHED: set(),
@@ -43,6 +48,9 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)     # prompt + outputs
         self.output_logprobs: list = []
         self.cumulative_logprob = 0.0               # sum of the sampled tokens' logprobs (when logprobs are asked)
+        # params.prompt_logprobs: per prompt token (the first has none: None), filled by the model runner as
+        # the prompt's chunks are computed; the one writer, on the engine thread
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_computed_tokens = 0                # tokens whose KV is in the cache
@@ -53,6 +61,9 @@ class Sequence:
         self._block_hashes: list[int] = []          # stable hashes of the full blocks of token_ids, grown lazily
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
+        # structured output (engine/structured_output.Grammar): accepts every output token; None without one
+        self.grammar: Any = None
+        self.error: str | None = None               # why it finished with "abort" without being aborted
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +72,11 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked and not all computed: the prompt must be run, not read from the prefix cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def move_to(self, status: SequenceStatus) -> None:
         """Change the status along one of the moves of `_NEXT`; any other move is a bug and raises."""
@@ -84,6 +100,8 @@ class Sequence:
     def append_token(self, token: int, logprob=None) -> None:
         self.output_token_ids.append(token)
         self.token_ids.append(token)
+        if self.grammar is not None:
+            self.grammar.accept(token)
         if self.params.logprobs is not None:
             self.output_logprobs.append(logprob)
             if logprob is not None:
@@ -93,6 +111,9 @@ class Sequence:
     def _check_stop(self, token: int) -> None:
         p = self.params
         n_out = len(self.output_token_ids)
+        if self.grammar is not None and self.grammar.terminated:   # it accepted EOS where the grammar may end
+            self.finish_reason = "stop"
+            return
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 self.finish_reason = "stop"

@@ -13,6 +13,7 @@ class EngineStats:
     num_running: int = 0
     num_waiting: int = 0
     num_waiting_for_kv: int = 0
+    num_waiting_for_grammar: int = 0     # structured-output requests whose grammar still compiles
     num_preemptions: int = 0
     prefix_cache_hit_tokens: int = 0
     prefix_cache_query_tokens: int = 0

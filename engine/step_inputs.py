@@ -3,7 +3,8 @@ tensor-parallel ranks: a msgpack map holding the raw bytes of a few int tensors 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import torch
@@ -17,6 +18,9 @@ class StepInputs:
     positions: torch.Tensor    # [T] long
     meta: AttentionMetadata
     sample_rows: list[int]     # rows of the flattened batch whose logits are computed
+    # Rank 0 only, not on the wire: after the sampled rows, sample_rows holds prompt rows whose logits give
+    # prompt logprobs; per sequence (sequence, index of its first prompt token scored, count), in row order.
+    prompt_spans: list[tuple[Any, int, int]] = field(default_factory=list)
 
     def to(self, device: torch.device) -> "StepInputs":
         if device.type == "cpu":

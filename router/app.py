@@ -17,16 +17,18 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry
 
 from pdcluster.control.metrics import CONTENT_TYPE_LATEST, render
-from pdcluster.router import responses
+from pdcluster.router import chat_output, responses, responses_api, utility
 from pdcluster.router.auth import check_auth, has_key
 from pdcluster.router.cluster import NodeSource
-from pdcluster.router.decode_client import NoCapacity, StreamFailed
+from pdcluster.router.decode_client import InvalidRequest, NoCapacity, StreamFailed
 from pdcluster.router.errors import APIError, error_body, install_error_handlers
 from pdcluster.router.generation import ChoiceRun, TokenLogprob, merge
 from pdcluster.router.membership import RouterMembership
 from pdcluster.router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     openapi_components,
     parse_body,
     request_body,
@@ -38,6 +40,7 @@ from pdcluster.router.validation import (
     chat_prompt,
     check_request,
     completion_prompt,
+    echo_text,
     has_text,
     prepare,
 )
@@ -81,6 +84,12 @@ class RouterAPI:
                           openapi_extra=request_body("CompletionRequest"))
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"],
                           openapi_extra=request_body("ChatCompletionRequest"))
+        app.add_api_route("/v1/responses", self.responses, methods=["POST"],
+                          openapi_extra=request_body("ResponsesRequest"))
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"], openapi_extra=request_body("TokenizeRequest"))
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"],
+                          openapi_extra=request_body("DetokenizeRequest"))
+        app.add_api_route("/version", utility.version, methods=["GET"])
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -143,8 +152,9 @@ class RouterAPI:
             prompt_ids = await router.off_loop(completion_prompt, model, req)
         else:   # token ids: no tokenizer to run, and a hop through the pool costs more than the check
             prompt_ids = completion_prompt(model, req)
+        echo = await router.off_loop(echo_text, model, req, prompt_ids) if req.echo else None   # may decode ids
         prep = prepare(self.settings, model, req, prompt_ids, router.context_limit(model), req.max_tokens,
-                       req.logprobs, "prompt")
+                       req.logprobs, "prompt", echo)
         return await self.serve(request, prep, chat=False, want_logprobs=req.logprobs is not None)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -158,7 +168,37 @@ class RouterAPI:
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prep = prepare(self.settings, model, req, prompt_ids, router.context_limit(model), max_tokens, logprobs,
                        "messages")
+        chat_output.attach(self.settings, prep, req)
         return await self.serve(request, prep, chat=True, want_logprobs=req.logprobs)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API, served by the chat path (responses_api.py)."""
+        check_auth(self.settings, request)
+        body: responses_api.ResponsesRequest = await parse_body(request, responses_api.ResponsesRequest,
+                                                                self.settings.max_body_bytes)
+        req = responses_api.to_chat(body)
+        router = self.router
+        model = router.model(req.model)
+        check_request(self.settings, req)
+        prompt_ids = await router.off_loop(chat_prompt, model, req)
+        prep = prepare(self.settings, model, req, prompt_ids, router.context_limit(model),
+                       req.max_completion_tokens, None, "input")
+        chat_output.attach(self.settings, prep, req)
+        writer = responses_api.ResponseWriter(body, model.name,
+                                              chat_output.ChatOutput(prep.chat) if prep.chat else None)
+        return await self.serve(request, prep, chat=True, want_logprobs=False, writer=writer)
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        check_auth(self.settings, request)
+        body: TokenizeRequest = await parse_body(request, TokenizeRequest, self.settings.max_body_bytes)
+        model = self.router.model(body.model or next(iter(self.router.models)))
+        return await self.router.off_loop(utility.tokenize, model, body, self.router.context_limit(model))
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        check_auth(self.settings, request)
+        body: DetokenizeRequest = await parse_body(request, DetokenizeRequest, self.settings.max_body_bytes)
+        model = self.router.model(body.model or next(iter(self.router.models)))
+        return await self.router.off_loop(utility.detokenize, model, body)
 
     def admit(self) -> None:
         """Count a request in flight, or refuse it: 503 while draining, 429 at `max_in_flight`."""
@@ -167,7 +207,9 @@ class RouterAPI:
             raise APIError(503, f"router {self.settings.node_id} is draining", retry_after=self.settings.retry_after)
         self.router.admit()
 
-    async def serve(self, request: Request, prep: Prepared, chat: bool, want_logprobs: bool) -> Response:
+    async def serve(self, request: Request, prep: Prepared, chat: bool, want_logprobs: bool,
+                    writer: responses_api.ResponseWriter | None = None) -> Response:
+        """`writer`: answer in the Responses API's shape, not chat's."""
         router = self.router
         self.admit()
         arrival = time.monotonic()
@@ -183,8 +225,10 @@ class RouterAPI:
                         run.stream.abort("client")
                     router.release()
 
-                return responses.SSEResponse(self.stream_body(prep, runs, chat, want_logprobs, arrival), cleanup)
-            return await self.whole_body(request, prep, runs, chat, want_logprobs, arrival)
+                body = (self.response_events(prep, runs, arrival, writer) if writer is not None
+                        else self.stream_body(prep, runs, chat, want_logprobs, arrival))
+                return responses.SSEResponse(body, cleanup)
+            return await self.whole_body(request, prep, runs, chat, want_logprobs, arrival, writer)
         except ClientGone:   # it left waiting for a decode node, for the first tokens or for the whole body
             router.metrics.requests.labels("client_disconnected").inc()
             return Response(status_code=499)
@@ -193,15 +237,19 @@ class RouterAPI:
                 router.release()
 
     async def whole_body(self, request: Request, prep: Prepared, runs: list[ChoiceRun], chat: bool,
-                         want_logprobs: bool, arrival: float) -> Response:
+                         want_logprobs: bool, arrival: float,
+                         writer: responses_api.ResponseWriter | None = None) -> Response:
         texts = [""] * len(runs)
         logprobs: list[list[TokenLogprob]] = [[] for _ in runs]
+        prompt_logprobs: list[list[TokenLogprob]] = [[] for _ in runs]
         finish: list[str | None] = [None] * len(runs)
 
         async def collect() -> None:
             async for delta in merge(runs):
                 texts[delta.index] += delta.text
                 logprobs[delta.index].extend(delta.logprobs)
+                if delta.prompt_logprobs is not None:
+                    prompt_logprobs[delta.index] = delta.prompt_logprobs
                 if delta.finish_reason:
                     finish[delta.index] = delta.finish_reason
 
@@ -211,9 +259,15 @@ class RouterAPI:
         except (NoCapacity, StreamFailed) as exc:
             metrics.requests.labels("failed").inc()
             raise APIError(503, f"generation failed: {exc}", retry_after=self.settings.retry_after) from None
+        except InvalidRequest as exc:
+            metrics.requests.labels("invalid").inc()
+            raise APIError(400, str(exc), code="invalid_request") from None
         usage = self.router.count_tokens(prep, runs, arrival)
         metrics.requests.labels("ok").inc()
-        return JSONResponse(responses.full_body(prep, chat, want_logprobs, texts, logprobs, finish, usage))
+        if writer is not None:
+            return JSONResponse(writer.body(texts[0], finish[0], usage))
+        return JSONResponse(responses.full_body(prep, chat, want_logprobs, texts, logprobs, finish, usage,
+                                                prompt_logprobs))
 
     async def stream_body(self, prep: Prepared, runs: list[ChoiceRun], chat: bool, want_logprobs: bool,
                           arrival: float) -> AsyncIterator[bytes]:
@@ -230,10 +284,31 @@ class RouterAPI:
                 yield responses.sse(error_body(503, f"generation failed: {exc}"))
                 yield responses.DONE
                 return
+            except InvalidRequest as exc:   # headers are sent: the 400 goes in the stream
+                outcome = "invalid"
+                yield responses.sse(error_body(400, str(exc), code="invalid_request"))
+                yield responses.DONE
+                return
             usage = self.router.count_tokens(prep, runs, arrival)
             if prep.include_usage:
                 yield out.usage(usage)
             yield responses.DONE
+            outcome = "ok"
+        finally:
+            self.router.metrics.requests.labels(outcome).inc()
+
+
+    async def response_events(self, prep: Prepared, runs: list[ChoiceRun], arrival: float,
+                              writer: responses_api.ResponseWriter) -> AsyncIterator[bytes]:
+        outcome = "client_disconnected"
+        try:
+            try:
+                async for chunk in writer.events(merge(runs), lambda: self.router.count_tokens(prep, runs, arrival)):
+                    yield chunk
+            except (NoCapacity, StreamFailed, InvalidRequest) as exc:
+                outcome = "failed" if not isinstance(exc, InvalidRequest) else "invalid"
+                yield writer.failed(f"generation failed: {exc}")
+                return
             outcome = "ok"
         finally:
             self.router.metrics.requests.labels(outcome).inc()

@@ -51,6 +51,11 @@ class StreamFailed(Exception):
     """The request could not be completed (deadline, migrations exhausted)."""
 
 
+class InvalidRequest(Exception):
+    """The decode node found the request itself invalid (finish "invalid": a grammar its engine's compiler
+    refused): a client error, answered with a 400 and tried nowhere else."""
+
+
 class Mailbox:
     """One attempt's incoming messages: a deque and at most one waiting reader. Cheaper than an
     `asyncio.Queue` read under `wait_for` (a task per read), which the per-token path cannot afford; a
@@ -167,8 +172,9 @@ class DecodeClient:
             await asyncio.sleep(min(POLL_INTERVAL, left))
 
     def place(self, token_ids: list[int], max_tokens: int, exclude: set[str],
-              model: str | None = None) -> tuple[NodeState, NodeState | None]:
-        """(decode node, prefill node or None) of `model` (None: any) for a request, or NoCapacity."""
+              model: str | None = None, remote_prefill: bool = True) -> tuple[NodeState, NodeState | None]:
+        """(decode node, prefill node or None) of `model` (None: any) for a request, or NoCapacity.
+        `remote_prefill` False: the decode node prefills it (prompt logprobs are computed where the prompt runs)."""
         decode_nodes = self.cluster.candidates("decode", exclude, model, len(token_ids) + max_tokens)
         decode = self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens)
         if decode is None:
@@ -177,7 +183,7 @@ class DecodeClient:
         prompt = Prompt(token_ids)
         prefill = choose_prefill(self.policy, self.cluster.candidates("prefill", model=model,
                                                                       num_tokens=len(token_ids) + 1), prompt,
-                                 self.settings.disagg_min_tokens)
+                                 self.settings.disagg_min_tokens) if remote_prefill else None
         note_assignment(decode, prefill, len(token_ids))
         return decode, prefill
 
@@ -194,6 +200,7 @@ class RequestStream:
         self.output_ids: list[int] = []
         self.finished = False
         self.prefill_path = ""
+        self.prompt_logprobs: list[Any] | None = None   # wire entries, from the first attempt that sent them
         self._attempt = 0
         self._rejected: set[str] = set()
         self._failed: set[str] = set()
@@ -238,6 +245,11 @@ class RequestStream:
                     raise NoCapacity(f"rejected by {len(self._rejected)} decode node(s): {msg.reason}",
                                      self._retry_after or self.client.settings.retry_after, overloaded=True)
                 continue
+            if msg is not None and msg.finish == "invalid":
+                self._count(node_id, "ok")   # the node is fine; the request is not
+                self.finished = True
+                self._detach(send_abort=False)
+                raise InvalidRequest(msg.error or "invalid request")
             if msg is None or msg.finish in ("abort", "error"):
                 reason = "stalled or left the cluster" if msg is None else f"ended it with {msg.finish}: {msg.error}"
                 self._migrate(reason)
@@ -259,6 +271,8 @@ class RequestStream:
         self._attempt_ids += len(msg.ids)
         self.client.tokens_received += len(msg.ids)
         self.output_ids.extend(msg.ids)
+        if msg.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = msg.prompt_logprobs[:len(self.prompt_ids)]
         self._last_message = time.monotonic()
         if msg.finish is not None:
             self._count(self._node_id, "ok")
@@ -277,7 +291,8 @@ class RequestStream:
             if isinstance(more, Progress):
                 queue.get_nowait()
                 continue
-            if not isinstance(more, Tokens) or more.finish in ("abort", "error") or 0 <= more.pos != self._attempt_ids:
+            if not isinstance(more, Tokens) or more.finish in ("abort", "error", "invalid") \
+                    or 0 <= more.pos != self._attempt_ids:
                 break
             queue.get_nowait()
             self._accept(more)
@@ -299,7 +314,7 @@ class RequestStream:
         max_tokens = self.sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
         try:
             decode, prefill = self.client.place(self.prompt_ids + self.output_ids, max_tokens - len(self.output_ids),
-                                                exclude, self.model)
+                                                exclude, self.model, self.sampling.get("prompt_logprobs") is None)
         except NoCapacity as exc:
             if self._rejected:
                 raise NoCapacity(f"all decode nodes rejected the request ({len(self._rejected)} tried)",

@@ -17,7 +17,7 @@ from pdcluster.router.tokenizer import Tokenizer
 @dataclass
 class TokenLogprob:
     token_id: int
-    logprob: float
+    logprob: float | None   # None: the prompt's first token (nothing before it to score it)
     top: list[tuple[int, float]]
 
 
@@ -27,12 +27,26 @@ class ChoiceDelta:
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None   # vLLM's prompt_logprobs, on a choice's first delta
+
+
+@dataclass
+class Echo:
+    """Completions' echo: the prompt text that leads a choice, with its tokens' logprobs (`logprobs`: top-N)
+    when logprobs are asked; `only` (max_tokens 0): nothing generated is shown."""
+
+    text: str
+    logprobs: int | None
+    only: bool
 
 
 class ChoiceRun:
     def __init__(self, index: int, stream: RequestStream, tokenizer: Tokenizer, stop: list[str],
-                 skip_special_tokens: bool, metrics: RouterMetrics, arrival: float) -> None:
+                 skip_special_tokens: bool, metrics: RouterMetrics, arrival: float, echo: Echo | None = None,
+                 prompt_logprobs: int | None = None) -> None:
         self.index = index
+        self.echo = echo
+        self.prompt_logprobs = prompt_logprobs   # top-N of the choice's `prompt_logprobs` (None: not asked)
         self.stream = stream
         self.detokenizer = IncrementalDetokenizer(tokenizer, stream.prompt_ids, skip_special_tokens)
         self.stop = StopMatcher(stop)
@@ -44,8 +58,17 @@ class ChoiceRun:
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Text deltas until the choice finishes; the last one carries finish_reason."""
         last = time.monotonic()
+        first = True
         while True:
             msg = await self.stream.next()
+            if first:
+                first = False
+                head = self._head()
+                if head is not None:
+                    yield head
+                    if head.finish_reason is not None:
+                        self.stream.abort("client")   # a no-op: max_tokens was 1, it finished on this message
+                        return
             now = time.monotonic()
             if msg.ids:
                 if not self.first_token_time:
@@ -70,6 +93,21 @@ class ChoiceRun:
             if emit or logprobs:
                 yield ChoiceDelta(self.index, emit, logprobs)
 
+    def _head(self) -> ChoiceDelta | None:
+        """The delta before the generated text: the echoed prompt and the prompt logprobs, once the first
+        message brought them (the engines send them with the request's first tokens)."""
+        if self.echo is None and self.prompt_logprobs is None:
+            return None
+        entries = prompt_entries(self.stream.prompt_ids, self.stream.prompt_logprobs)
+        head = ChoiceDelta(self.index, "")
+        if self.prompt_logprobs is not None:
+            head.prompt_logprobs = _top(entries, self.prompt_logprobs)
+        if self.echo is not None:
+            head.text = self.echo.text
+            head.logprobs = _top(entries, self.echo.logprobs) if self.echo.logprobs is not None else []
+            head.finish_reason = "length" if self.echo.only else None
+        return head
+
     def observe_end(self) -> None:
         if self.first_token_time and self.num_tokens > 1:
             self.metrics.tpot.observe((time.monotonic() - self.first_token_time) / (self.num_tokens - 1))
@@ -88,6 +126,24 @@ def _parse_logprobs(ids: list[int], raw: list[Any] | None) -> list[TokenLogprob]
         logprob, top = parsed if parsed is not None else (float("nan"), [])
         out.append(TokenLogprob(token_id, logprob, top))
     return out
+
+
+def prompt_entries(prompt_ids: list[int], raw: list[Any] | None) -> list[TokenLogprob]:
+    """Per prompt token its logprob from the wire entries: None for the first, and where an entry is missing
+    or malformed (an engine that sent none) — null in the response, never a NaN the JSON could not hold."""
+    raw = raw or []
+    out = []
+    for j, token_id in enumerate(prompt_ids):
+        try:
+            parsed = logprob_from_wire(raw[j]) if 0 < j < len(raw) else None
+        except (TypeError, ValueError, IndexError):
+            parsed = None
+        out.append(TokenLogprob(token_id, *parsed) if parsed is not None else TokenLogprob(token_id, None, []))
+    return out
+
+
+def _top(entries: list[TokenLogprob], n: int) -> list[TokenLogprob]:
+    return [TokenLogprob(e.token_id, e.logprob, e.top[:n]) for e in entries]
 
 
 async def merge(runs: list[ChoiceRun]) -> AsyncIterator[ChoiceDelta]:

@@ -6,6 +6,7 @@ Types are checked strictly (no "5" for 5, no true for 1); value ranges are check
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from fastapi import Request
@@ -42,13 +43,20 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    logit_bias: dict[str, Any] | None = None  # declared so that a non-empty one is refused, not ignored
+    logit_bias: dict[str, Any] | None = None  # token id (a string) -> bias in [-100, 100]
+    # structured output (router/structured_output.py): at most one of these
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The vLLM-named sampling fields the client set (None = engine default)."""
         names = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
                  "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos",
-                 "min_tokens", "skip_special_tokens")
+                 "min_tokens", "skip_special_tokens", "logit_bias")
         return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
 
 
@@ -58,6 +66,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None   # vLLM: per prompt token its logprob and the top-N, in each choice
 
 
 class TextPart(_Body):
@@ -74,7 +83,42 @@ class ChatMessage(_Body):
         d = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             d["content"] = "".join(part.text for part in self.content)
+        if isinstance(d.get("tool_calls"), list):   # an assistant's calls coming back: arguments as a dict
+            d["tool_calls"] = [arguments_as_dict(call) for call in d["tool_calls"]]
         return d
+
+
+def arguments_as_dict(call: Any) -> Any:
+    """A tool call as chat templates read it (transformers, vLLM): `function.arguments` parsed to a dict."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}} if isinstance(arguments, dict) else call
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema (None: no parameters)
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -83,15 +127,42 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # None: auto with tools
+    parallel_tool_calls: bool = True
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: either `prompt` (text) or `messages` (rendered by the chat template, as chat does)."""
+
+    model: str | None = None   # None: the router's first served model
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool = True          # prompt only: BOS etc. from the tokenizer's post-processor
+    add_generation_prompt: bool = True       # messages only
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def openapi_components(served: list[str]) -> dict[str, Any]:
     """OpenAPI component schemas of the request bodies, `model` limited to the `served` names."""
     out: dict[str, Any] = {}
-    for body in (CompletionRequest, ChatCompletionRequest):
+    from pdcluster.router.responses_api import ResponsesRequest  # (it builds on the chat request above)
+
+    for body in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest, ResponsesRequest):
         schema = body.model_json_schema(ref_template="#/components/schemas/{model}")
         out.update(schema.pop("$defs", {}))
-        schema["properties"]["model"]["enum"] = list(served)
+        model = schema["properties"]["model"]
+        if "anyOf" in model:   # optional: a served name or null
+            model["anyOf"] = [{"type": "string", "enum": list(served)}, {"type": "null"}]
+        else:
+            model["enum"] = list(served)
         out[body.__name__] = schema
     return out
 

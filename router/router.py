@@ -14,9 +14,9 @@ from prometheus_client import CollectorRegistry
 from pdcluster.control.keys import ClusterKeys
 from pdcluster.control.metrics import DroppedFramesCollector
 from pdcluster.router.cluster import NodeSource, RouterCluster
-from pdcluster.router.decode_client import DecodeClient, NoCapacity, RequestStream, StreamFailed
+from pdcluster.router.decode_client import DecodeClient, InvalidRequest, NoCapacity, RequestStream, StreamFailed
 from pdcluster.router.errors import APIError, model_not_found
-from pdcluster.router.generation import ChoiceRun
+from pdcluster.router.generation import ChoiceRun, Echo
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policies import RoutingPolicy, make_policy
 from pdcluster.router.settings import RouterSettings
@@ -132,14 +132,20 @@ class Router:
         if isinstance(failure, StreamFailed):
             self.metrics.requests.labels("failed").inc()
             raise APIError(503, str(failure), retry_after=self.settings.retry_after)
+        if isinstance(failure, InvalidRequest):
+            self.metrics.requests.labels("invalid").inc()
+            raise APIError(400, str(failure), code="invalid_request")
         raise failure
 
     def runs(self, prep: Prepared, streams: list[RequestStream], arrival: float) -> list[ChoiceRun]:
-        return [ChoiceRun(i, s, prep.model.tokenizer, prep.stop, prep.skip_special_tokens, self.metrics, arrival)
-                for i, s in enumerate(streams)]
+        echo = None
+        if prep.echo is not None:
+            echo = Echo(prep.echo, prep.sampling[0]["logprobs"], prep.echo_only)
+        return [ChoiceRun(i, s, prep.model.tokenizer, prep.stop, prep.skip_special_tokens, self.metrics, arrival,
+                          echo, prep.prompt_logprobs) for i, s in enumerate(streams)]
 
     def count_tokens(self, prep: Prepared, runs: list[ChoiceRun], arrival: float) -> dict[str, int]:
-        completion = sum(len(r.stream.output_ids) for r in runs)
+        completion = 0 if prep.echo_only else sum(len(r.stream.output_ids) for r in runs)
         self.metrics.prompt_tokens.inc(len(prep.prompt_ids))
         self.metrics.generation_tokens.inc(completion)
         self.metrics.e2e.observe(time.monotonic() - arrival)

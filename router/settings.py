@@ -14,6 +14,8 @@ from typing import Any
 
 from pdcluster.control.config import CommonConfig, check_port, knob, parse_bytes
 from pdcluster.control.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+from pdcluster.router.reasoning import REASONING_PARSERS
+from pdcluster.router.tool_parsers import TOOL_CALL_PARSERS
 
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware")  # = router.policies.POLICIES (tested)
 
@@ -52,6 +54,13 @@ class RouterSettings:
     max_stop_strings: int = knob(16, f"most stop strings per request (engines refuse > {MAX_STOP_STRINGS})")
     max_stop_chars: int = knob(256, f"longest stop string (engines refuse > {MAX_STOP_STRING_CHARS})")
     max_stop_token_ids: int = knob(64, f"most stop_token_ids per request (engines refuse > {MAX_STOP_TOKEN_IDS})")
+    tool_call_parser: list[str] = knob(help="how tool calls are read from each model's output (tool_choice "
+                                            "auto): hermes, llama3_json or mistral for every model, or "
+                                            "name=parser per served model (comma-separated); unset: auto is "
+                                            "refused", factory=list)
+    reasoning_parser: list[str] = knob(help="how each model's <think> part becomes reasoning_content: "
+                                            "deepseek_r1 or qwen3 for every model, or name=parser per served "
+                                            "model (comma-separated); unset: no split", factory=list)
     tokenizer_threads: int = knob(4, "threads that tokenize and render chat templates off the event loop")
     keep_alive_timeout: float = knob(75.0, "seconds an idle client connection is kept open; longer than clients' "
                                            "and load balancers' idle expiry (httpx/openai: 5 s), or a reused "
@@ -77,6 +86,14 @@ class RouterSettings:
             out.append((name, path) if sep and name and "/" not in name else (_dir_name(entry), entry))
         return out
 
+    def model_parser(self, knob: str, model: str) -> str:
+        """`tool_call_parser` / `reasoning_parser` of the served `model` ("" = none): its name=parser entry,
+        else a bare entry (every model's)."""
+        entries: list[str] = getattr(self, knob)
+        named = dict(e.partition("=")[::2] for e in entries if "=" in e)
+        bare = [e for e in entries if "=" not in e]
+        return named.get(model, bare[0] if bare else "")
+
     @cached_property
     def accepted_keys(self) -> tuple[str, ...]:
         """`api_key` and the keys of `api_key_file` (read once; restart the router to apply a changed file).
@@ -101,6 +118,11 @@ class RouterSettings:
                           ("max_stop_token_ids", MAX_STOP_TOKEN_IDS)):
             if not 0 <= getattr(self, name) <= cap:
                 raise ValueError(f"{name}: must be in [0, {cap}] (the engines' limit), got {getattr(self, name)}")
+        for name, known in (("tool_call_parser", TOOL_CALL_PARSERS), ("reasoning_parser", REASONING_PARSERS)):
+            for entry in getattr(self, name):
+                parser = entry.partition("=")[2] if "=" in entry else entry
+                if parser not in known:
+                    raise ValueError(f"{name}: unknown parser {parser!r} in {entry!r} (one of {', '.join(known)})")
         for name in ("max_body_bytes", "tokenizer_threads", "workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")

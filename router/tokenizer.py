@@ -98,8 +98,8 @@ class Tokenizer:
             raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
         if self._template is None:
             self._template = _compile_chat_template(self.chat_template)
-        text = self._template.render(messages=messages, add_generation_prompt=True,
-                                     **{**self.special_tokens, **kwargs})
+        text = self._template.render(messages=messages,
+                                     **{"add_generation_prompt": True, **self.special_tokens, **kwargs})
         # The template already holds BOS etc.; do not add special tokens twice.
         return self.tk.encode(text, add_special_tokens=False).ids
 

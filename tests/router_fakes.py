@@ -221,3 +221,15 @@ def wait_until(predicate, timeout: float = 5.0, interval: float = 0.02) -> bool:
             return True
         time.sleep(interval)
     return predicate()
+
+
+# Tool-calling fixtures shared by test_tool_calls.py and test_responses_api.py: two Hermes-style calls, and a chat
+# template that renders tools, the assistant's calls and the tools' answers and opens <think> (qwen3 style).
+HERMES = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+TEMPLATE = ("{% if tools %}<s>tools: {% for t in tools %}"
+            "{{ t.function.name }} {{ t.function.parameters | default({}) | tojson }};{% endfor %}\n{% endif %}"
+            "{% for m in messages %}<s>{{ m.role }}: {{ m.content or '' }}"
+            "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} city={{ c.function.arguments.city }}"
+            "</call>{% endfor %}{% if m.tool_call_id %} ({{ m.tool_call_id }}){% endif %}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:<think>\n{% endif %}")

@@ -20,14 +20,14 @@ SCRIPT_TEXT = "The quick brown fox jumps over the lazy dog."
 
 
 class Env:
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, **settings: object) -> None:
         self.tokenizer = Tokenizer(model_dir)
         self.script = self.tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False) + [self.tokenizer.eos_token_id]
         self.source = StaticNodeSource()
         settings = RouterSettings(model=model_dir, served_model_name="tiny", routing_policy="least_loaded",
                                   stall_timeout=1.0, request_timeout=30.0, retry_after=2.0, max_retries=3,
                                   node_id="router-test", disagg_min_tokens=64, max_body_bytes=BODY_LIMIT,
-                                  queue_timeout=QUEUE_TIMEOUT)
+                                  queue_timeout=QUEUE_TIMEOUT, **settings)  # type: ignore[arg-type]
         self.app = create_app(settings, self.source)
         self.server = ServerThread(self.app).start()
         self.http = httpx.Client(base_url=self.server.url, timeout=30)

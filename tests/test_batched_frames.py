@@ -42,7 +42,7 @@ def test_step_tokens_numbers_positions_and_sends_a_held_backlog_first() -> None:
     req = DecodeRequest(rid="r.1", owner=b"r", prompt_ids=[1, 2, 3], params=SamplingParams(), deadline=0.0,
                         prefill_node="", state=State.ENGINE)
     out = SimpleNamespace(new_token_ids=[10], logprobs=[(-0.1, [(10, -0.1)])], finished=False, finish_reason=None,
-                          num_cached_tokens=2)
+                          num_cached_tokens=2, prompt_logprobs=None)
     first = req.tokens(out)
     assert (first.ids, first.pos, first.num_prompt_tokens, first.num_cached_tokens) == ([10], 0, 3, 2)
     assert first.logprobs == [[-0.1, [[10, -0.1]]]]

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_decode_cases import needs_compiler
+from paged_decode_cases import dense_causal, needs_compiler, prefill_case
 
 from pdcluster.engine.attention import native
 from pdcluster.engine.attention.cpu_backend import CpuAttentionBackend
 from pdcluster.engine.attention.metadata import PrefillChunk
 from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
-from pdcluster.engine.kv_cache import dequantize_rows, quantize_rows
 
 
 def _has_avx512() -> bool:
@@ -23,44 +22,6 @@ def _has_avx512() -> bool:
 
 
 needs_kernel = pytest.mark.skipif(not _has_avx512(), reason="the prefill kernel has an AVX-512 path only")
-
-
-def prefill_case(dtype, cached, n, hq, hkv, d, bs, seed=0, int8=False):
-    """A pool whose blocks (scattered, strided: 2 layers) hold `cached + n` positions of K/V; q for the last n."""
-    g = torch.Generator().manual_seed(seed)
-    total = cached + n
-    nblocks = -(-total // bs)
-    pool_blocks = nblocks + 4
-    row = d + 2 if int8 else d
-    pool = torch.zeros(pool_blocks, 2, 2, bs, hkv, row, dtype=torch.int8 if int8 else dtype)
-    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
-    table = torch.randperm(pool_blocks, generator=g)[:nblocks].to(torch.int32)
-    k = torch.randn(total, hkv, d, generator=g).to(dtype)
-    v = torch.randn(total, hkv, d, generator=g).to(dtype)
-    if int8:
-        k, v = quantize_rows(k), quantize_rows(v)
-    for p in range(total):
-        k_cache[table[p // bs], p % bs] = k[p]
-        v_cache[table[p // bs], p % bs] = v[p]
-    if int8:
-        k, v = dequantize_rows(k, dtype), dequantize_rows(v, dtype)
-    q = torch.randn(n, hq + hkv, d, generator=g).to(dtype)[:, :hq]   # strided rows, as the layer's q
-    return q, k, v, k_cache, v_cache, table
-
-
-def dense_causal(q, k, v, cached, window=0):
-    """fp32 attention of rows at positions cached.. over keys 0..: causal, and within `window` if > 0."""
-    n, hq, _ = q.shape
-    g = hq // k.shape[1]
-    pos_q = torch.arange(cached, cached + n)[:, None]
-    pos_k = torch.arange(k.shape[0])[None, :]
-    visible = pos_k <= pos_q
-    if window:
-        visible &= pos_k > pos_q - window
-    kk = k.float().repeat_interleave(g, 1).transpose(0, 1)
-    vv = v.float().repeat_interleave(g, 1).transpose(0, 1)
-    return torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), kk, vv,
-                                                            attn_mask=visible).transpose(0, 1)
 
 
 def _tolerance(dtype, ref):

@@ -115,7 +115,8 @@ def test_prefill_job_answered_aborted_and_queued_follow_the_state():
 
 def output(ids: list[int], finished: bool = False, logprobs=None, num_cached_tokens: int = 0):
     return SimpleNamespace(new_token_ids=ids, logprobs=logprobs, finished=finished,
-                           finish_reason="length" if finished else None, num_cached_tokens=num_cached_tokens)
+                           finish_reason="length" if finished else None, num_cached_tokens=num_cached_tokens,
+                           prompt_logprobs=None)
 
 
 def test_the_first_tokens_carry_the_prompt_fields_and_positions_count_up():

@@ -181,7 +181,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop": "x" * 257}, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [5] * 65}, "stop_token_ids"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "stop_token_ids": [2 ** 64]}, "stop_token_ids"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "seed": 2 ** 64}, "seed"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": 10 ** 30}, "top_k"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 10 ** 30}, "max_tokens"),

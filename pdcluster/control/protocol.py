@@ -64,11 +64,13 @@ class Tokens(Message):
     ids: list[int]
     # per new token: [sampled_logprob, [[token_id, logprob], ...top-N]] or None when not requested
     logprobs: list[Any] | None = None
-    finish: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish: str | None = None  # "stop" | "length" | "abort" | "error" | "invalid" (the request: 400, no retry)
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prefill_path: str = ""  # "remote:<prefill node id>" | "local" (set on the first Tokens of a request)
+    # sampling prompt_logprobs (first Tokens of a request): per prompt token a logprob entry, the first None
+    prompt_logprobs: list[Any] | None = None
     # Index of ids[0] in this attempt's output (-1: not given). A gap (messages lost in a reconnect) is
     # seen by the router, which then migrates the request instead of streaming a hole.
     pos: int = -1
@@ -78,6 +80,9 @@ class Tokens(Message):
             raise ProtocolError(f"tokens.pos: must be >= -1, got {self.pos}")
         if self.logprobs is not None and len(self.logprobs) != len(self.ids):
             raise ProtocolError(f"tokens.logprobs: {len(self.logprobs)} entries for {len(self.ids)} ids")
+        if self.prompt_logprobs is not None and len(self.prompt_logprobs) > self.num_prompt_tokens:
+            raise ProtocolError(f"tokens.prompt_logprobs: {len(self.prompt_logprobs)} entries for "
+                                f"{self.num_prompt_tokens} prompt tokens")
 
     def append(self, later: Tokens) -> None:
         """The request's next Tokens appended to this one: its ids, its logprobs kept aligned with the ids

@@ -14,6 +14,8 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1   # every integer goes on the w
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 4096
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024              # entries of a logit_bias map
+LOGIT_BIAS_LIMIT = 100.0            # |bias| (OpenAI's range)
 
 
 def _float(name: str, value: Any) -> float:
@@ -91,6 +93,11 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None         # top-N alternatives; 0 = only the sampled token's logprob
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit before sampling (OpenAI)
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and the top-N (vLLM); the prompt is computed
+    # vLLM's structured output: exactly one of json (schema dict or str), json_object (True), regex, choice,
+    # grammar (EBNF); compiled and enforced by the engine (engine/structured_output.py)
+    structured_outputs: dict[str, Any] | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         names = _field_names()
@@ -144,6 +151,12 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        self.structured_outputs = _structured_outputs(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -158,6 +171,8 @@ class SamplingParams:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["stop"] = list(self.stop)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        if self.logit_bias is not None:   # string keys, as OpenAI's JSON has them (msgpack maps want them too)
+            d["logit_bias"] = {str(t): b for t, b in self.logit_bias.items()}
         return d
 
     @classmethod
@@ -168,6 +183,78 @@ class SamplingParams:
         if bad_keys:
             raise ValueError(f"sampling parameter names must be strings, got {bad_keys!r}")
         return cls(**d)
+
+
+def _logit_bias(value: Any) -> dict[int, float] | None:
+    """OpenAI's map of token id (a decimal string, or an int) -> bias in [-100, 100]; None or {} = none."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"logit_bias must be a map of token id -> bias, got {type(value).__name__}")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdecimal() else key
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0 or token > INT64_MAX:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r:.40}")
+        b = _float("logit_bias", bias)
+        if not -LOGIT_BIAS_LIMIT <= b <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {token}")
+        out[token] = b
+    return out or None
+
+
+STRUCTURED_OUTPUT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Beside the kind, optionally "after": token ids (a reasoning model's end-of-thinking marker, set by the router's
+# reasoning parser) that the output must contain before the grammar applies, so that only the answer is held to it.
+MAX_AFTER_TOKENS = 16
+MAX_STRUCTURED_OUTPUT_CHARS = 65536    # a schema / regex / grammar / all choices, as text
+MAX_CHOICES = 1024
+
+
+def _structured_outputs(value: Any) -> dict[str, Any] | None:
+    """Shape check only (cheap, torch-free): one of STRUCTURED_OUTPUT_KINDS with a value of the right type
+    and size. Whether the schema / regex / grammar compiles is the engine's to find out."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"structured_outputs must be an object, got {type(value).__name__}")
+    given = {k: v for k, v in value.items() if v is not None and v is not False}
+    after = given.pop("after", None)
+    if after is not None:
+        after = _int_list("structured_outputs.after", after)
+        if not 1 <= len(after) <= MAX_AFTER_TOKENS:
+            raise ValueError(f"structured_outputs.after must hold 1 to {MAX_AFTER_TOKENS} token ids")
+    unknown = sorted(str(k) for k in given if k not in STRUCTURED_OUTPUT_KINDS)
+    if unknown:
+        raise ValueError(f"structured_outputs: unknown key(s) {unknown}; "
+                         f"expected one of {list(STRUCTURED_OUTPUT_KINDS)}")
+    if len(given) != 1:
+        raise ValueError(f"structured_outputs must set exactly one of {list(STRUCTURED_OUTPUT_KINDS)}, "
+                         f"got {sorted(given)}")
+    (kind, spec), = given.items()
+    if kind == "json":
+        if not isinstance(spec, (dict, str)) or isinstance(spec, str) and not spec.strip():
+            raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        size = len(spec) if isinstance(spec, str) else len(repr(spec))
+    elif kind == "json_object":
+        if spec is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {spec!r:.40}")
+        size = 0
+    elif kind == "choice":
+        if (not isinstance(spec, (list, tuple)) or not spec or len(spec) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in spec)):
+            raise ValueError(f"structured_outputs.choice must be a list of 1 to {MAX_CHOICES} non-empty strings")
+        spec = list(spec)
+        size = sum(len(c) for c in spec)
+    else:   # regex, grammar
+        if not isinstance(spec, str) or not spec:
+            raise ValueError(f"structured_outputs.{kind} must be a non-empty string")
+        size = len(spec)
+    if size > MAX_STRUCTURED_OUTPUT_CHARS:
+        raise ValueError(f"structured_outputs.{kind} is too long ({size} > {MAX_STRUCTURED_OUTPUT_CHARS} characters)")
+    return {kind: spec} if after is None else {kind: spec, "after": after}
 
 
 def _field_names() -> set[str]:

@@ -410,6 +410,8 @@ class EngineStatsCollector:
         gauges = {
             "pdcluster_node_running_requests": ("sequences in the running batch", s.num_running),
             "pdcluster_node_waiting_requests": ("sequences queued in the engine", s.num_waiting),
+            "pdcluster_node_waiting_for_grammar_requests": ("structured-output requests whose grammar compiles",
+                                                            s.num_waiting_for_grammar),
             "pdcluster_node_kv_blocks_total": ("KV pool size in blocks", s.num_total_blocks),
             "pdcluster_node_kv_blocks_free": ("free KV blocks (prefix-cached unreferenced ones count as free)",
                                               s.num_free_blocks),
