@@ -66,6 +66,10 @@ class EngineArgs:
     enable_prefix_caching: bool = knob(True, help="reuse cached full KV blocks of earlier prompts")
     tensor_parallel_size: int = knob(1, help="devices (processes) one engine spans; heads and intermediate size "
                                              "must split evenly (gloo on CPU, nccl on CUDA, hccl on NPU)")
+    enable_expert_parallel: bool = knob(False, help="MoE models: whole experts per tensor-parallel rank (expert "
+                                                    "parallel size = tensor_parallel_size; num_experts must split "
+                                                    "evenly) instead of a slice of every expert; attention stays "
+                                                    "tensor-parallel")
     collective_timeout: float = knob(60.0, help="seconds a tensor-parallel collective (or a rank joining) may "
                                                 "take before the engine fails naming the rank")
     attention_backend: str | None = knob(None, help="attention backend name; unset: chosen by device")

@@ -31,9 +31,12 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_parallel_size: int = 1,
-                  progress: Progress | None = None) -> str:
+                  progress: Progress | None = None, expert_parallel: bool = False) -> str:
     """Convert `src` into `output_dir` (replaced if it is an earlier conversion); returns `output_dir`.
+    `expert_parallel`: MoE rank files hold whole experts, for engines run with enable_expert_parallel.
     Bad input raises ValueError / FileNotFoundError naming the file and the field or tensor."""
+    import dataclasses
+
     import torch
 
     from pdcluster.engine.tp_shards import check_divisible
@@ -45,6 +48,10 @@ def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_para
     source = _open_source(src)
     config = source.config()
     model_config = _model_config(config, source.config_file)
+    expert_parallel = bool(expert_parallel and model_config.moe is not None)
+    if expert_parallel:
+        assert model_config.moe is not None
+        model_config.moe = dataclasses.replace(model_config.moe, expert_parallel=True)
     check_divisible(model_config, tp)
     parent = os.path.dirname(output_dir)
     os.makedirs(parent, exist_ok=True)
@@ -59,7 +66,8 @@ def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_para
             _write_json(os.path.join(tmp, "generation_config.json"),
                         {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config})
         manifest = {"format_version": FORMAT_VERSION, "source": src, "source_sha256": source_sha256(src),
-                    "dtype": name, "tensor_parallel_size": tp, "architecture": model_config.architecture,
+                    "dtype": name, "tensor_parallel_size": tp, "expert_parallel": expert_parallel,
+                    "architecture": model_config.architecture,
                     "files": {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))},
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         _write_json(os.path.join(tmp, MANIFEST), manifest)   # last: its presence marks a whole conversion
@@ -102,14 +110,16 @@ def read_manifest(model_dir: str) -> dict[str, Any] | None:
         raise ValueError(f"{path}: not valid JSON ({exc})") from exc
 
 
-def is_converted(output_dir: str, src: str, dtype: str, tensor_parallel_size: int = 1) -> bool:
-    """Whether `output_dir` is a whole, current conversion of `src` (same content hash, dtype, tp, format)."""
+def is_converted(output_dir: str, src: str, dtype: str, tensor_parallel_size: int = 1,
+                 expert_parallel: bool = False) -> bool:
+    """Whether `output_dir` is a whole, current conversion of `src` (same content hash, dtype, tp, EP, format)."""
     try:
         manifest = read_manifest(output_dir)
     except ValueError:
         return False
     if (not manifest or manifest.get("format_version") != FORMAT_VERSION or manifest.get("dtype") != dtype_name(dtype)
-            or manifest.get("tensor_parallel_size") != tensor_parallel_size):
+            or manifest.get("tensor_parallel_size") != tensor_parallel_size
+            or manifest.get("expert_parallel", False) != expert_parallel):
         return False
     for file, size in manifest.get("files", {}).items():
         path = os.path.join(output_dir, file)
@@ -291,32 +301,114 @@ def expected_shapes(mc) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (mc.vocab_size, h)
     for i in range(mc.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                       p + "mlp.gate_proj.weight": (mc.intermediate_size, h),
-                       p + "mlp.up_proj.weight": (mc.intermediate_size, h),
-                       p + "mlp.down_proj.weight": (h, mc.intermediate_size)})
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)})
+        if mc.mla is not None:
+            shapes.update(_mla_shapes(mc, p))
+        else:
+            shapes.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                           p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q)})
+        shapes.update(_mlp_shapes(mc, i))
+        if mc.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (mc.head_dim,),
+                           p + "self_attn.k_norm.weight": (mc.head_dim,)})
         if mc.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
     return shapes
 
 
+def _mla_shapes(mc, p: str) -> dict[str, tuple[int, ...]]:
+    """DeepSeek's MLA projections (engine/layers/mla.py) of the layer whose names start with `p`."""
+    h, mla, heads = mc.hidden_size, mc.mla, mc.num_heads
+    a = p + "self_attn."
+    shapes: dict[str, tuple[int, ...]] = {
+        a + "kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, h),
+        a + "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+        a + "kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+        a + "o_proj.weight": (h, heads * mla.v_head_dim)}
+    if mla.q_lora_rank:
+        shapes.update({a + "q_a_proj.weight": (mla.q_lora_rank, h), a + "q_a_layernorm.weight": (mla.q_lora_rank,),
+                       a + "q_b_proj.weight": (heads * mla.qk_head_dim, mla.q_lora_rank)})
+    else:
+        shapes[a + "q_proj.weight"] = (heads * mla.qk_head_dim, h)
+    return shapes
+
+
+def _moe_names(mc) -> tuple[str, tuple[str, str, str]]:
+    """The routed-expert block's checkpoint name and its experts' (gate, up, down) names."""
+    if mc.architecture == "MixtralForCausalLM":
+        return "block_sparse_moe", ("w1", "w3", "w2")
+    return "mlp", ("gate_proj", "up_proj", "down_proj")
+
+
+def _mlp_shapes(mc, i: int) -> dict[str, tuple[int, ...]]:
+    """Layer i's feed-forward tensors: a dense MLP, or the router and each routed expert (the Hub layout)."""
+    h, p, moe = mc.hidden_size, f"model.layers.{i}.", mc.moe
+    if moe is None or i not in moe.sparse_layers:
+        n = mc.intermediate_size
+        return {p + "mlp.gate_proj.weight": (n, h), p + "mlp.up_proj.weight": (n, h),
+                p + "mlp.down_proj.weight": (h, n)}
+    block, (gate, up, down) = _moe_names(mc)
+    n = moe.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {f"{p}{block}.gate.weight": (moe.num_experts, h)}
+    if moe.correction_bias:
+        shapes[f"{p}{block}.gate.e_score_correction_bias"] = (moe.num_experts,)
+    if mc.shared_expert_intermediate_size:   # DeepSeek's shared experts
+        s, x = mc.shared_expert_intermediate_size, f"{p}{block}.shared_experts."
+        shapes.update({x + "gate_proj.weight": (s, h), x + "up_proj.weight": (s, h), x + "down_proj.weight": (h, s)})
+    for e in range(moe.num_experts):
+        x = f"{p}{block}.experts.{e}."
+        shapes.update({f"{x}{gate}.weight": (n, h), f"{x}{up}.weight": (n, h), f"{x}{down}.weight": (h, n)})
+    return shapes
+
+
+def _per_expert(mc, tensors: Iterator[tuple[str, str, Any]]) -> Iterator[tuple[str, str, Any]]:
+    """The source's tensors with fused expert stacks (transformers 5's experts.gate_up_proj [E, 2I, H] and
+    experts.down_proj [E, H, I]) split into the per-expert tensors of the Hub layout the output keeps."""
+    block, (gate, up, down) = _moe_names(mc)
+    for file, name, tensor in tensors:
+        prefix, _, leaf = name.rpartition(".experts.")
+        if mc.moe is None or leaf not in ("gate_up_proj", "down_proj"):
+            yield file, name, tensor
+            continue
+        prefix = prefix.rpartition(".")[0] + f".{block}"   # the checkpoint's block name, whichever it used
+        for e in range(tensor.shape[0]):
+            x = f"{prefix}.experts.{e}."
+            if leaf == "down_proj":
+                yield file, f"{x}{down}.weight", tensor[e]
+            else:
+                n = tensor.shape[1] // 2
+                yield file, f"{x}{gate}.weight", tensor[e, :n]
+                yield file, f"{x}{up}.weight", tensor[e, n:]
+
+
+def _router_tensor(name: str) -> bool:
+    return name.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))
+
+
+def _extra_layer(name: str, mc) -> bool:
+    """A tensor of a layer past num_hidden_layers (DeepSeek-V3's multi-token-prediction layer)."""
+    parts = name.split(".")
+    return mc.mla is not None and len(parts) > 2 and parts[:2] == ["model", "layers"] and \
+        parts[2].isdigit() and int(parts[2]) >= mc.num_layers
+
+
 def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | None) -> list[str]:
     """Check, cast once and shard every tensor; write one safetensors file per rank. Returns the file names."""
     from safetensors.torch import save_file
 
-    from pdcluster.engine.tp_shards import rank_file, shard
+    from pdcluster.engine.tp_shards import holds, rank_file, shard
 
     expected = expected_shapes(mc)
     seen: set[str] = set()
     ranks: list[dict[str, Any]] = [{} for _ in range(tp)]
     total = source.num_tensors()
-    for done, (file, name, tensor) in enumerate(source.iter_tensors(), 1):
+    for done, (file, name, tensor) in enumerate(_per_expert(mc, source.iter_tensors()), 1):
         if progress is not None:
             progress(done, max(total, done), name)
         if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and mc.tie_word_embeddings):
+            continue
+        if _extra_layer(name, mc):   # DeepSeek-V3's multi-token-prediction layers: not served
             continue
         if name not in expected:
             raise ValueError(f"{file}: tensor {name!r} is not a weight of {mc.architecture}")
@@ -325,9 +417,11 @@ def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | No
                              f"{source.config_file} implies {expected[name]}")
         if not tensor.is_floating_point():
             raise ValueError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point one")
-        full = tensor.to(dtype)
+        # DeepSeek's router stays fp32 (FusedMoE router_fp32): near-ties between experts decide the routing
+        full = tensor.to(dtype) if mc.mla is None or not _router_tensor(name) else tensor.float()
         for rank in range(tp):
-            ranks[rank][name] = shard(name, full, mc, rank, tp).contiguous()
+            if holds(name, mc, rank, tp):   # expert parallelism: an expert goes to one rank's file only
+                ranks[rank][name] = shard(name, full, mc, rank, tp).contiguous()
         seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:

@@ -3,7 +3,8 @@
 The `gguf` package parses the file, names the tensors (`gguf.get_tensor_name_map`, the same table llama.cpp's
 converter writes with) and dequantizes them; transformers builds the HF config and the fast tokenizer from the
 metadata (`from_pretrained(..., gguf_file=)`). What is left here: checking the fields the engine needs (an error
-names the file and the field) and undoing llama.cpp's reordering of the q/k rows. Torch is imported lazily.
+names the file and the field), undoing llama.cpp's reordering of the q/k rows (Llama only) and unstacking the
+experts llama.cpp stores as one [E, rows, cols] tensor per MoE projection. Torch is imported lazily.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator
 
-# GGUF `general.architecture` -> HF architecture the engine runs. llama.cpp writes Mistral as "llama".
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF `general.architecture` -> HF architecture the engine runs. llama.cpp writes Mistral and Mixtral as "llama"
+# (Mixtral: with `llama.expert_count`).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM"}
 _REQUIRED = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count")
 
 
@@ -64,7 +67,18 @@ class GGUFCheckpoint:
         # transformers reads a "llama" GGUF named like Mistral as model_type "mistral" (sliding window and all)
         mistral = self.arch == "llama" and config.get("model_type") == "mistral"
         config["architectures"] = ["MistralForCausalLM" if mistral else GGUF_ARCHITECTURES[self.arch]]
+        experts = int(self.field(f"{self.arch}.expert_count", 0))
+        if self.arch == "llama" and experts:   # Mixtral: every layer routed, top-k renormalized, no window
+            config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts,
+                          num_experts_per_tok=int(self.field("llama.expert_used_count")), sliding_window=None)
         config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in self.reader.tensors)
+        if self.arch in ("qwen3", "qwen3moe"):   # fields transformers' GGUF table leaves out
+            default = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+            config["head_dim"] = int(self.field(f"{self.arch}.attention.key_length", default))
+        if self.arch == "qwen3moe":   # llama.cpp routes every layer, renormalizing the top-k (norm_topk_prob)
+            config["moe_intermediate_size"] = int(self.field(f"{self.arch}.expert_feed_forward_length"))
+            config.update(num_experts=int(self.field(f"{self.arch}.expert_count")), norm_topk_prob=True,
+                          decoder_sparse_step=1, mlp_only_layers=[])
         return config
 
     def hf_tokenizer(self):
@@ -89,6 +103,7 @@ class GGUFCheckpoint:
 
         arch = next(k for k, v in MODEL_ARCH_NAMES.items() if v == self.arch)
         names = get_tensor_name_map(arch, self.num_layers)
+        mixtral = self.arch == "llama" and bool(self.field("llama.expert_count", 0))
         for tensor in self.reader.tensors:
             base, _, suffix = tensor.name.rpartition(".")
             hf = _hf_name(names, base, self.num_layers)
@@ -99,6 +114,14 @@ class GGUFCheckpoint:
                 weights = unpermute_rope_rows(weights, self.num_heads)
             elif self.arch == "llama" and base.endswith(".attn_k"):
                 weights = unpermute_rope_rows(weights, self.num_kv_heads)
+            if mixtral:   # Mixtral's HF names: block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 / w3 / w2
+                hf = hf.replace(".mlp.", ".block_sparse_moe.")
+            if hf.endswith(_STACKED_EXPERTS):   # [E, rows, cols]: the per-expert tensors of a HF checkpoint
+                block, _, proj = hf.rpartition(".")
+                proj = _MIXTRAL_EXPERT.get(proj, proj) if mixtral else proj
+                for e in range(weights.shape[0]):
+                    yield f"{block}.{e}.{proj}.{suffix}", weights[e]
+                continue
             yield f"{hf}.{suffix}", weights
 
 
@@ -114,7 +137,12 @@ _HF_TEMPLATES = ("model.embed_tokens", "model.norm", "lm_head", "model.layers.{i
                  "model.layers.{i}.post_attention_layernorm", "model.layers.{i}.self_attn.q_proj",
                  "model.layers.{i}.self_attn.k_proj", "model.layers.{i}.self_attn.v_proj",
                  "model.layers.{i}.self_attn.o_proj", "model.layers.{i}.mlp.gate_proj",
-                 "model.layers.{i}.mlp.up_proj", "model.layers.{i}.mlp.down_proj")
+                 "model.layers.{i}.mlp.up_proj", "model.layers.{i}.mlp.down_proj",
+                 "model.layers.{i}.self_attn.q_norm", "model.layers.{i}.self_attn.k_norm", "model.layers.{i}.mlp.gate",
+                 "model.layers.{i}.mlp.experts.gate_proj", "model.layers.{i}.mlp.experts.up_proj",
+                 "model.layers.{i}.mlp.experts.down_proj")
+_STACKED_EXPERTS = (".experts.gate_proj", ".experts.up_proj", ".experts.down_proj")
+_MIXTRAL_EXPERT = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
 
 def _hf_name(names, gguf_base: str, num_layers: int) -> str | None:

@@ -21,6 +21,13 @@ planes per layer, rank r's K and V at 2r and 2r + 1): KV transfer moves a block'
 engines of the same tensor_parallel_size (rank i's heads land in rank i's planes). A device rank's pool is
 its own slice (tp = 1 here).
 
+A latent pool (an MLA model, `ModelConfig.kv_latent_dim` > 0: DeepSeek-V2/V3) has ONE plane per layer whatever
+the tensor-parallel size, `[num_layers, 1, num_blocks, block_size, 1, row]`: each (token, layer) row is the
+normalized compressed KV (kv_lora_rank values) then the roped shared key (qk_rope_head_dim values), row =
+kv_latent_dim (+ 2 scale bytes in an int8 pool, quantized as one row). Every rank's heads are up-projected from
+the same latent, so it is replicated, never split by heads: the ranks of a CPU engine share the one plane, and
+a prefill node ships one copy. `layer_views` returns (latent cache, None).
+
 Construction: `make_pool` builds an engine's pool (an external tensor, a `kv_pool_factory` tensor, or its own)
 and, under tensor parallelism, the `RankPools` the other ranks bind theirs from.
 
@@ -37,7 +44,7 @@ from typing import Callable
 
 import torch
 
-from pdcluster.device import SCALE_BYTES, SCALE_DTYPE, pool_shape, row_size
+from pdcluster.device import SCALE_BYTES, SCALE_DTYPE, kv_planes, pool_shape, row_size
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.tp_shards import local_kv_heads
 
@@ -81,19 +88,32 @@ def aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
+def pool_geometry(config: ModelConfig, tp: int = 1) -> tuple[int, int, bool]:
+    """(KV heads per rank, values per row before any scale, latent) of `config`'s pool: an MLA model caches one
+    latent row (kv_latent_dim values) per token, as one 'head' every rank shares."""
+    if config.kv_latent_dim:
+        return 1, config.kv_latent_dim, True
+    return local_kv_heads(config, tp), config.head_dim, False
+
+
 class KVCachePool:
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", tensor: torch.Tensor | None = None,
-                 tp: int = 1) -> None:
+                 tp: int = 1, latent: bool = False) -> None:
         """`dtype`: the pool's (torch.int8 for an int8 KV cache with its scales inside each row);
-        `num_kv_heads`: per rank; `tp`: how many ranks' slices the tensor holds."""
-        shape = pool_shape(num_blocks, num_layers, block_size, num_kv_heads, row_size(head_dim, dtype), tp)
+        `num_kv_heads`: per rank; `tp`: how many ranks' slices the tensor holds (ranks sharing it, for a latent
+        pool); `latent`: an MLA pool, one plane per layer of rows of `head_dim` (= kv_latent_dim) values, 1 head."""
+        self.kv_planes = kv_planes(tp, latent)
+        self.latent = latent
+        shape = pool_shape(num_blocks, num_layers, block_size, num_kv_heads, row_size(head_dim, dtype),
+                           planes=self.kv_planes)
         if tensor is None:
             tensor = aligned_zeros(shape, dtype, device)
         else:
             if tuple(tensor.shape) != shape:
+                planes = "1 (latent)" if latent else "2 * tp"
                 raise ValueError(f"kv_pool_tensor: shape {tuple(tensor.shape)} does not match expected {shape} "
-                                 "[num_layers, 2 * tp, num_blocks, block_size, kv_heads, row]")
+                                 f"[num_layers, {planes}, num_blocks, block_size, kv_heads, row]")
             if tensor.dtype != dtype:
                 raise ValueError(f"kv_pool_tensor: dtype {tensor.dtype} does not match the KV cache dtype {dtype}")
             if not tensor.is_contiguous():
@@ -110,8 +130,9 @@ class KVCachePool:
     @staticmethod
     def shape_for(config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
                   tp: int = 1) -> tuple[int, ...]:
-        return pool_shape(num_blocks, config.num_layers, block_size, local_kv_heads(config, tp),
-                          row_size(config.head_dim, dtype), tp)
+        heads, dim, latent = pool_geometry(config, tp)
+        return pool_shape(num_blocks, config.num_layers, block_size, heads, row_size(dim, dtype),
+                          planes=kv_planes(tp, latent))
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype, tp: int = 1) -> int:
@@ -123,13 +144,17 @@ class KVCachePool:
         """Bytes of one block across all layers and planes."""
         return self.tensor[:, :, 0].numel() * self.tensor.element_size()
 
-    def layer_views(self, layer: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer_views(self, layer: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(k, v) caches of one layer (of one rank's heads), each a contiguous
-        `[num_blocks, block_size, num_kv_heads, row]` tensor, no copy."""
+        `[num_blocks, block_size, num_kv_heads, row]` tensor, no copy. A latent pool: (the layer's latent
+        cache `[num_blocks, block_size, 1, row]`, None), the same for every rank."""
+        if self.latent:
+            return self.tensor[layer, 0], None
         return self.tensor[layer, 2 * rank], self.tensor[layer, 2 * rank + 1]
 
     def block(self, block_id: int) -> torch.Tensor:
-        """One block across all layers (and ranks): a strided `[num_layers, 2 * tp, block_size, heads, row]` view."""
+        """One block across all layers (and ranks): a strided `[num_layers, kv_planes, block_size, heads, row]`
+        view."""
         return self.tensor[:, :, block_id]
 
 
@@ -176,14 +201,15 @@ class RankPools:
 
     def pool(self, config: ModelConfig, device: torch.device, tp: int) -> KVCachePool:
         """This rank's view: the shared pool (every rank's planes) or its own slice on `device`."""
+        _, dim, latent = pool_geometry(config, tp)
         if self.shared is None:
-            return KVCachePool(self.num_blocks, config.num_layers, self.block_size, self.kv_heads, config.head_dim,
-                               self.dtype, device)
+            return KVCachePool(self.num_blocks, config.num_layers, self.block_size, self.kv_heads, dim,
+                               self.dtype, device, latent=latent)
         shape = pool_shape(self.num_blocks, config.num_layers, self.block_size, self.kv_heads,
-                           row_size(config.head_dim, self.dtype), tp)
+                           row_size(dim, self.dtype), planes=kv_planes(tp, latent))
         t = self.shared if isinstance(self.shared, torch.Tensor) else self.shared.map(shape, self.dtype)
-        return KVCachePool(self.num_blocks, config.num_layers, self.block_size, self.kv_heads, config.head_dim,
-                           self.dtype, device, tensor=t, tp=tp)
+        return KVCachePool(self.num_blocks, config.num_layers, self.block_size, self.kv_heads, dim,
+                           self.dtype, device, tensor=t, tp=tp, latent=latent)
 
 
 PoolFactory = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
@@ -194,9 +220,9 @@ def make_pool(config: ModelConfig, block_size: int, dtype: torch.dtype, device: 
               factory: PoolFactory | None = None) -> tuple[KVCachePool, RankPools | None]:
     """An engine's KV pool of `dtype`: `tensor` when given (its block count is its own), else one of
     `num_blocks_for(bytes per block)` blocks from `factory(shape, dtype)` (None: allocated here). With `tp` > 1
-    also the `RankPools` of the other ranks: on CPU the pool holds every rank's heads in memory they map (a
-    torch shared-memory tensor, or a shared mapping of a file), on a device each rank allocates its own slice
-    of the same number of blocks."""
+    also the `RankPools` of the other ranks: on CPU the pool holds every rank's heads (a latent pool: the one
+    plane they share) in memory they map (a torch shared-memory tensor, or a shared mapping of a file), on a
+    device each rank allocates its own slice (its own latent copy) of the same number of blocks."""
     shared = tp > 1 and device.type == "cpu"
     pool_tp = tp if shared else 1
     if tensor is not None:
@@ -210,9 +236,9 @@ def make_pool(config: ModelConfig, block_size: int, dtype: torch.dtype, device: 
                 raise TypeError(f"kv_pool_factory: must return a torch.Tensor or None, got {type(tensor).__name__}")
         if tensor is None and shared:
             tensor = torch.zeros(shape, dtype=dtype).share_memory_()
-    kv_heads = local_kv_heads(config, tp)
-    pool = KVCachePool(num_blocks, config.num_layers, block_size, kv_heads, config.head_dim, dtype, device,
-                       tensor=tensor, tp=pool_tp)
+    kv_heads, dim, latent = pool_geometry(config, tp)
+    pool = KVCachePool(num_blocks, config.num_layers, block_size, kv_heads, dim, dtype, device,
+                       tensor=tensor, tp=pool_tp, latent=latent)
     if tp == 1:
         return pool, None
     ranks = RankPools(num_blocks, block_size, kv_heads, dtype)

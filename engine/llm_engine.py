@@ -3,6 +3,7 @@ single-threaded; the offline `LLM`, the async engine and the node services each 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -56,6 +57,8 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's context {cfg.max_model_len}")
             cfg.max_model_len = args.max_model_len
         self.tp_size = args.tensor_parallel_size
+        if args.enable_expert_parallel and cfg.moe is not None:   # the shards and FusedMoE read it from the config
+            cfg.moe = dataclasses.replace(cfg.moe, expert_parallel=True)
         check_tensor_parallel(cfg, self.tp_size, self.device, args.weight_pool)
         pool = args.weight_pool
         self.weight_pool = SharedWeightPool.from_spec(pool) if isinstance(pool, str) else pool
@@ -306,7 +309,8 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions, prefix_cache_hit_tokens=bm.prefix_hit_tokens,
             prefix_cache_query_tokens=bm.prefix_query_tokens, num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens, num_generated_tokens=self.num_generated_tokens,
-            num_steps=self.num_steps, max_num_seqs=sched.max_num_seqs, tokens_per_s=self.tokens_per_s())
+            num_steps=self.num_steps, max_num_seqs=sched.max_num_seqs, tokens_per_s=self.tokens_per_s(),
+            expert_layers=self.runner.expert_load.layers, expert_tokens=self.runner.expert_load.read())
 
 
 def _prompts_finishing(batch: ScheduledBatch) -> list[PromptInStep]:

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.models import get_model_class
 from pdcluster.engine.parallel import TPGroup
-from pdcluster.engine.tp_shards import rank_file, shard_slice
+from pdcluster.engine.tp_shards import expert_parallel, holds, rank_file, shard_parts
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -61,12 +61,27 @@ def _converted_tp(model_dir: str) -> int:
         raise ValueError(f"{path}: not a valid manifest ({exc})") from exc
 
 
+def _check_converted_expert_parallel(model_dir: str, config: ModelConfig) -> None:
+    """A pre-sharded MoE conversion holds either slices of every expert or whole experts per rank: refuse the
+    other mode rather than load wrong shapes."""
+    with open(os.path.join(model_dir, "pdcluster_manifest.json")) as f:
+        converted = bool(json.load(f).get("expert_parallel", False))
+    wanted = expert_parallel(config)
+    if config.moe is not None and converted != wanted:
+        raise ValueError(f"model: {model_dir} is converted {'with' if converted else 'without'} expert parallelism; "
+                         f"this engine runs enable_expert_parallel={wanted}: convert with "
+                         f"--{'' if wanted else 'no-'}enable-expert-parallel (or tensor_parallel_size 1)")
+
+
 def iter_weights(model_dir: str, config: ModelConfig | None = None,
                  tp: TPGroup | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors straight from memory-mapped safetensors files; under tensor parallelism (`tp`, `config`), only
-    this rank's slice of each (read as a slice: the rest of the tensor is never read)."""
+    this rank's slice of each (read as a slice: the rest of the tensor is never read), and under expert
+    parallelism only this rank's experts (the others' tensors are skipped unread)."""
     rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
     presharded = _converted_tp(model_dir) > 1
+    if presharded and config is not None:
+        _check_converted_expert_parallel(model_dir, config)
     for path in checkpoint_files(model_dir, rank, size):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
@@ -75,15 +90,20 @@ def iter_weights(model_dir: str, config: ModelConfig | None = None,
                     continue
                 if config is None:
                     raise ValueError("iter_weights: slicing the weights for tensor parallelism needs `config`")
+                if not holds(name, config, rank, size):   # another expert-parallel rank's expert
+                    continue
                 part = f.get_slice(name)
-                cut = shard_slice(name, tuple(part.get_shape()), config, rank, size)
-                if cut is None:
+                shape = tuple(part.get_shape())
+                cuts = shard_parts(name, shape, config, rank, size)
+                if cuts is None:
                     yield name, part[:]
-                else:
-                    dim, start, length = cut
-                    index = [slice(None)] * len(part.get_shape())
+                    continue
+                pieces = []
+                for dim, start, length in cuts:
+                    index = [slice(None)] * len(shape)
                     index[dim] = slice(start, start + length)
-                    yield name, part[tuple(index)]
+                    pieces.append(part[tuple(index)])
+                yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=cuts[0][0])
 
 
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,

@@ -13,8 +13,10 @@ from typing import Callable
 import torch
 
 from pdcluster.engine.attention import AttentionMetadata, PrefillChunk, get_backend_class
+from pdcluster.engine.attention.mla import mla_backend
 from pdcluster.engine.compiled import CompiledBody
 from pdcluster.engine.config import ModelConfig
+from pdcluster.engine.expert_load import ExpertLoadCounter
 from pdcluster.engine.kv_cache import KVCachePool
 from pdcluster.engine.loader import load_model
 from pdcluster.engine.parallel import TPGroup
@@ -40,11 +42,16 @@ class ModelRunner:
         self.tp = tp or TPGroup()
         self.workers = workers
         backend_cls = get_backend_class(attention_backend, device.type)
-        self.attn_backend = backend_cls(config.num_heads // self.tp.size, local_kv_heads(config, self.tp.size),
-                                        config.head_dim)
+        if config.mla is not None:   # latent KV: the MLA backend of the same device (engine/attention/mla.py)
+            self.attn_backend = mla_backend(config, self.tp.size, backend_cls.name)
+        else:
+            self.attn_backend = backend_cls(config.num_heads // self.tp.size, local_kv_heads(config, self.tp.size),
+                                            config.head_dim)
         self.model = load_model(model_dir, config, dtype, device, self.attn_backend, weight_pool, self.tp)
+        self.expert_load = ExpertLoadCounter(self.model, enabled=self.tp.rank == 0)
         self.compiled: CompiledBody | None = None
-        if not enforce_eager and self.tp.size == 1:   # the all-reduce of tp > 1 is Python: eager there
+        # the compiled body's opaque attention op is the regular backend's; MLA runs eagerly
+        if not enforce_eager and self.tp.size == 1 and config.mla is None:   # tp > 1 all-reduces in Python
             body = self.model.model
             self.compiled = CompiledBody(lambda ids, positions: body(ids, positions, None),
                                          self.model.attention_layers())
@@ -54,7 +61,8 @@ class ModelRunner:
 
     def bind_kv_pool(self, pool: KVCachePool) -> None:
         """`pool` holds this rank's slice (pool.tp == 1) or every rank's (CPU: shared with the workers, which
-        bind the same pool's other slices)."""
+        bind the same pool's other slices). A latent pool binds each layer's one latent plane as k_cache (and
+        v_cache None), the same plane for every rank."""
         self.kv_pool = pool
         self.block_size = pool.block_size
         rank = self.tp.rank if pool.tp > 1 else 0
@@ -132,6 +140,7 @@ class ModelRunner:
                 self.compiled = None
         if hidden is None:
             hidden = self.model(inputs.ids, inputs.positions, meta, layer_done_callback)
+        self.expert_load.accumulate()
         if not inputs.sample_rows:
             return None
         rows = inputs.sample_rows

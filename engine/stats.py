@@ -23,6 +23,9 @@ class EngineStats:
     num_steps: int = 0
     max_num_seqs: int = 0
     tokens_per_s: float = 0.0            # generated tokens per second over the last RATE_INTERVAL_S (llm_engine)
+    # MoE models (engine/expert_load.py): tokens routed to each expert, one row per MoE layer, since the start
+    expert_layers: tuple[int, ...] = ()  # the decoder layer index of each row
+    expert_tokens: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_used_blocks(self) -> int:
@@ -32,3 +35,20 @@ class EngineStats:
     def batch_occupancy(self) -> float:
         """Running sequences / max_num_seqs: how full the batch is (0 when unknown)."""
         return self.num_running / self.max_num_seqs if self.max_num_seqs else 0.0
+
+    @property
+    def expert_totals(self) -> tuple[int, ...]:
+        """Tokens routed to each expert, summed over the MoE layers."""
+        return tuple(sum(column) for column in zip(*self.expert_tokens, strict=True))
+
+    @property
+    def expert_imbalance(self) -> tuple[float, int] | None:
+        """(max / mean tokens per expert, layer index) of the most imbalanced MoE layer (1.0: perfectly even);
+        None before any token was routed."""
+        worst: tuple[float, int] | None = None
+        for layer, row in zip(self.expert_layers, self.expert_tokens, strict=True):
+            if sum(row):
+                ratio = max(row) * len(row) / sum(row)
+                if worst is None or ratio > worst[0]:
+                    worst = (ratio, layer)
+        return worst

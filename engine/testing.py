@@ -37,6 +37,47 @@ _BASE: dict[str, dict[str, Any]] = {
                   num_key_value_heads=2, tie_word_embeddings=True),
     "mistral": dict(architectures=["MistralForCausalLM"], model_type="mistral", num_attention_heads=4,
                     num_key_value_heads=1, tie_word_embeddings=False, sliding_window=None),
+    # head_dim 24 is not hidden / heads; Qwen3 ties its small models' embeddings
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=24, tie_word_embeddings=True),
+    # layer 0 dense (mlp_only_layers), layer 1 routed: 8 experts, top-2, renormalized
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[0]),
+    "mixtral": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+                    sliding_window=None),
+    # MLA with odd head dims (nope 12, rope 6, v 10; latent 24 + 6), q LoRA 40, YaRN with DeepSeek's mscale
+    # (mscale != mscale_all_dim: both the rotary factor and the softmax correction count); layer 0 dense,
+    # layer 1 MoE: 8 experts in 4 groups, the best 2 groups, top-2, plus 2 shared experts
+    "deepseek_v2": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", num_attention_heads=4,
+                        num_key_value_heads=4, tie_word_embeddings=False, q_lora_rank=40, kv_lora_rank=24,
+                        qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1,
+                        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+                        norm_topk_prob=False,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                             original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=0.707,
+                                             beta_fast=32, beta_slow=1)),
+    # V2-Lite's shape: no q LoRA (q_proj), greedy softmax top-k, plain RoPE
+    "deepseek_v2_lite": dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2",
+                             num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+                             q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=12, qk_rope_head_dim=6,
+                             v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                             n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
+                             norm_topk_prob=False),
+    # V3: sigmoid routing with e_score_correction_bias (random in make_tiny_model), 4 groups keep 2, top-2,
+    # renormalized, x2.5; one shared expert; interleaved rope; YaRN
+    "deepseek_v3": dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", num_attention_heads=4,
+                        num_key_value_heads=4, tie_word_embeddings=False, q_lora_rank=40, kv_lora_rank=24,
+                        qk_nope_head_dim=12, qk_rope_head_dim=6, v_head_dim=10, n_routed_experts=8,
+                        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        rope_interleave=True,
+                        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                             original_max_position_embeddings=128, mscale=1.0, mscale_all_dim=0.8,
+                                             beta_fast=32, beta_slow=1)),
 }
 
 
@@ -72,7 +113,7 @@ def tiny_config(arch: str = "llama", **overrides):
 
 def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, max_shard_size: str | None = None,
                     tokenizer_vocab_size: int = 400, chat_template_file: bool = False, **overrides) -> str:
-    """Write a deterministic random `arch` checkpoint (llama | qwen2 | mistral) and tokenizer to `path`.
+    """Write a deterministic random `arch` checkpoint (one of `_BASE`) and tokenizer to `path`.
 
     `overrides` go into the HF config (e.g. num_key_value_heads=1, rope_scaling={...}, hidden_size=1024).
     `max_shard_size` (e.g. "100KB") writes sharded safetensors with an index."""
@@ -82,6 +123,10 @@ def make_tiny_model(path: str, arch: str = "llama", seed: int = 0, max_shard_siz
     config = tiny_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():   # buffers that initialize to zeros yet steer the model: random, so tests see them
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # DeepSeek-V3's routing correction
+                buffer.copy_(torch.randn(buffer.shape) * 0.1)
     # Larger-than-default init gives well-separated logits, so greedy argmax is numerically robust.
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)

@@ -37,7 +37,7 @@ class Int8Channel(TcpChannel):
 
     def wire_bytes(self, nblocks: int, l0: int, l1: int) -> int:
         lay = self.pool.layout
-        return quant.wire_bytes(nblocks, l1 - l0, lay.block_size, lay.kv_planes // 2 * lay.num_kv_heads, lay.head_dim)
+        return quant.wire_bytes(nblocks, l1 - l0, lay.block_size, lay.num_kv_heads, lay.head_dim, lay.kv_planes)
 
     def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
         lay = self.pool.layout

@@ -11,6 +11,13 @@ row = head_dim for a float pool; an int8 pool (the engine's `kv_cache_dtype="int
 head) row as head_dim int8 values followed by its fp16 scale (`scale_bytes` = 2, row = head_dim + 2): the
 scales travel inside the blocks, and the handshake refuses a peer whose dtype or scale bytes differ.
 Version 2 is this layer-major layout (version 1 was block-major); a peer of another version is refused.
+
+A latent pool (an MLA model: DeepSeek-V2/V3, `latent`) has ONE plane per layer whatever the tensor-parallel size,
+`[num_layers, 1, num_blocks, block_size, 1, row]`: each (token, layer) row is the compressed KV then the roped key
+(head_dim here = the model's kv_latent_dim, + 2 scale bytes in an int8 pool). Every rank shares it (it is not
+split by heads), so its tensor_parallel_size is 1: a prefill engine of any TP ships its one copy, and only the
+latent dim, dtype and block geometry must match. A latent and a per-head pool are refused at the handshake
+(`latent: sender True vs receiver False`), as are two latent pools of different dims (`kv_latent_dim: ...`).
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ from typing import Any
 
 import torch
 
-from pdcluster.device import pool_shape, row_scale_bytes
+from pdcluster.device import kv_planes, pool_shape, row_scale_bytes
 from pdcluster.kv_transfer.errors import LayoutMismatchError
 
 LAYOUT_VERSION = 2
-_CHECKED_FIELDS = ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "tensor_parallel_size",
-                   "scale_bytes")
+_CHECKED_FIELDS = ("version", "dtype", "latent", "num_layers", "block_size", "num_kv_heads", "head_dim",
+                   "tensor_parallel_size", "scale_bytes")
+_POSITIVE_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim", "tensor_parallel_size", "num_blocks",
+                    "version")
 
 
 @dataclass(frozen=True)
@@ -39,13 +48,15 @@ class KVLayout:
     version: int = LAYOUT_VERSION
     tensor_parallel_size: int = 1   # ranks whose heads the pool holds; num_kv_heads is per rank
     scale_bytes: int = 0   # per (token, KV head) row, after its head_dim values: 2 for an int8 pool
+    latent: bool = False   # an MLA pool: one plane of latent rows per layer (head_dim = kv_latent_dim, 1 head)
 
     @classmethod
     def of(cls, pool: torch.Tensor) -> "KVLayout":
-        if pool.dim() != 6 or pool.shape[1] % 2:
+        """The layout of an engine pool; one plane per layer is a latent pool (a per-head one has 2 * tp)."""
+        if pool.dim() != 6 or not (pool.shape[1] % 2 == 0 or pool.shape[1] == pool.shape[4] == 1):
             raise ValueError(
-                f"pool: expected shape [num_layers, 2 * tp, num_blocks, block_size, num_kv_heads, head_dim], "
-                f"got {list(pool.shape)}"
+                f"pool: expected shape [num_layers, 2 * tp, num_blocks, block_size, num_kv_heads, head_dim] or a "
+                f"latent pool's [num_layers, 1, num_blocks, block_size, 1, kv_latent_dim], got {list(pool.shape)}"
             )
         if not pool.is_contiguous():
             raise ValueError("pool: must be contiguous (layer-major)")
@@ -53,8 +64,9 @@ class KVLayout:
         scale = row_scale_bytes(pool.dtype)
         if row <= scale:
             raise ValueError(f"pool: an int8 pool's last dim is head_dim + {scale} scale bytes, got {row}")
-        return cls(str(pool.dtype).removeprefix("torch."), nb, nl, bs, nh, row - scale, tensor_parallel_size=kv // 2,
-                   scale_bytes=scale)
+        latent = kv == 1
+        return cls(str(pool.dtype).removeprefix("torch."), nb, nl, bs, nh, row - scale,
+                   tensor_parallel_size=1 if latent else kv // 2, scale_bytes=scale, latent=latent)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -66,13 +78,13 @@ class KVLayout:
 
     @property
     def layer_bytes(self) -> int:
-        """Bytes of one layer (k and v) of one block, scales included."""
+        """Bytes of one layer (its k and v planes, or its latent plane) of one block, scales included."""
         return self.kv_planes * self.block_size * self.num_kv_heads * self.row * self.element_size
 
     @property
     def kv_planes(self) -> int:
-        """The pool's third dim: k and v of each tensor-parallel rank."""
-        return 2 * self.tensor_parallel_size
+        """Planes per layer (the pool's second dim): k and v of each tensor-parallel rank, or 1 latent plane."""
+        return kv_planes(self.tensor_parallel_size, self.latent)
 
     @property
     def row(self) -> int:
@@ -81,7 +93,7 @@ class KVLayout:
 
     @property
     def plane_bytes(self) -> int:
-        """Bytes of one block in one plane (one layer's K or V of one rank)."""
+        """Bytes of one block in one plane (one layer's K or V of one rank, or its latent rows)."""
         return self.block_size * self.num_kv_heads * self.row * self.element_size
 
     @property
@@ -91,7 +103,7 @@ class KVLayout:
     @property
     def shape(self) -> tuple[int, ...]:
         return pool_shape(self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads, self.row,
-                          self.tensor_parallel_size)
+                          planes=self.kv_planes)
 
     def planes(self, l0: int, l1: int) -> range:
         """The planes (first dim of `plane_view`) holding layers [l0, l1)."""
@@ -105,15 +117,18 @@ class KVLayout:
         if not isinstance(d, dict):
             raise ValueError("layout: expected a map")
         try:
-            fields = {k: d[k] for k in (*_CHECKED_FIELDS[:-2], "num_blocks")}
-            # absent from older peers: a float pool of one rank
+            fields = {k: d[k] for k in ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim",
+                                        "num_blocks")}
+            # absent from older peers: a float per-head pool of one rank
             layout = cls(**fields, tensor_parallel_size=d.get("tensor_parallel_size", 1),
-                         scale_bytes=d.get("scale_bytes", 0))
+                         scale_bytes=d.get("scale_bytes", 0), latent=d.get("latent", False))
         except KeyError as exc:
             raise ValueError(f"layout: missing field {exc.args[0]!r}") from None
         if not isinstance(layout.scale_bytes, int) or isinstance(layout.scale_bytes, bool) or layout.scale_bytes < 0:
             raise ValueError(f"layout.scale_bytes: expected an int >= 0, got {layout.scale_bytes!r}")
-        for name in _CHECKED_FIELDS[2:-1] + ("num_blocks", "version"):
+        if not isinstance(layout.latent, bool):
+            raise ValueError(f"layout.latent: expected a bool, got {layout.latent!r}")
+        for name in _POSITIVE_FIELDS:
             value = getattr(layout, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"layout.{name}: expected a positive int, got {value!r}")
@@ -122,9 +137,11 @@ class KVLayout:
         return layout
 
     def check_compatible(self, other: "KVLayout", *, mine: str = "receiver", theirs: str = "sender") -> None:
-        """Raise LayoutMismatchError naming every field that differs (num_blocks may differ)."""
+        """Raise LayoutMismatchError naming every field that differs (num_blocks may differ); between two latent
+        pools head_dim is named kv_latent_dim, what it holds."""
         diffs = [
-            f"{name}: {theirs} {getattr(other, name)!r} vs {mine} {getattr(self, name)!r}"
+            f"{_label(name, self.latent and other.latent)}: {theirs} {getattr(other, name)!r} vs {mine} "
+            f"{getattr(self, name)!r}"
             for name in _CHECKED_FIELDS
             if getattr(self, name) != getattr(other, name)
         ]
@@ -132,8 +149,12 @@ class KVLayout:
             raise LayoutMismatchError("KV layout mismatch: " + "; ".join(diffs))
 
 
+def _label(field: str, latent: bool) -> str:
+    return "kv_latent_dim" if latent and field == "head_dim" else field
+
+
 def byte_view(pool: torch.Tensor) -> torch.Tensor:
-    """[planes = num_layers * 2 * tp, num_blocks, plane_bytes] uint8 view sharing the pool's memory."""
+    """[planes = num_layers * kv_planes, num_blocks, plane_bytes] uint8 view sharing the pool's memory."""
     nl, kv, nb = pool.shape[:3]
     return pool.view(torch.uint8).reshape(nl * kv, nb, -1)
 
@@ -153,6 +174,6 @@ def runs(ids: list[int], paired: list[int] | None = None) -> list[tuple[int, int
 
 
 def blocks_of(pool: torch.Tensor, ids) -> torch.Tensor:
-    """Blocks `ids` (an int, a list, a tensor or a slice) of a pool, block first: [n, num_layers, 2 * tp,
+    """Blocks `ids` (an int, a list, a tensor or a slice) of a pool, block first: [n, num_layers, kv_planes,
     block_size, heads, row] (a copy for a list of ids; for checks and tests, not a transfer path)."""
     return pool[:, :, [ids] if isinstance(ids, int) else ids].movedim(2, 0)

@@ -1,4 +1,5 @@
-"""Optional INT8 wire compression of KV: symmetric, one fp32 scale per (plane = layer's k|v, block, head).
+"""Optional INT8 wire compression of KV: symmetric, one fp32 scale per (plane, block, head); a plane is one layer's
+K or V of one rank, or a latent pool's one plane per layer (one scale per layer and block).
 
 Halves the bytes of 16-bit KV (quarters fp32). Lossy: see docs/kv_transfer.md for its measured effect.
 The payload is the int8 values followed by the fp32 scales.
@@ -9,10 +10,12 @@ from __future__ import annotations
 import torch
 
 
-def wire_bytes(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
-    values = num_blocks * num_layers * 2 * block_size * num_kv_heads * head_dim
-    scales = num_blocks * num_layers * 2 * num_kv_heads * 4
-    return values + scales
+def wire_bytes(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+               kv_planes: int = 2) -> int:
+    """Payload bytes of `num_blocks` blocks, `num_layers` layers of `kv_planes` planes each (layout.KVLayout's:
+    2 * tp per-head planes, or 1 latent plane), `num_kv_heads` heads per plane."""
+    planes = num_blocks * num_layers * kv_planes
+    return planes * block_size * num_kv_heads * head_dim + planes * num_kv_heads * 4
 
 
 def quantize(kv: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 - `bind_thread(device)`: the calling thread's device context (Ascend and CUDA).
 - The KV pool layout (engine/kv_cache.py describes it): `pool_shape`
-  `[num_layers, 2 * tp, num_blocks, block_size, num_kv_heads, row]`, and the row of an int8 pool, `head_dim`
-  int8 values followed by one fp16 scale (`SCALE_BYTES`, `SCALE_DTYPE`): `row_size`, `row_scale_bytes`.
+  `[num_layers, kv_planes, num_blocks, block_size, num_kv_heads, row]` (`kv_planes`: 2 * tp K/V planes, or one
+  plane of latent rows for an MLA model, whatever tp), and the row of an int8 pool, `head_dim` int8 values
+  followed by one fp16 scale (`SCALE_BYTES`, `SCALE_DTYPE`): `row_size`, `row_scale_bytes`.
 """
 
 from __future__ import annotations
@@ -26,10 +27,17 @@ def row_size(head_dim: int, dtype: torch.dtype) -> int:
     return head_dim + row_scale_bytes(dtype)
 
 
+def kv_planes(tp: int = 1, latent: bool = False) -> int:
+    """Planes per layer of a KV pool: K and V of each of `tp` ranks, or one for a latent (MLA) pool, whose
+    latent rows every rank shares (they are not split by heads)."""
+    return 1 if latent else 2 * tp
+
+
 def pool_shape(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, row: int,
-               tp: int = 1) -> tuple[int, ...]:
-    """The KV pool's shape: layer-major, then K and V of each of `tp` ranks, then blocks."""
-    return (num_layers, 2 * tp, num_blocks, block_size, num_kv_heads, row)
+               tp: int = 1, planes: int | None = None) -> tuple[int, ...]:
+    """The KV pool's shape: layer-major, then the layer's `planes` (default K and V of each of `tp` ranks:
+    `kv_planes`), then blocks."""
+    return (num_layers, kv_planes(tp) if planes is None else planes, num_blocks, block_size, num_kv_heads, row)
 
 
 def is_npu(device: torch.device) -> bool:

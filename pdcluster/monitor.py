@@ -33,10 +33,14 @@ SPREAD_THRESHOLD = 0.15   # a tokens/s spread above this (relative to the mean) 
 KV_FULL_RATIO = 0.95      # KV blocks used / total counted as a full pool (with requests waiting)
 UNDERFILL_RATIO = 0.5     # mean running / max_num_seqs below this: batch underfilled
 MEMORY_NEAR_LIMIT = 0.95  # device memory used / total counted as near its limit
+EXPERT_IMBALANCE = 2.0    # MoE: the busiest expert of a layer at this multiple of the layer's mean is flagged
 
 KEYS = ("device_kind", "device_index", "device_utilization_pct", "device_memory_used_bytes",
         "device_memory_total_bytes", "device_source", "kv_blocks_used", "kv_blocks_total", "running", "waiting",
-        "max_num_seqs", "batch_occupancy", "tokens_per_s", "generated_tokens", "preemptions", "timestamp")
+        "max_num_seqs", "batch_occupancy", "tokens_per_s", "generated_tokens", "preemptions",
+        "expert_tokens", "expert_imbalance", "expert_imbalance_layer", "timestamp")
+# expert_* (MoE models, else None): tokens per routed expert summed over the MoE layers (a list), and the most
+# imbalanced layer's max / mean tokens per expert with that layer's index, since the engine started
 
 
 # ---------------------------------------------------------------------------------------------- device
@@ -156,7 +160,10 @@ def npu_smi_usages(index: int, timeout: float = 5.0) -> dict[str, Any]:
 
 def engine_figures(stats: Any) -> dict[str, Any]:
     """The engine keys of an `EngineStats`."""
-    return {"kv_blocks_used": stats.num_total_blocks - stats.num_free_blocks, "kv_blocks_total": stats.num_total_blocks,
+    worst = stats.expert_imbalance
+    return {"expert_tokens": list(stats.expert_totals) if stats.expert_tokens else None,
+            "expert_imbalance": worst[0] if worst else None, "expert_imbalance_layer": worst[1] if worst else None,
+            "kv_blocks_used": stats.num_total_blocks - stats.num_free_blocks, "kv_blocks_total": stats.num_total_blocks,
             "running": stats.num_running, "waiting": stats.num_waiting, "max_num_seqs": stats.max_num_seqs,
             "batch_occupancy": stats.batch_occupancy, "tokens_per_s": stats.tokens_per_s,
             "generated_tokens": stats.num_generated_tokens, "preemptions": stats.num_preemptions}
@@ -178,14 +185,19 @@ def read_node_metrics(address: str, timeout: float = 2.0) -> dict[str, Any]:
         text = response.read().decode()
     values: dict[str, float] = {}
     labels: dict[str, dict[str, str]] = {}
+    experts: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             values.setdefault(s.name, s.value)
             labels.setdefault(s.name, s.labels)
-    return figures_from_metrics(values, labels)
+            if s.name == "pdcluster_node_expert_tokens_total":
+                experts[int(s.labels["expert"])] = s.value
+    return figures_from_metrics(values, labels, experts)
 
 
-def figures_from_metrics(values: dict[str, float], labels: dict[str, dict[str, str]]) -> dict[str, Any]:
+def figures_from_metrics(values: dict[str, float], labels: dict[str, dict[str, str]],
+                         experts: dict[int, float] | None = None) -> dict[str, Any]:
+    """`experts`: pdcluster_node_expert_tokens_total by its expert label."""
     def num(name: str, cast: Callable = float) -> Any:
         return cast(values[name]) if name in values else None
 
@@ -211,7 +223,10 @@ def figures_from_metrics(values: dict[str, float], labels: dict[str, dict[str, s
                batch_occupancy=num("pdcluster_node_batch_occupancy_ratio"),
                tokens_per_s=num("pdcluster_node_tokens_per_second"),
                generated_tokens=num("pdcluster_node_generated_tokens_total", int),
-               preemptions=num("pdcluster_node_preemptions_total", int), timestamp=time.time())
+               preemptions=num("pdcluster_node_preemptions_total", int), timestamp=time.time(),
+               expert_tokens=[int(experts[e]) for e in sorted(experts)] if experts else None,
+               expert_imbalance=num("pdcluster_node_expert_imbalance_ratio"),
+               expert_imbalance_layer=num("pdcluster_node_expert_imbalance_layer", int))
     return out
 
 
@@ -222,7 +237,7 @@ class SpreadReport:
     """tokens/s over the sampled window: one rate per interval between consecutive samples in which the
     engine had work; `spread` = (max - min) / mean of them; `flagged` when above the threshold. `causes`:
     what the samples show that slows an engine down ("kv_pool_full", "batch_underfilled",
-    "device_memory_near_limit"), each explained in `details`."""
+    "device_memory_near_limit", "expert_imbalance"), each explained in `details`."""
 
     rates: list[float] = field(default_factory=list)
     mean_tokens_per_s: float = 0.0
@@ -275,6 +290,12 @@ def analyze(samples: list[dict[str, Any]], threshold: float = SPREAD_THRESHOLD) 
         worst = max(s["device_memory_used_bytes"] / s["device_memory_total_bytes"] for s in near)
         report.causes.append("device_memory_near_limit")
         report.details.append(f"device_memory_near_limit: device memory up to {worst:.0%} used")
+    imbalance = samples[-1].get("expert_imbalance")
+    if imbalance is not None and imbalance >= EXPERT_IMBALANCE:
+        report.causes.append("expert_imbalance")
+        report.details.append(f"expert_imbalance: in MoE layer {samples[-1].get('expert_imbalance_layer')} the "
+                              f"busiest expert got {imbalance:.1f}x the mean tokens per expert: its rank (expert "
+                              "parallelism) or its grouped GEMM bounds the layer's time")
     if report.flagged and not report.causes:
         report.details.append("no cause visible in the samples (KV pool, batch occupancy and device memory look "
                               "fine): the load itself varies, or the host is shared")

@@ -8,6 +8,7 @@ Nothing is stored: `store` is accepted and ignored, `previous_response_id` is re
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from typing import Any, AsyncIterator, Callable, Literal
@@ -118,7 +119,8 @@ def to_chat(req: ResponsesRequest) -> ChatCompletionRequest:
     elif req.tool_choice is not None:
         chat["tool_choice"] = req.tool_choice
     try:
-        return ChatCompletionRequest.model_validate_json(orjson.dumps(chat))
+        # stdlib json: orjson refuses integers past 64 bits, which a client may send (validation then refuses them)
+        return ChatCompletionRequest.model_validate_json(json.dumps(chat))
     except ValidationError as exc:   # a tool's name or schema chat refuses
         error = exc.errors()[0]
         raise bad_request(f"tools: {error['msg']}", param="tools") from None

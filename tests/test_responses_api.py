@@ -125,6 +125,7 @@ def test_function_tools_whole_streamed_and_back(env) -> None:
     ({"input": 5}, "input"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 2**70}, "for the completion"),   # past 64 bits (found by schemathesis)
     ({"input": "hi", "temperature": -1.0}, "temperature"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "other"}}, "tool_choice"),

@@ -7,6 +7,7 @@ from torch import nn
 
 from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.compiled import paged_attention
+from pdcluster.engine.layers.layernorm import RMSNorm
 from pdcluster.engine.layers.linear import MergedLinear, RowParallelLinear
 from pdcluster.engine.layers.rotary import apply_rotary
 from pdcluster.engine.parallel import TPGroup
@@ -17,7 +18,8 @@ class SelfAttention(nn.Module):
     (one replicated KV head when there are fewer KV heads than ranks): column-parallel QKV, row-parallel o_proj."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool, backend,
-                 window: int = 0, tp: TPGroup | None = None) -> None:
+                 window: int = 0, tp: TPGroup | None = None, qk_norm_eps: float | None = None) -> None:
+        """`qk_norm_eps`: RMS-normalize each query and key head before the rotary (Qwen3's q_norm / k_norm)."""
         super().__init__()
         tp = tp or TPGroup()
         num_heads, num_kv_heads = num_heads // tp.size, max(1, num_kv_heads // tp.size)
@@ -27,6 +29,8 @@ class SelfAttention(nn.Module):
         self.qkv_proj = MergedLinear(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
                                      bias=qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size * tp.size, hidden_size, tp)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.backend = backend
         # Per-layer strided views into the engine's KV pool, bound by the model runner.
         self.k_cache: torch.Tensor | None = None
@@ -39,7 +43,11 @@ class SelfAttention(nn.Module):
         the compiled body, where the opaque `paged_attention` op reads it from the step context."""
         qkv = self.qkv_proj(x)
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
-        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)  # q and k in one go
+        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = apply_rotary(qk, *rope)  # q and k in one go
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if meta is None:

@@ -51,6 +51,19 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     return get_mscale(factor)
 
 
+def mla_softmax_scale(qk_head_dim: int, scaling: dict[str, Any] | None) -> float:
+    """DeepSeek MLA's softmax scale: qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) squared
+    when the rope is scaled with `mscale_all_dim` (as transformers' `yarn_apply_mscale`): the temperature
+    correction of the whole head, of which `rope_attention_factor` already put mscale / mscale_all_dim into
+    the rotary part."""
+    scale = qk_head_dim ** -0.5
+    if scaling is None or not scaling.get("mscale_all_dim"):
+        return scale
+    factor, m = float(scaling["factor"]), float(scaling["mscale_all_dim"])
+    mscale = 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    return scale * mscale * mscale
+
+
 def _yarn_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
     """YaRN (arXiv 2309.00071): interpolate the low frequencies by `factor`, keep the high ones, ramp between the
     dimensions that turn `beta_slow` and `beta_fast` times over the original context."""
@@ -99,6 +112,9 @@ def key_rerotator(pool, head_dim: int, theta: float, scaling: dict[str, Any] | N
     blocks of `pool` (every layer) by `delta` positions. RoPE keys rotate by position, and R(p)R(d) = R(p + d),
     so a key written at cache position p becomes exactly the key of position p + delta (yarn's attention factor
     is already in the stored key and is not applied again)."""
+    if pool.latent:
+        raise ValueError("attention_sinks / streaming_window: not supported for MLA models (the latent cache "
+                         "holds the rope part apart from the compressed KV)")
     if pool.quantized:
         raise ValueError("attention_sinks / streaming_window: not supported with kv_cache_dtype='int8' "
                          "(moving a quantized key would requantize it)")

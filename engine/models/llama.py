@@ -1,6 +1,8 @@
 """Llama (MHA / GQA / MQA, llama3 and linear RoPE scaling, tied or untied embeddings).
 
-Mistral and Qwen2 share this code: Mistral is the same graph, Qwen2 adds QKV bias (`config.qkv_bias`)."""
+Mistral, Qwen2, Qwen3, Qwen3-MoE and Mixtral share this code: Mistral is the same graph, Qwen2 adds QKV bias
+(`config.qkv_bias`), Qwen3 per-head q/k RMSNorm (`config.qk_norm`); with `config.moe` the layers it names have a
+FusedMoE in place of the dense MLP (`make_mlp`)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from pdcluster.engine.layers.attention import SelfAttention
 from pdcluster.engine.layers.embedding import LMHead, VocabEmbedding
 from pdcluster.engine.layers.layernorm import RMSNorm
 from pdcluster.engine.layers.linear import MergedLinear
+from pdcluster.engine.layers.mla import MLAttention
 from pdcluster.engine.layers.mlp import GatedMLP
+from pdcluster.engine.layers.moe import FusedMoE, load_moe_tensor
 from pdcluster.engine.layers.rotary import RotaryEmbedding
 from pdcluster.engine.parallel import TPGroup
 
@@ -27,14 +31,19 @@ _FUSED = {
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend, index: int, tp: TPGroup) -> None:
+    """Pre-norm attention then MLP, with the residual carried into the next norm. `attn` / `mlp` replace the
+    default SelfAttention / GatedMLP (DeepSeek's MLA; a layer's FusedMoE)."""
+
+    def __init__(self, config: ModelConfig, backend, index: int, tp: TPGroup, mlp: nn.Module | None = None,
+                 attn: MLAttention | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim,
-                                       config.qkv_bias, backend, config.layer_window(index), tp)
+        self.self_attn: SelfAttention | MLAttention = attn if attn is not None else SelfAttention(
+            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.qkv_bias, backend,
+            config.layer_window(index), tp, qk_norm_eps=config.rms_norm_eps if config.qk_norm else None)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn.layer_index = index
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, tp)
+        self.mlp = mlp if mlp is not None else GatedMLP(config.hidden_size, config.intermediate_size, tp)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,13 +57,23 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+def make_mlp(config: ModelConfig, index: int, tp: TPGroup) -> nn.Module:
+    """Layer `index`'s feed-forward block: the routed experts on the MoE config's sparse layers, else dense."""
+    moe = config.moe
+    if moe is not None and index in moe.sparse_layers:
+        return FusedMoE(moe.num_experts, config.hidden_size, moe.intermediate_size, moe.routing(), tp,
+                        moe.expert_parallel, moe.correction_bias)
+    return GatedMLP(config.hidden_size, config.intermediate_size, tp)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend, dtype: torch.dtype, tp: TPGroup) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling,
                                       dtype)
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend, i, tp) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, i, tp, make_mlp(config, i, tp))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
@@ -74,12 +93,13 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`tp`: this process's tensor-parallel rank; the parameters are its shards (engine/tp_shards.py) and
     `load_weights` expects tensors already cut to them (engine/loader.py)."""
+    model_class: type[LlamaModel] = LlamaModel
 
     def __init__(self, config: ModelConfig, backend, dtype: torch.dtype, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.config = config
         tp = tp or TPGroup()
-        self.model = LlamaModel(config, backend, dtype, tp)
+        self.model = self.model_class(config, backend, dtype, tp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -93,7 +113,8 @@ class LlamaForCausalLM(nn.Module):
         """None on the tensor-parallel ranks other than 0 (`LMHead`)."""
         return self.lm_head(hidden)
 
-    def attention_layers(self) -> list[SelfAttention]:
+    def attention_layers(self) -> list[SelfAttention | MLAttention]:
+        """Each layer's attention (SelfAttention; MLAttention in DeepSeek), in order."""
         return [layer.self_attn for layer in self.model.layers if isinstance(layer, DecoderLayer)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -104,6 +125,10 @@ class LlamaForCausalLM(nn.Module):
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue
+            filled = load_moe_tensor(self, name, tensor)   # routed experts' tensors, either checkpoint layout
+            if filled is not None:
+                missing.difference_update(filled)
                 continue
             leaf = name.split(".")[-2] if name.count(".") >= 1 else ""
             if leaf in _FUSED:

@@ -37,7 +37,7 @@ ENV_CLUSTER = "PDCLUSTER_CLUSTER"
 LOAD_WAIT = 1.5  # seconds to listen for Load reports (nodes publish at ~2 Hz)
 METRICS_WAIT = 1.5  # seconds to wait for a node's /metrics
 USAGE_KEYS = ("device_kind", "device_utilization_pct", "device_memory_used_bytes", "device_memory_total_bytes",
-              "batch_occupancy", "preemptions")
+              "batch_occupancy", "preemptions", "expert_imbalance")
 DRAIN_POLL = 0.25
 
 
@@ -310,9 +310,9 @@ def status_table(nodes: list[NodeStatus], cluster: str):
 
     table = Table(title=f"pdcluster {cluster!r}: {len(nodes)} node(s)", title_justify="left")
     numbers = {"run", "wait", "KV used/free", "tok/s", "prefill tok/s", "util", "mem used/total", "xfer GB/s",
-               "uptime"}
+               "experts max/mean", "uptime"}
     for name in ("role", "node", "host", "state", "model", "run", "wait", "KV used/free", "tok/s", "prefill tok/s",
-                 "device", "util", "mem used/total", "xfer GB/s", "uptime", "version"):
+                 "device", "util", "mem used/total", "xfer GB/s", "experts max/mean", "uptime", "version"):
         table.add_column(name, justify="right" if name in numbers else "left", no_wrap=True)
     now = time.time()
     for n in nodes:
@@ -326,7 +326,7 @@ def status_table(nodes: list[NodeStatus], cluster: str):
                       _num(d["tokens_per_s"], "{:.1f}"), _num(d["prefill_tokens_per_s"], "{:.0f}"),
                       d["device_kind"] or "-",
                       _num(d["device_utilization_pct"], "{:.0f}%"), _memory(d),
-                      _num(d["transfer_gbps"], "{:.2f}"),
+                      _num(d["transfer_gbps"], "{:.2f}"), _num(d["expert_imbalance"], "{:.2f}"),
                       _uptime(d["uptime_s"]), d["version"])
     return table
 

@@ -35,6 +35,8 @@ def convert(
     out: str = typer.Argument(..., help="output directory (an earlier conversion there is replaced)"),
     dtype: str = typer.Option("float16", help="float32 | bfloat16 | float16: the weights are cast once, here"),
     tensor_parallel_size: int = typer.Option(1, help="write one pre-sharded file per tensor-parallel rank"),
+    enable_expert_parallel: bool = typer.Option(False, help="MoE: shard for engines run with enable_expert_parallel "
+                                                "(whole experts per rank)"),
 ) -> None:
     """Convert a checkpoint into the engine's format (safetensors in DTYPE, config, tokenizer, chat template,
     manifest; docs/engine.md). Written to a temp dir and renamed at the end: an interrupted run leaves nothing."""
@@ -50,7 +52,7 @@ def convert(
 
         try:
             path = convert_model(src, out, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                                 progress=progress)
+                                 progress=progress, expert_parallel=enable_expert_parallel)
         except (ValueError, OSError) as exc:
             typer.echo(f"pdcluster convert: {exc}", err=True)
             raise typer.Exit(2) from None

@@ -102,6 +102,7 @@ class NodeConfig(CommonConfig):
     enable_chunked_prefill: bool = engine_knob("enable_chunked_prefill")
     enable_prefix_caching: bool = engine_knob("enable_prefix_caching")
     tensor_parallel_size: int = engine_knob("tensor_parallel_size")
+    enable_expert_parallel: bool = engine_knob("enable_expert_parallel")
     collective_timeout: float = engine_knob("collective_timeout")
     attention_backend: str | None = engine_knob("attention_backend")
     enforce_eager: bool = engine_knob("enforce_eager")

@@ -436,3 +436,24 @@ class EngineStatsCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from expert_load_families(s)
+
+
+def expert_load_families(s: EngineStats):
+    """MoE expert load with label cardinality bounded by the expert count (not layers x experts): tokens per
+    expert summed over the MoE layers, and the most imbalanced layer's max / mean tokens per expert."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if not s.expert_tokens:
+        return
+    tokens = CounterMetricFamily("pdcluster_node_expert_tokens", "tokens routed to each routed expert, summed "
+                                 "over the MoE layers", labels=["expert"])
+    for expert, value in enumerate(s.expert_totals):
+        tokens.add_metric([str(expert)], value)
+    yield tokens
+    worst = s.expert_imbalance
+    if worst is not None:
+        yield GaugeMetricFamily("pdcluster_node_expert_imbalance_ratio", "max / mean tokens per expert of the most "
+                                "imbalanced MoE layer since the start (1 = even)", value=worst[0])
+        yield GaugeMetricFamily("pdcluster_node_expert_imbalance_layer", "decoder layer index of that layer",
+                                value=worst[1])

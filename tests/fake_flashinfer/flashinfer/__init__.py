@@ -16,6 +16,8 @@ Emulated:
 - BatchPrefillWithPagedKVCacheWrapper (prefill.py): __init__, plan, run
 - BatchDecodeWithPagedKVCacheWrapper (decode.py): __init__, plan, run
 - append_paged_kv_cache, get_batch_indices_positions, get_seq_lens (page.py)
+- fused_moe.cutlass_fused_moe (fused_moe.py)
+- mla.BatchMLAPagedAttentionWrapper (mla.py)
 
 Install it with tests/flashinfer_emulator.py (the `flashinfer_emulator` fixture, or `emulated_flashinfer()`).
 """
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 from flashinfer import _emulator
 from flashinfer.decode import BatchDecodeWithPagedKVCacheWrapper
+from flashinfer.fused_moe import ActivationType, cutlass_fused_moe
+from flashinfer.mla import BatchMLAPagedAttentionWrapper
 from flashinfer.page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens
 from flashinfer.prefill import BatchPrefillWithPagedKVCacheWrapper
 
@@ -31,6 +35,7 @@ __version__ = "0.6.17+emulated"
 EMULATED = True
 
 __all__ = [
-    "EMULATED", "BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper", "_emulator",
-    "append_paged_kv_cache", "get_batch_indices_positions", "get_seq_lens",
+    "EMULATED", "ActivationType", "BatchDecodeWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper", "_emulator", "append_paged_kv_cache", "cutlass_fused_moe",
+    "get_batch_indices_positions", "get_seq_lens",
 ]

@@ -24,6 +24,8 @@ Emulated operators:
 - npu_fused_infer_attention_score (attention.py)
 - npu_scatter_pa_kv_cache, _npu_reshape_and_cache (kv_cache.py)
 - npu_rms_norm, npu_add_rms_norm, npu_rotary_mul, npu_swiglu (layers.py)
+- npu_moe_gating_top_k, npu_moe_init_routing_v2, npu_grouped_matmul, npu_moe_finalize_routing (moe.py)
+- _npu_paged_attention_mla (mla.py)
 Not emulated: HCCL (`torch_npu._C._distributed_c10d`), NZ formats (npu_format_cast), graph mode.
 
 Install it with tests/npu_emulator.py (the `npu_emulator` fixture, or `emulated_torch_npu()`), which puts this
@@ -39,6 +41,13 @@ from torch_npu import npu
 from torch_npu.attention import npu_fused_infer_attention_score
 from torch_npu.kv_cache import _npu_reshape_and_cache, npu_scatter_pa_kv_cache
 from torch_npu.layers import npu_add_rms_norm, npu_rms_norm, npu_rotary_mul, npu_swiglu
+from torch_npu.mla import _npu_paged_attention_mla
+from torch_npu.moe import (
+    npu_grouped_matmul,
+    npu_moe_finalize_routing,
+    npu_moe_gating_top_k,
+    npu_moe_init_routing_v2,
+)
 
 __version__ = "2.5.1.emulated"
 EMULATED = True
@@ -46,6 +55,7 @@ EMULATED = True
 torch.npu = npu
 
 __all__ = [
-    "EMULATED", "_emulator", "_npu_reshape_and_cache", "npu", "npu_add_rms_norm", "npu_fused_infer_attention_score",
-    "npu_rms_norm", "npu_rotary_mul", "npu_scatter_pa_kv_cache", "npu_swiglu",
+    "EMULATED", "_emulator", "_npu_paged_attention_mla", "_npu_reshape_and_cache", "npu", "npu_add_rms_norm",
+    "npu_fused_infer_attention_score", "npu_grouped_matmul", "npu_moe_finalize_routing", "npu_moe_gating_top_k",
+    "npu_moe_init_routing_v2", "npu_rms_norm", "npu_rotary_mul", "npu_scatter_pa_kv_cache", "npu_swiglu",
 ]
