@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from pdcluster.control.config import knob, parse_bytes
+from pdcluster.engine.speculative.config import SpeculativeConfig, as_text
 from pdcluster.engine.weight_pool import SharedWeightPool, parse_spec
 
 if TYPE_CHECKING:
@@ -76,6 +77,11 @@ class EngineArgs:
     enforce_eager: bool = knob(True, help="run the model eagerly; false: torch.compile the model body "
                                           "(tensor_parallel_size 1, cached on disk)")
     seed: int = knob(0, help="base seed of the sampler")
+    speculative_config: str | dict | SpeculativeConfig | None = knob(
+        None, parse=as_text,
+        help='speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 3, '
+             '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}; '
+             'outputs are those of the model without it (docs/speculative_decoding.md)')
     # In code also a SharedWeightPool object; a config names one as NAME:SIZE (engine/weight_pool.py).
     weight_pool: str | SharedWeightPool | None = knob(
         None, help="share read-only weights with the engines on this host naming the same pool: NAME[:SIZE] "
@@ -85,6 +91,13 @@ class EngineArgs:
     # tensor-parallel ranks on CPU map the tensor: torch shared memory or a shared mapping of a file).
     kv_pool_tensor: Any = knob(None, setting=False)
     kv_pool_factory: Callable[[tuple[int, ...], Any], Any] | None = knob(None, setting=False)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config`, parsed (by __post_init__)."""
+        spec = self.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)
+        return spec
 
     def __post_init__(self) -> None:
         if self.collective_timeout <= 0:
@@ -108,6 +121,9 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.speculative_config is not None and (self.streaming_window or self.attention_sinks):
+            raise ValueError("speculative_config: not available with StreamingLLM (streaming_window, attention_sinks)")
         if isinstance(self.weight_pool, str):
             parse_spec(self.weight_pool)
         elif self.weight_pool is not None and not isinstance(self.weight_pool, SharedWeightPool):

@@ -103,6 +103,12 @@ class BlockManager:
         seq.num_cached_blocks = 0
         seq.num_freed_blocks = 0
 
+    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
+        """Release `seq`'s trailing blocks past those that hold its first `num_tokens` tokens (rejected drafts)."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
+
     def free_outside_window(self, seq: Sequence, window: int) -> int:
         """Release `seq`'s leading blocks that no later token can attend to: the next token computed sits at
         position `num_computed_tokens` and sees positions above it minus `window`. Returns how many were

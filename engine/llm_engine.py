@@ -28,6 +28,7 @@ from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.engine.parallel import check_tensor_parallel
 from pdcluster.engine.scheduler import ScheduledBatch, Scheduler, resolve_batched_tokens
 from pdcluster.engine.sequence import Sequence
+from pdcluster.engine.speculative.proposer import make_proposer
 from pdcluster.engine.stats import EngineStats
 from pdcluster.engine.tp_executor import TPWorkers
 from pdcluster.engine.weight_pool import SharedWeightPool
@@ -73,8 +74,13 @@ class LLMEngine:
             if workers is not None:
                 workers.wait_ready()
             kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
+            self.proposer = make_proposer(args, cfg, self.tokenizer, self.dtype, kv_dtype, self.device)
+            draft_bytes = self.proposer.kv_bytes_per_block(args.block_size) if self.proposer is not None else 0
             self.kv_pool, rank_pools = make_pool(cfg, args.block_size, kv_dtype, self.device, self.tp_size,
-                                                 self._num_blocks, args.kv_pool_tensor, args.kv_pool_factory)
+                                                 lambda per_block: self._num_blocks(per_block + draft_bytes),
+                                                 args.kv_pool_tensor, args.kv_pool_factory)
+            if self.proposer is not None:
+                self.proposer.bind(self.kv_pool.num_blocks, self.kv_pool.block_size)
             if workers is not None:
                 assert rank_pools is not None   # made for every tensor_parallel_size > 1
                 workers.bind_pool(rank_pools)
@@ -95,6 +101,7 @@ class LLMEngine:
         if args.streaming_window or args.attention_sinks:
             self.scheduler.enable_streaming(args.attention_sinks, args.streaming_window, self.kv_pool, cfg,
                                             self.tp_size)
+        self.num_speculative_tokens = args.speculative.num_speculative_tokens if args.speculative is not None else 0
         self._arrivals = 0
         self._grammars: GrammarCompiler | None = None   # made on the first structured-output request
         self.num_prefill_tokens = 0
@@ -252,6 +259,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         failed = [_request_output(seq) for seq in self.scheduler.admit_compiled()] \
             if self.scheduler.waiting_for_grammar else []
+        if self.proposer is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting_for_grammar:   # nothing runs but a compile: wait for it, do not spin
@@ -278,6 +287,29 @@ class LLMEngine:
         self._drop_old_rate_marks()
         return failed + [_request_output(seq)
                          for seq in self.scheduler.update_from_output(batch, sampled, tokens, logprobs)]
+
+    def _propose(self) -> None:
+        """Drafts for every sequence that decodes next step: at most num_speculative_tokens and the sequence's own
+        limit (it shrinks after rejections, `Scheduler._append`), none past its max_tokens or the context, only
+        what its grammar allows, and (a drafter with its own KV) only where its blocks could be reserved."""
+        assert self.proposer is not None
+        sched = self.scheduler
+        seqs = sched.drafting()
+        spec = self.args.speculative
+        assert spec is not None
+        if not seqs or 0 < spec.disable_by_batch_size <= len(sched.running):
+            return
+        limits = []
+        for seq in seqs:
+            k = min(seq.spec_limit or self.num_speculative_tokens, self.num_speculative_tokens,
+                    seq.params.max_tokens - len(seq.output_token_ids) - 1, seq.max_model_len - seq.num_tokens - 1)
+            if k > 0 and self.proposer.writes_kv and not sched.reserve_draft_slots(seq, k):
+                k = 0
+            limits.append(max(k, 0))
+        for seq, drafts in zip(seqs, self.proposer.propose(seqs, limits), strict=True):
+            if drafts and seq.grammar is not None:
+                drafts = drafts[:seq.grammar.valid_drafts(drafts)]
+            sched.set_drafts(seq, drafts)
 
     # ---- stats ----------------------------------------------------------------------------------
 
@@ -310,7 +342,11 @@ class LLMEngine:
             prefix_cache_query_tokens=bm.prefix_query_tokens, num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens, num_generated_tokens=self.num_generated_tokens,
             num_steps=self.num_steps, max_num_seqs=sched.max_num_seqs, tokens_per_s=self.tokens_per_s(),
-            expert_layers=self.runner.expert_load.layers, expert_tokens=self.runner.expert_load.read())
+            expert_layers=self.runner.expert_load.layers, expert_tokens=self.runner.expert_load.read(),
+            spec_method=self.args.speculative.method if self.args.speculative is not None else "",
+            spec_num_drafts=sched.spec.num_drafts, spec_num_draft_tokens=sched.spec.num_draft_tokens,
+            spec_num_accepted_tokens=sched.spec.num_accepted_tokens,
+            spec_accepted_per_position=tuple(sched.spec.accepted_per_position))
 
 
 def _prompts_finishing(batch: ScheduledBatch) -> list[PromptInStep]:
@@ -320,9 +356,10 @@ def _prompts_finishing(batch: ScheduledBatch) -> list[PromptInStep]:
 
 
 def _request_output(seq: Sequence) -> RequestOutput:
-    """The output of a sequence that just got one token (every step adds at most one per sequence): that
-    token, O(1) in the output length; the whole completion only once the sequence finished."""
+    """The output of a sequence after a step: the tokens the step appended (one, or several when drafts passed),
+    O(1) in the output length; the whole completion only once the sequence finished."""
     want_lp = seq.params.logprobs is not None
+    new = len(seq.output_token_ids) - seq.num_step_tokens
     completions = []
     if seq.stopped:
         completions.append(CompletionOutput(
@@ -332,8 +369,8 @@ def _request_output(seq: Sequence) -> RequestOutput:
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
     return RequestOutput(
         request_id=seq.request_id, prompt=None, prompt_token_ids=seq.prompt_token_ids, outputs=completions,
-        finished=seq.stopped, new_token_ids=seq.output_token_ids[-1:],
-        logprobs=seq.output_logprobs[-1:] if want_lp else None, finish_reason=seq.finish_reason,
+        finished=seq.stopped, new_token_ids=seq.output_token_ids[new:],
+        logprobs=seq.output_logprobs[new:] if want_lp else None, finish_reason=seq.finish_reason,
         num_cached_tokens=seq.num_cached_tokens, block_ids=list(seq.block_table) if seq.hold_blocks else None,
-        prompt_logprobs=seq.prompt_logprobs if len(seq.output_token_ids) == 1 or seq.stopped else None,
+        prompt_logprobs=seq.prompt_logprobs if new == 0 or seq.stopped else None,
         error=seq.error)

@@ -90,9 +90,15 @@ class ModelRunner:
         for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
             start = len(ids)
             c = seq.num_computed_tokens
+            drafts = seq.spec_token_ids
             if n == 1:
                 ids.append(seq.token_ids[c])
                 positions.append(c)
+            elif drafts:   # the last token and the drafts after it: a short chunk over the cached context
+                ids.append(seq.token_ids[c])
+                ids.extend(drafts)
+                positions.extend(range(c, c + n))
+                prefills.append((row, start, start + n, c))
             else:
                 ids.extend(seq.token_ids[c:c + n])
                 positions.extend(range(c, c + n))
@@ -103,7 +109,10 @@ class ModelRunner:
                     if first < end:
                         prompt_rows.extend(range(start + first - 1 - c, start + end - 1 - c))
                         prompt_spans.append((seq, first, end - first))
-            if c + n == seq.num_tokens:
+            if drafts:   # every row is scored: row j's token is what the model draws after the first j drafts
+                sample_rows.extend(range(start, start + n))
+                sample_seqs.append(seq)
+            elif c + n == seq.num_tokens:
                 sample_rows.append(start + n - 1)
                 sample_seqs.append(seq)
         max_blocks = max(len(s.block_table) for s in seqs)
@@ -160,21 +169,49 @@ class ModelRunner:
             raise self.workers.failure(exc) from exc
 
     def run(self, batch: ScheduledBatch, layer_done_callback: Callable[[int], None] | None = None):
-        """Returns (sequences that got a token, tokens, logprobs)."""
+        """Returns (sequences that got tokens, their tokens, their logprobs): one token per sequence, or for a
+        sequence with drafts the drafts that passed and the token drawn after them (`verify`)."""
         inputs, sample_seqs = self.prepare(batch)
         logits = self.execute_all_ranks(inputs, layer_done_callback)
         if logits is None:
             return [], [], []
-        requests = [SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids, s.grammar)
-                    for s in sample_seqs]
+        requests = []
+        for s in sample_seqs:
+            for j in range(len(s.spec_token_ids) + 1):
+                drafts = s.spec_token_ids[:j]
+                requests.append(SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids + drafts,
+                                              s.eos_token_ids, s.grammar, drafts))
         with torch.inference_mode():
             if inputs.prompt_spans:
-                _add_prompt_logprobs(logits[len(sample_seqs):], inputs.prompt_spans)
-                logits = logits[:len(sample_seqs)]
+                _add_prompt_logprobs(logits[len(requests):], inputs.prompt_spans)
+                logits = logits[:len(requests)]
             if not sample_seqs:
                 return [], [], []
             tokens, logprobs = self.sampler(logits, requests)
-        return sample_seqs, tokens, logprobs
+        token_lists, logprob_lists = verify(sample_seqs, tokens, logprobs)
+        return sample_seqs, token_lists, logprob_lists
+
+
+def verify(seqs: list[Sequence], tokens: list[int], logprobs: list) -> tuple[list[list[int]], list[list]]:
+    """Per sequence, from its rows' sampled tokens: the leading drafts equal to what the sampler drew in their
+    place, then the sampler's token after them. Each row is sampled as if the drafts before it had been the
+    output (penalties, grammar, min_tokens, and the seeded draw of its position), so the kept tokens are the
+    ones the step-by-step sampler would have drawn: for a proposal that is one token (every proposer here
+    drafts greedily), accepting a draft with the target's probability of it and otherwise drawing from the
+    rest is the rejection sampling of Leviathan et al. / Chen et al., and the output distribution is the
+    target's."""
+    token_lists: list[list[int]] = []
+    logprob_lists: list[list] = []
+    row = 0
+    for s in seqs:
+        drafts = s.spec_token_ids
+        kept = 0
+        while kept < len(drafts) and tokens[row + kept] == drafts[kept]:
+            kept += 1
+        token_lists.append(tokens[row:row + kept + 1])
+        logprob_lists.append(logprobs[row:row + kept + 1])
+        row += len(drafts) + 1
+    return token_lists, logprob_lists
 
 
 PROMPT_LOGPROB_ROWS = 256   # rows per log-softmax: bounds its fp32 copies of [rows, vocab]

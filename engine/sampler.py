@@ -39,6 +39,7 @@ class SampleRequest:
     output_ids: list[int]
     eos_token_ids: list[int] = field(default_factory=list)
     grammar: Any = None   # structured output (engine/structured_output.Grammar): masks the row's next tokens
+    drafts: list[int] = field(default_factory=list)   # the tail of output_ids that are drafts the grammar has not seen
 
     @property
     def position(self) -> int:
@@ -78,7 +79,7 @@ class Sampler:
         if self.bitmask is not None and any(r.grammar is not None for r in requests):
             # Structured output first, as vLLM: what follows (logprobs included) sees the masked distribution.
             logits = logits.float()
-            self.bitmask.apply(logits, [r.grammar for r in requests])
+            self.bitmask.apply(logits, [r.grammar for r in requests], [r.drafts for r in requests])
         plain_greedy = all(_is_greedy(r.params) and not r.params.has_penalties and r.params.logprobs is None
                            and not r.params.logit_bias
                            and len(r.output_ids) >= r.params.min_tokens for r in requests)

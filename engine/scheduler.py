@@ -49,6 +49,25 @@ def resolve_batched_tokens(value: int | str, max_model_len: int, enable_chunked_
 
 
 @dataclass
+class SpecDecodeCounts:
+    """Speculative decoding since the start (vLLM's spec_decode counters): steps that scored drafts, drafts,
+    accepted drafts, and accepted drafts by position (index j: the (j+1)-th draft of a step passed)."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def count(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+
+@dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -75,6 +94,7 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Sequence] = {}
         self.waiting_for_grammar: dict[str, Sequence] = {}   # structured output whose grammar still compiles
         self.num_preemptions = 0
+        self.spec = SpecDecodeCounts()
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
@@ -121,8 +141,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
+            del seq.spec_token_ids[max(n - 1, 0):]   # drafts past the budget wait (a decoding sequence: n = 1 + drafts)
             while not bm.allocate(seq, seq.num_computed_tokens + n):
+                if seq.spec_token_ids:   # drafts are given up before anyone is preempted
+                    seq.spec_token_ids, n = [], 1
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -160,6 +184,7 @@ class Scheduler:
         """Free the blocks; everything (prompt + outputs so far) is recomputed later."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids, seq.proposer_state = [], None
         seq.move_to(SequenceStatus.WAITING)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -189,13 +214,14 @@ class Scheduler:
 
     # ---- results --------------------------------------------------------------------------------
 
-    def update_from_output(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[int],
-                           logprobs: list) -> list[Sequence]:
+    def update_from_output(self, batch: ScheduledBatch, sampled: list[Sequence], tokens: list[list[int]],
+                           logprobs: list[list]) -> list[Sequence]:
         """Apply a step: the scheduled tokens are computed (full blocks go to the prefix cache), the sampled
-        sequences get their token, the ones that stopped finish. Returns the sampled sequences."""
+        sequences get their tokens (one, or with drafts the accepted ones and the token after them), the ones
+        that stopped finish. Returns the sampled sequences."""
         bm = self.block_manager
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - len(seq.spec_token_ids)   # drafts count once accepted (`_append`)
             bm.cache_full_blocks(seq)
             if self.sliding_window and not seq.hold_blocks:
                 bm.free_outside_window(seq, self.sliding_window)
@@ -217,14 +243,51 @@ class Scheduler:
         if dropped and self.on_evict is not None:
             self.on_evict(seq.block_table[sink // bs:], -dropped)
 
-    def _append(self, seq: Sequence, token: int, logprob) -> None:
-        seq.append_token(token, logprob)
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list) -> None:
+        """Append a step's tokens until one stops the sequence. With drafts, `tokens` are the accepted drafts and
+        the token sampled after them: the accepted drafts' KV was written this step; the rejected ones' slots
+        are past num_computed_tokens (rewritten before anything reads them) and their surplus blocks go back."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        seq.num_step_tokens = 0
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            seq.append_token(token, logprob)
+            seq.num_step_tokens += 1
+            if seq.stopped:
+                break
+        if drafts:
+            accepted = len(tokens) - 1
+            self.spec.count(len(drafts), accepted)
+            # the next draft length: two more after a step that kept every draft, one fewer after a rejection
+            # (transformers' assisted-generation schedule); the engine caps it at num_speculative_tokens
+            seq.spec_limit = len(drafts) + 2 if accepted == len(drafts) else max(1, len(drafts) - 1)
         if seq.stopped:
             self.running.remove(seq)
             seq.move_to(SequenceStatus.FINISHED)
             if not seq.hold_blocks:
                 self.block_manager.free(seq)
                 del self.requests[seq.request_id]
+        elif drafts:
+            seq.num_computed_tokens += seq.num_step_tokens - 1
+            self.block_manager.cache_full_blocks(seq)
+            self.block_manager.free_tail(seq, seq.num_tokens)
+
+    # ---- speculative decoding -------------------------------------------------------------------
+
+    def drafting(self) -> list[Sequence]:
+        """Running sequences that decode next step (one uncomputed token): the ones a proposer may draft for."""
+        return [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1 and not s.hold_blocks]
+
+    def set_drafts(self, seq: Sequence, drafts: list[int]) -> None:
+        """The drafts `seq`'s next step scores after its last token (`schedule` may keep fewer)."""
+        seq.spec_token_ids = list(drafts)
+
+    def reserve_draft_slots(self, seq: Sequence, k: int) -> bool:
+        """Blocks for `seq`'s next step with `k` drafts (a drafter writes its own KV at those positions first),
+        taken only while every running sequence keeps a free block to grow into. False: no drafts for it."""
+        need = -(-(seq.num_tokens + k) // self.block_size) - len(seq.block_table)
+        if need > 0 and self.block_manager.num_free_blocks - need < len(self.running):
+            return False
+        return self.block_manager.allocate(seq, seq.num_tokens + k)
 
     # ---- remote prefill (decode node) -----------------------------------------------------------
 
@@ -251,7 +314,7 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq)
         seq.move_to(SequenceStatus.RUNNING)
         self.running.append(seq)
-        self._append(seq, first_token, logprob)
+        self._append(seq, [first_token], [logprob])
         return seq
 
     def remote_kv_failed(self, request_id: str) -> None:

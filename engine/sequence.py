@@ -64,6 +64,12 @@ class Sequence:
         # structured output (engine/structured_output.Grammar): accepts every output token; None without one
         self.grammar: Any = None
         self.error: str | None = None               # why it finished with "abort" without being aborted
+        # speculative decoding: drafts for the positions after token_ids, scored by the next step (the scheduler
+        # sets and clears them); what the proposer keeps about this sequence's KV (None once its blocks are freed)
+        self.spec_token_ids: list[int] = []
+        self.spec_limit = 0                         # drafts the proposer may make next (0: the engine's maximum)
+        self.proposer_state: Any = None
+        self.num_step_tokens = 0                    # output tokens the last step appended (several when drafts passed)
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,24 @@ class EngineStats:
     # MoE models (engine/expert_load.py): tokens routed to each expert, one row per MoE layer, since the start
     expert_layers: tuple[int, ...] = ()  # the decoder layer index of each row
     expert_tokens: tuple[tuple[int, ...], ...] = ()
+    # speculative decoding (engine/scheduler.SpecDecodeCounts): the method ("": off), steps that scored drafts,
+    # drafts, accepted ones
+    spec_method: str = ""
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted drafts / drafts (0 before any)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a sequence step that scored drafts produced, on average: 1 + accepted drafts per such step
+        (vLLM's mean acceptance length; 0 before any)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     @property
     def num_used_blocks(self) -> int:

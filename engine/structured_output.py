@@ -114,25 +114,71 @@ class Grammar:
         return self.matcher
 
     def accept(self, token: int) -> None:
+        self._advance(token)
+
+    def _advance(self, token: int) -> int:
+        """Accept `token`; how many tokens the matcher took (0 while open, pending or terminated, else 1)."""
         if self._after:
             self._recent = (self._recent + [token])[-len(self._after):]
             if self._recent == self._after:
                 self._after = []
-            return
+            return 0
         if self.matcher is None and not self._future.done():
             self._pending.append(token)
-            return
-        self._accept_with(self.matcher_now(), token)
+            return 0
+        return self._accept_with(self.matcher_now(), token)
 
     def _accept(self, token: int) -> None:
         assert self.matcher is not None
         self._accept_with(self.matcher, token)
 
     @staticmethod
-    def _accept_with(matcher: xgr.GrammarMatcher, token: int) -> None:
-        if not matcher.is_terminated() and not matcher.accept_token(token):
+    def _accept_with(matcher: xgr.GrammarMatcher, token: int) -> int:
+        if matcher.is_terminated():
+            return 0
+        if not matcher.accept_token(token):
             # only after a sampler bug, or resumed tokens that never obeyed this grammar
             raise ValueError(f"structured_outputs: token {token} does not follow the grammar")
+        return 1
+
+    # ---- speculative decoding: drafts are tried on the matcher and rolled back ----------------------------
+
+    def valid_drafts(self, drafts: list[int]) -> int:
+        """How many leading `drafts` the grammar allows (none past its end). The matcher is left as it was."""
+        saved, taken, valid = (self._after, self._recent), 0, 0
+        try:
+            for token in drafts:
+                if not self._after:
+                    matcher = self.matcher_now()
+                    if matcher.is_terminated() or not matcher.accept_token(token):
+                        break
+                    taken += 1
+                else:
+                    self._advance(token)
+                valid += 1
+            return valid
+        finally:
+            self._restore(saved, taken)
+
+    def fill_after(self, mask: torch.Tensor, row: int, drafts: list[int]) -> bool:
+        """Fill `mask[row]` with the tokens allowed after the (valid) `drafts`; False, filling nothing, when the
+        grammar is still open after them. The matcher is left as it was."""
+        saved, taken = (self._after, self._recent), 0
+        try:
+            for token in drafts:
+                taken += self._advance(token)
+            if self._after:
+                return False
+            self.matcher_now().fill_next_token_bitmask(mask, row)
+            return True
+        finally:
+            self._restore(saved, taken)
+
+    def _restore(self, saved: tuple[list[int], list[int]], taken: int) -> None:
+        if taken:
+            assert self.matcher is not None
+            self.matcher.rollback(taken)
+        self._after, self._recent = saved
 
     @property
     def terminated(self) -> bool:
@@ -146,19 +192,28 @@ class BitmaskBuffer:
         self.vocab_size = vocab_size
         self._mask = xgr.allocate_token_bitmask(1, vocab_size)
 
-    def apply(self, logits: torch.Tensor, grammars: list[Grammar | None]) -> None:
-        """Mask, in place and in one op over the batch, every token the row's grammar does not allow next.
+    def apply(self, logits: torch.Tensor, grammars: list[Grammar | None],
+              drafts: list[list[int]] | None = None) -> None:
+        """Mask, in place and in one op over the batch, every token the row's grammar does not allow next (after
+        the row's `drafts`, when given: speculative decoding scores a sequence's drafts in consecutive rows).
         `logits` [rows, V'] (V' may be smaller or larger than the tokenizer's vocabulary)."""
-        rows = [i for i, g in enumerate(grammars) if g is not None and not g.open]
-        if not rows:
+        if all(g is None for g in grammars):
             return
         if self._mask.shape[0] < len(grammars):
             self._mask = xgr.allocate_token_bitmask(len(grammars), self.vocab_size)
         mask = self._mask[:len(grammars)]
-        for i in rows:
-            g = grammars[i]
-            assert g is not None
-            g.matcher_now().fill_next_token_bitmask(mask, i)
+        rows: list[int] = []
+        for i, g in enumerate(grammars):
+            if g is None:
+                continue
+            if drafts and drafts[i]:
+                if g.fill_after(mask, i, drafts[i]):
+                    rows.append(i)
+            elif not g.open:
+                g.matcher_now().fill_next_token_bitmask(mask, i)
+                rows.append(i)
+        if not rows:
+            return
         width = min(logits.shape[1], self.vocab_size)
         if logits.device.type != "cpu":
             mask = mask.to(logits.device, non_blocking=True)

@@ -38,9 +38,12 @@ EXPERT_IMBALANCE = 2.0    # MoE: the busiest expert of a layer at this multiple 
 KEYS = ("device_kind", "device_index", "device_utilization_pct", "device_memory_used_bytes",
         "device_memory_total_bytes", "device_source", "kv_blocks_used", "kv_blocks_total", "running", "waiting",
         "max_num_seqs", "batch_occupancy", "tokens_per_s", "generated_tokens", "preemptions",
-        "expert_tokens", "expert_imbalance", "expert_imbalance_layer", "timestamp")
+        "expert_tokens", "expert_imbalance", "expert_imbalance_layer", "spec_method", "spec_acceptance_rate",
+        "spec_mean_accepted_length", "timestamp")
 # expert_* (MoE models, else None): tokens per routed expert summed over the MoE layers (a list), and the most
 # imbalanced layer's max / mean tokens per expert with that layer's index, since the engine started
+# spec_* (speculative decoding, else None): the method, accepted / scored drafts, and 1 + accepted drafts per
+# sequence step that scored drafts (tokens such a step produced), since the engine started
 
 
 # ---------------------------------------------------------------------------------------------- device
@@ -166,7 +169,16 @@ def engine_figures(stats: Any) -> dict[str, Any]:
             "kv_blocks_used": stats.num_total_blocks - stats.num_free_blocks, "kv_blocks_total": stats.num_total_blocks,
             "running": stats.num_running, "waiting": stats.num_waiting, "max_num_seqs": stats.max_num_seqs,
             "batch_occupancy": stats.batch_occupancy, "tokens_per_s": stats.tokens_per_s,
-            "generated_tokens": stats.num_generated_tokens, "preemptions": stats.num_preemptions}
+            "generated_tokens": stats.num_generated_tokens, "preemptions": stats.num_preemptions,
+            **spec_figures(stats.spec_method, stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                           stats.spec_num_accepted_tokens)}
+
+
+def spec_figures(method: str | None, drafts: float, draft_tokens: float, accepted: float) -> dict[str, Any]:
+    if not method:
+        return {"spec_method": None, "spec_acceptance_rate": None, "spec_mean_accepted_length": None}
+    return {"spec_method": method, "spec_acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+            "spec_mean_accepted_length": 1.0 + accepted / drafts if drafts else None}
 
 
 def metrics_url(address: str) -> str:
@@ -227,6 +239,10 @@ def figures_from_metrics(values: dict[str, float], labels: dict[str, dict[str, s
                expert_tokens=[int(experts[e]) for e in sorted(experts)] if experts else None,
                expert_imbalance=num("pdcluster_node_expert_imbalance_ratio"),
                expert_imbalance_layer=num("pdcluster_node_expert_imbalance_layer", int))
+    out.update(spec_figures(labels.get("pdcluster_node_spec_decode_drafts_total", {}).get("method"),
+                            values.get("pdcluster_node_spec_decode_drafts_total", 0.0),
+                            values.get("pdcluster_node_spec_decode_draft_tokens_total", 0.0),
+                            values.get("pdcluster_node_spec_decode_accepted_tokens_total", 0.0)))
     return out
 
 

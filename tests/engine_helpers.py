@@ -68,3 +68,19 @@ def run_all(engine, prompts, params=GREEDY, prefix: str = "r") -> list[list[int]
         steps += 1
         assert steps < 5000, "engine did not finish"
     return [results[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
+def run_outputs(engine, prompts, params_list, **add_kw) -> list:
+    """Each request's final RequestOutput (ids r0, r1, ...), one SamplingParams per prompt."""
+    for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True)):
+        engine.add_request(f"r{i}", p, sp, **add_kw)
+    outs = {}
+    for _ in range(5000):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+    else:
+        raise AssertionError("engine did not finish")
+    return [outs[f"r{i}"] for i in range(len(prompts))]

@@ -274,7 +274,8 @@ def _flags(kind: str, argv: list[str]) -> dict:
 
 # Knobs whose text form is a keyword, not free text (`str | int`: a number or "auto"), or a CPU list.
 SAMPLES = {"max_num_batched_tokens": "auto", "cpu_cores": str(min(os.sched_getaffinity(0))),
-           "tool_call_parser": ["hermes", "big=mistral"], "reasoning_parser": ["qwen3", "big=deepseek_r1"]}
+           "tool_call_parser": ["hermes", "big=mistral"], "reasoning_parser": ["qwen3", "big=deepseek_r1"],
+           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}'}
 # Knobs whose only valid value is the default: setting another must fail with this (and not "unknown key").
 ONLY_DEFAULT: dict[str, str] = {}
 # Knobs naming a file that must exist when the config is validated, and knobs valid only with others set.

@@ -40,7 +40,7 @@ def test_update_from_output_advances_publishes_appends_and_finishes():
     batch = sched.schedule()
     assert batch.seqs == [a, b] and batch.num_new_tokens == [9, 5] and sched.running == [a, b]
     assert len(a.block_table) == 3 and len(b.block_table) == 2
-    got = sched.update_from_output(batch, [a, b], [7, 8], [None, None])
+    got = sched.update_from_output(batch, [a, b], [[7], [8]], [[None], [None]])
     assert got == [a, b] and a.num_computed_tokens == 9 and b.num_computed_tokens == 5
     assert a.output_token_ids == [7] and a.status is SequenceStatus.RUNNING
     # b stopped (max_tokens=1) and holds its blocks; its one full block is in the prefix cache.
@@ -50,7 +50,7 @@ def test_update_from_output_advances_publishes_appends_and_finishes():
                                 block_hashes(b.prompt_token_ids, 4)[0]: b.block_table[0]}
     batch = sched.schedule()
     assert batch.seqs == [a] and batch.num_new_tokens == [1]
-    sched.update_from_output(batch, [a], [9], [None])
+    sched.update_from_output(batch, [a], [[9]], [[None]])
     assert a.status is SequenceStatus.FINISHED and "a" not in sched.requests and not a.block_table
     sched.abort("b")
     assert not sched.requests and sched.block_manager.num_free_blocks == 8 and not any(sched.block_manager.ref_counts)
@@ -73,7 +73,7 @@ def test_preemption_frees_the_newest_and_recomputes_it_later():
     sched.add(a)
     sched.add(b)
     batch = sched.schedule()
-    sched.update_from_output(batch, batch.seqs, [1, 1], [None, None])   # 2 full blocks each, all 4 in use
+    sched.update_from_output(batch, batch.seqs, [[1], [1]], [[None], [None]])   # 2 full blocks each, all 4 in use
     batch = sched.schedule()            # both need a third block: b (newest) is preempted
     assert batch.seqs == [a] and sched.num_preemptions == 1 and list(sched.waiting) == [b]
     assert b.status is SequenceStatus.WAITING and b.num_computed_tokens == 0 and not b.block_table
@@ -129,7 +129,7 @@ def test_remote_kv_landed_refuses_unknown_and_not_waiting_requests():
     sched.add(local)
     with pytest.raises(ValueError, match="not waiting for remote KV .waiting."):
         sched.remote_kv_landed("local", 7)
-    sched.update_from_output(sched.schedule(), [local], [5], [None])
+    sched.update_from_output(sched.schedule(), [local], [[5]], [[None]])
     with pytest.raises(ValueError, match="not waiting for remote KV .running."):
         sched.remote_kv_landed("local", 7)
     r = _remote(sched, "r", [4, 5, 6])
@@ -146,7 +146,7 @@ def test_remote_kv_failed_frees_the_blocks_and_queues_a_local_prefill_with_prefi
     sched = _scheduler(num_blocks=8)
     warm = _seq("warm", list(range(10, 19)), max_tokens=1)           # caches the prompt's 2 full blocks
     sched.add(warm)
-    sched.update_from_output(sched.schedule(), [warm], [3], [None])
+    sched.update_from_output(sched.schedule(), [warm], [[3]], [[None]])
     seq = _remote(sched, "r", list(range(10, 22)))
     assert seq.num_cached_tokens == 8 and len(seq.block_table) == 3 and sched.block_manager.num_free_blocks == 5
     sched.remote_kv_failed("r")
@@ -158,7 +158,7 @@ def test_remote_kv_failed_frees_the_blocks_and_queues_a_local_prefill_with_prefi
     assert seq.status is S.WAITING and list(sched.waiting) == [seq]
     batch = sched.schedule()                    # a local prefill after the 2 cached blocks
     assert batch.seqs == [seq] and batch.num_new_tokens == [4] and seq.num_cached_tokens == 8
-    sched.update_from_output(batch, [seq], [9], [None])
+    sched.update_from_output(batch, [seq], [[9]], [[None]])
     assert seq.output_token_ids == [9]
     sched.abort("r")
     assert sched.block_manager.num_free_blocks == 8 and not any(sched.block_manager.ref_counts)
@@ -189,7 +189,7 @@ def test_abort_in_every_status_frees_every_block(status):
     sched = _scheduler(num_blocks=8)
     other = _seq("other", list(range(40, 47)), max_tokens=8)         # shares no blocks, stays
     sched.add(other)
-    sched.update_from_output(sched.schedule(), [other], [1], [None])
+    sched.update_from_output(sched.schedule(), [other], [[1]], [[None]])
     free = sched.block_manager.num_free_blocks
     seq = _seq("x", list(range(10, 19)), max_tokens=1 if status == "finished_holding" else 4,
                hold_blocks=status == "finished_holding")
@@ -201,7 +201,7 @@ def test_abort_in_every_status_frees_every_block(status):
         sched.add(seq)
         if status != "waiting":
             batch = sched.schedule()
-            sched.update_from_output(batch, batch.seqs, [5] * len(batch), [None] * len(batch))
+            sched.update_from_output(batch, batch.seqs, [[5]] * len(batch), [[None]] * len(batch))
     want = {"waiting": S.WAITING, "running": S.RUNNING, "waiting_for_remote_kv": S.WAITING_FOR_REMOTE_KV,
             "finished_holding": S.FINISHED, "failed_remote": S.WAITING}[status]
     assert seq.status is want and "x" in sched.requests

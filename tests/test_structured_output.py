@@ -11,7 +11,7 @@ import re
 import jsonschema
 import pytest
 import torch
-from engine_helpers import make_prompts
+from engine_helpers import make_prompts, run_outputs
 
 from pdcluster.control.sampling_params import SamplingParams
 
@@ -108,11 +108,11 @@ def test_engine_grammar_after_a_resumed_thinking_part(make_engine, tiny_llama):
     thinking = [40, 41, 42, 43, 44]   # free tokens, the last two the gate
     spec = {"json": SCHEMA, "after": thinking[-2:]}
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=120, structured_outputs=spec)
-    out = _run(engine, [prompt + thinking], [params], resumed_output_ids=thinking)[0]
+    out = run_outputs(engine, [prompt + thinking], [params], resumed_output_ids=thinking)[0]
     assert out.finish_reason == "stop" and out.error is None
     jsonschema.validate(json.loads(engine.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)),
                         SCHEMA)
-    failed = _run(engine, [prompt + thinking], [SamplingParams(**{**params.to_dict(), "structured_outputs":
+    failed = run_outputs(engine, [prompt + thinking], [SamplingParams(**{**params.to_dict(), "structured_outputs":
                                                                    {"json": SCHEMA}})],
                   resumed_output_ids=thinking)[0]
     assert failed.error is not None   # the free text does not follow the grammar
@@ -139,21 +139,6 @@ def test_an_invalid_grammar_fails_its_compile_naming_the_field(compiler, spec):
 
 # ---- the engine -----------------------------------------------------------------------------------
 
-def _run(engine, prompts, params_list, **add_kw):
-    for i, (p, sp) in enumerate(zip(prompts, params_list, strict=True)):
-        engine.add_request(f"r{i}", p, sp, **add_kw)
-    outs = {}
-    for _ in range(5000):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-    else:
-        raise AssertionError("engine did not finish")
-    return [outs[f"r{i}"] for i in range(len(prompts))]
-
-
 def _text(engine, out) -> str:
     return engine.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
 
@@ -166,7 +151,7 @@ def test_engine_json_schema_is_valid_for_many_seeds_with_penalties_and_logprobs(
                              repetition_penalty=1.1 if i % 3 == 0 else 1.0, presence_penalty=0.5 if i % 4 == 0 else 0.0,
                              logprobs=3 if i % 5 == 0 else None, structured_outputs={"json": SCHEMA})
               for i in range(n)]
-    outs = _run(engine, prompts, params)
+    outs = run_outputs(engine, prompts, params)
     assert engine.get_stats().num_waiting_for_grammar == 0
     for out, sp in zip(outs, params, strict=True):
         assert out.finish_reason == "stop", _text(engine, out)
@@ -175,7 +160,7 @@ def test_engine_json_schema_is_valid_for_many_seeds_with_penalties_and_logprobs(
             for sampled, top in out.outputs[0].logprobs:
                 assert sampled > -float("inf") and all(lp > -float("inf") for _, lp in top[:1])
     # seeded: the same outputs again, in a different batch
-    again = _run(engine, prompts[:3], params[:3])
+    again = run_outputs(engine, prompts[:3], params[:3])
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs[:3]]
 
 
@@ -186,7 +171,7 @@ def test_engine_regex_choice_json_object_and_grammar(make_engine, tiny_llama):
     prompts = make_prompts([9] * 16, seed=5)
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=200, structured_outputs=specs[i % 4])
               for i in range(16)]
-    for i, out in enumerate(_run(engine, prompts, params)):
+    for i, out in enumerate(run_outputs(engine, prompts, params)):
         text = _text(engine, out)
         kind = i % 4
         if kind == 2 and out.finish_reason == "length":   # a random model may nest JSON past max_tokens
@@ -207,17 +192,17 @@ def test_engine_resumed_request_rebuilds_the_matcher(make_engine, tiny_llama):
     engine = make_engine(tiny_llama)
     prompt = make_prompts([11], seed=9)[0]
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=120, structured_outputs={"json": SCHEMA})
-    whole = _run(engine, [prompt], [params])[0].outputs[0].token_ids
+    whole = run_outputs(engine, [prompt], [params])[0].outputs[0].token_ids
     cut = len(whole) // 2
     rest = SamplingParams(**{**params.to_dict(), "max_tokens": 120 - cut})
-    out = _run(engine, [prompt + whole[:cut]], [rest], resumed_output_ids=whole[:cut])[0]
+    out = run_outputs(engine, [prompt + whole[:cut]], [rest], resumed_output_ids=whole[:cut])[0]
     text = engine.tokenizer.decode(whole[:cut] + out.outputs[0].token_ids, skip_special_tokens=True)
     jsonschema.validate(json.loads(text), SCHEMA)
 
 
 def test_engine_fails_an_invalid_schema_with_the_field_named(make_engine, tiny_llama):
     engine = make_engine(tiny_llama)
-    out = _run(engine, [[5, 6, 7]], [SamplingParams(structured_outputs={"json": '{"type": "nonsense"}'})])[0]
+    out = run_outputs(engine, [[5, 6, 7]], [SamplingParams(structured_outputs={"json": '{"type": "nonsense"}'})])[0]
     assert out.finished and out.finish_reason == "abort"
     assert out.error is not None and "structured_outputs.json" in out.error
 

@@ -37,7 +37,8 @@ ENV_CLUSTER = "PDCLUSTER_CLUSTER"
 LOAD_WAIT = 1.5  # seconds to listen for Load reports (nodes publish at ~2 Hz)
 METRICS_WAIT = 1.5  # seconds to wait for a node's /metrics
 USAGE_KEYS = ("device_kind", "device_utilization_pct", "device_memory_used_bytes", "device_memory_total_bytes",
-              "batch_occupancy", "preemptions", "expert_imbalance")
+              "batch_occupancy", "preemptions", "expert_imbalance", "spec_method", "spec_acceptance_rate",
+              "spec_mean_accepted_length")
 DRAIN_POLL = 0.25
 
 
@@ -301,6 +302,14 @@ def _memory(d: dict[str, Any]) -> str:
     return "-" if used is None or total is None else f"{used / 2**30:.1f}/{total / 2**30:.1f} GiB"
 
 
+def _spec(d: dict[str, Any]) -> str:
+    """Speculative decoding: "<method> <acceptance %> x<mean accepted length>", or "-"."""
+    if not d.get("spec_method"):
+        return "-"
+    rate, length = d["spec_acceptance_rate"], d["spec_mean_accepted_length"]
+    return f"{d['spec_method']} " + ("no drafts yet" if rate is None else f"{rate:.0%} x{length:.2f}")
+
+
 STATE_STYLES = {"serving": "green", "cordoned": "yellow", "draining": "magenta", "unreachable": "red"}
 
 
@@ -310,13 +319,16 @@ def status_table(nodes: list[NodeStatus], cluster: str):
 
     table = Table(title=f"pdcluster {cluster!r}: {len(nodes)} node(s)", title_justify="left")
     numbers = {"run", "wait", "KV used/free", "tok/s", "prefill tok/s", "util", "mem used/total", "xfer GB/s",
-               "experts max/mean", "uptime"}
-    for name in ("role", "node", "host", "state", "model", "run", "wait", "KV used/free", "tok/s", "prefill tok/s",
-                 "device", "util", "mem used/total", "xfer GB/s", "experts max/mean", "uptime", "version"):
-        table.add_column(name, justify="right" if name in numbers else "left", no_wrap=True)
+               "experts max/mean", "spec decode", "uptime"}
     now = time.time()
-    for n in nodes:
-        d = n.to_dict(now)
+    rows = [n.to_dict(now) for n in nodes]
+    speculating = any(d.get("spec_method") for d in rows)   # the column only where a node speculates
+    for name in ("role", "node", "host", "state", "model", "run", "wait", "KV used/free", "tok/s", "prefill tok/s",
+                 "device", "util", "mem used/total", "xfer GB/s", "experts max/mean", "spec decode", "uptime",
+                 "version"):
+        if name != "spec decode" or speculating:
+            table.add_column(name, justify="right" if name in numbers else "left", no_wrap=True)
+    for n, d in zip(nodes, rows, strict=True):
         state = n.state if n.admin.state == "active" or n.admin.state == n.state else f"{n.state} ({n.admin.state})"
         kv = "-" if d["kv_blocks_used"] is None else f"{d['kv_blocks_used']}/{d['kv_blocks_free']}"
         if d["streams"] is not None:   # a router has no KV: its streams and errors in that column
@@ -327,7 +339,7 @@ def status_table(nodes: list[NodeStatus], cluster: str):
                       d["device_kind"] or "-",
                       _num(d["device_utilization_pct"], "{:.0f}%"), _memory(d),
                       _num(d["transfer_gbps"], "{:.2f}"), _num(d["expert_imbalance"], "{:.2f}"),
-                      _uptime(d["uptime_s"]), d["version"])
+                      *([_spec(d)] if speculating else []), _uptime(d["uptime_s"]), d["version"])
     return table
 
 

@@ -61,6 +61,7 @@ class NodeInfo:
     metrics_addr: str = ""  # http://host:port/metrics
     version: str = PDCLUSTER_VERSION
     capacity: Capacity = field(default_factory=Capacity)
+    speculative: str = ""  # nodes: the engine's speculative_config, canonical JSON ("": none)
     started_at: float = field(default_factory=time.time)  # unix seconds
 
     def to_json(self) -> str:

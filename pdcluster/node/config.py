@@ -26,6 +26,7 @@ from pdcluster.engine.args import EngineArgs
 if TYPE_CHECKING:
     import torch
 
+    from pdcluster.engine.speculative.config import SpeculativeConfig
     from pdcluster.engine.weight_pool import SharedWeightPool
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class NodeConfig(CommonConfig):
     attention_backend: str | None = engine_knob("attention_backend")
     enforce_eager: bool = engine_knob("enforce_eager")
     seed: int = engine_knob("seed")
+    speculative_config: str | dict | SpeculativeConfig | None = engine_knob("speculative_config")
     weight_pool: str | SharedWeightPool | None = engine_knob("weight_pool")
 
     def finish(self, kind: str) -> None:

@@ -186,6 +186,10 @@ class NodeService:
                         max_num_seqs=self.config.max_num_seqs, max_model_len=engine.model_config.max_model_len,
                         tensor_parallel_size=self.config.tensor_parallel_size)
 
+    def speculative(self) -> str:
+        spec = self.engine.args.speculative
+        return spec.to_json() if spec is not None else ""
+
     def served_model_name(self) -> str:
         """The model name requests for this node carry: the knob, or the model dir's name."""
         return self.config.served_model_name or os.path.basename(os.path.normpath(self.config.model))
@@ -195,19 +199,29 @@ class NodeService:
         return NodeInfo(node_id=self.node_id, role=self.role, model=self.served_model_name(),
                         host=self.config.host, control_addr=self.control.address, load_addr=self.load_pub.address,
                         metrics_addr=f"http://{self.config.host}:{self.metrics_server.port}/metrics",
-                        capacity=self.capacity(), started_at=self.started_at)
+                        capacity=self.capacity(), started_at=self.started_at, speculative=self.speculative())
 
-    def _tensor_parallel_mismatch(self) -> str:
-        """Why this node may not join (KV moves between prefill and decode engines of the same model only when
-        their tensor_parallel_size is equal: each rank's heads land in the same rank's slice), or ""."""
+    def _peer_mismatch(self) -> str:
+        """Why this node may not join, or "". KV moves between prefill and decode engines of the same model only
+        when their tensor_parallel_size is equal (each rank's heads land in the same rank's slice). Decode nodes
+        run the proposer and rebuild its state, so a prefill node needs no speculative_config; one that has one
+        must have its decode nodes' (anything else is a deployment that does not do what it says)."""
         other = {"prefill": "decode", "decode": "prefill"}.get(self.role)
-        mine = self.config.tensor_parallel_size
+        mine, my_spec = self.config.tensor_parallel_size, self.speculative()
         for peer in self.view.nodes_by_role(other) if other else []:
+            if peer.model != self.served_model_name():
+                continue
             theirs = peer.capacity.tensor_parallel_size
-            if peer.model == self.served_model_name() and theirs and theirs != mine:
+            if theirs and theirs != mine:
                 return (f"tensor_parallel_size {mine} differs from {other} node {peer.node_id}'s {theirs} for model "
                         f"{peer.model!r}: prefill and decode nodes of one model must use the same "
                         "tensor_parallel_size (KV heads move rank to rank); refusing to register")
+            prefill_spec, decode_spec = (my_spec, peer.speculative) if self.role == "prefill" \
+                else (peer.speculative, my_spec)
+            if prefill_spec and prefill_spec != decode_spec:
+                return (f"speculative_config {my_spec or 'none'} differs from {other} node {peer.node_id}'s "
+                        f"{peer.speculative or 'none'} for model {peer.model!r}: a prefill node has no "
+                        "speculative_config or its decode nodes'; refusing to register")
         return ""
 
     async def on_start(self) -> None:
@@ -241,7 +255,7 @@ class NodeService:
             return
         self.view.add_listener(self._on_view_change)
         await self.view.start(wait=5.0)
-        mismatch = self._tensor_parallel_mismatch()
+        mismatch = self._peer_mismatch()
         if mismatch:
             log.error("%s: %s", self.node_id, mismatch)
             self.exit_code = 2
@@ -436,7 +450,30 @@ class EngineStatsCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from spec_decode_families(s)
         yield from expert_load_families(s)
+
+
+def spec_decode_families(s: EngineStats):
+    """Speculative decoding counters, labelled with the method (none without speculative_config): acceptance
+    rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts."""
+    from prometheus_client.core import CounterMetricFamily
+
+    if not s.spec_method:
+        return
+    for name, doc, value in (("drafts", "sequence steps that scored drafts", s.spec_num_drafts),
+                             ("draft_tokens", "draft tokens scored", s.spec_num_draft_tokens),
+                             ("accepted_tokens", "draft tokens accepted", s.spec_num_accepted_tokens)):
+        family = CounterMetricFamily(f"pdcluster_node_spec_decode_{name}", f"speculative decoding: {doc}",
+                                     labels=["method"])
+        family.add_metric([s.spec_method], value)
+        yield family
+    per_position = CounterMetricFamily("pdcluster_node_spec_decode_accepted_tokens_per_position",
+                                       "speculative decoding: accepted drafts by their position in the step's "
+                                       "drafts (0: the first)", labels=["method", "position"])
+    for position, value in enumerate(s.spec_accepted_per_position):
+        per_position.add_metric([s.spec_method, str(position)], value)
+    yield per_position
 
 
 def expert_load_families(s: EngineStats):

@@ -1,0 +1,173 @@
+"""Speculative decoding against none, on the real model (SmolLM2-135M-Instruct), in the same run: output
+tokens/s of the same greedy requests on one engine without speculation and on engines with each proposer.
+
+Workloads (chat prompts through the model's template, `--tokens` output tokens at most):
+  copy    the answer copies from the prompt: repeat / rewrite / fix a given text or code (vLLM's n-gram case)
+  open    open-ended questions, greedy (a small model still repeats itself: n-gram finds matches)
+  sampled the open questions at temperature 1.0, top-p 0.95, seeded per request: little repetition (what the
+          proposers cost when they rarely help; seeded, so every side draws the same tokens)
+Sides, all loaded at once and timed in alternation round by round (the order rotates), each on the same
+prompts (new ones each round):
+  base    no speculation
+  ngram   {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+  draft   {"method": "draft_model", ...}: the same model in bfloat16 drafting for a float32 target (a drafter
+          that agrees often: the mechanism's gain and overhead; with --dtype bfloat16 it drafts for itself)
+Per workload and batch size (requests submitted together, at most --batch running): tokens/s per side (median
+over rounds), the per-round ratio to base (median [min-max]), acceptance rate and mean accepted length, and
+how many outputs equal base's (fp32: all expected; bf16 verification and decoding round differently, so a
+near-tie may flip).
+
+    .venv/bin/python benchmarks/speculative.py                         # every workload, batch 1 and 8, 3 rounds
+    .venv/bin/python benchmarks/speculative.py --batches 1 --rounds 5 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.args import EngineArgs
+from pdcluster.engine.llm_engine import LLMEngine
+
+TEXTS = [
+    "The committee met on Tuesday to review the budget for the coming year. After a long discussion, the members "
+    "agreed to increase funding for the library and the public parks, while reducing spending on new office "
+    "furniture. The final vote will take place next month.",
+    "def moving_average(values, window):\n    result = []\n    for i in range(len(values) - window + 1):\n"
+    "        total = 0\n        for j in range(window):\n            total += values[i + j]\n"
+    "        result.append(total / window)\n    return result\n",
+    "Our store opens at nine in the morning and closes at eight in the evening from Monday to Friday. On "
+    "Saturdays we open at ten and close at six. We are closed on Sundays and on public holidays.",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self, step=1):\n"
+    "        self.count += step\n        return self.count\n\n    def reset(self):\n        self.count = 0\n",
+    "Water boils at one hundred degrees Celsius at sea level. At higher altitudes the air pressure is lower, so "
+    "water boils at a lower temperature, and food takes longer to cook.",
+]
+COPY_ASKS = ["Repeat the following text exactly, word for word:\n\n{}",
+             "Rewrite the following, keeping every sentence, and fix any mistakes:\n\n{}",
+             "Here is some code. Return it unchanged but with a docstring added:\n\n{}",
+             "Copy this text and then add one sentence at the end:\n\n{}"]
+OPEN_ASKS = ["Write a short story about a {} who learns to sing.", "Give three tips for a {} visiting Paris.",
+             "Explain to a {} why the sky is blue.", "Describe the perfect weekend for a {}."]
+NOUNS = ["cat", "student", "sailor", "robot", "baker", "child", "pilot", "farmer", "teacher", "dragon"]
+
+
+def prompts(tokenizer, workload: str, n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        text = rng.choice(COPY_ASKS).format(rng.choice(TEXTS)) if workload == "copy" \
+            else rng.choice(OPEN_ASKS).format(rng.choice(NOUNS))
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        out.append(tokenizer.encode(chat, add_special_tokens=False))
+    return out
+
+
+def run(engine: LLMEngine, batch: list[list[int]], tokens: int, tag: str,
+        sampled: bool = False) -> tuple[float, list[list[int]], int]:
+    """(seconds, outputs, output tokens) of the requests run to the end together."""
+    for i, p in enumerate(batch):
+        params = SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=tokens) if sampled \
+            else SamplingParams(temperature=0.0, max_tokens=tokens)
+        engine.add_request(f"{tag}-{i}", p, params)
+    outs: dict[str, list[int]] = {}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+    seconds = time.perf_counter() - start
+    ordered = [outs[f"{tag}-{i}"] for i in range(len(batch))]
+    return seconds, ordered, sum(len(o) for o in ordered)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="target checkpoint directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
+    ap.add_argument("--workloads", nargs="+", default=["copy", "open", "sampled"],
+                    choices=["copy", "open", "sampled"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--sides", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"])
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from pdcluster.engine.convert import default_model_dir, default_model_source, ensure_converted
+
+    model = args.model or ensure_converted(default_model_source(), default_model_dir(args.dtype), args.dtype)[0]
+    drafter = args.model or ensure_converted(default_model_source(), default_model_dir("bfloat16"), "bfloat16")[0]
+    common = dict(model=model, dtype=args.dtype, max_num_seqs=max(args.batches), kv_cache_memory=1 << 30,
+                  max_model_len=1024)
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
+                       "prompt_lookup_min": 2},
+             "draft": {"method": "draft_model", "model": drafter, "num_speculative_tokens": args.k}}
+    engines = {"base": LLMEngine(EngineArgs(**common))}
+    for side in args.sides:
+        engines[side] = LLMEngine(EngineArgs(**common, speculative_config=specs[side]))
+    tokenizer = engines["base"].tokenizer
+    load = os.getloadavg()
+    results = []
+    for workload in args.workloads:
+        for batch in args.batches:
+            rates: dict[str, list[float]] = {s: [] for s in engines}
+            ratios: dict[str, list[float]] = {s: [] for s in engines if s != "base"}
+            same: dict[str, list[int]] = {s: [0, 0] for s in ratios}
+            before = {s: e.get_stats() for s, e in engines.items()}
+            warm = prompts(tokenizer, workload, batch, seed=999)
+            for e in engines.values():
+                run(e, warm, 16, "warm")
+            for r in range(args.rounds):
+                batch_prompts = prompts(tokenizer, workload, batch, seed=r)
+                order = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]
+                got = {}
+                for side in order:
+                    seconds, outs, n = run(engines[side], batch_prompts, args.tokens, f"{workload}{batch}-{r}",
+                                           sampled=workload == "sampled")
+                    rates[side].append(n / seconds)
+                    got[side] = outs
+                for side in ratios:
+                    ratios[side].append(rates[side][-1] / rates["base"][-1])
+                    same[side][0] += sum(a == b for a, b in zip(got[side], got["base"], strict=True))
+                    same[side][1] += batch
+            row = {"workload": workload, "batch": batch,
+                   "tok_s": {s: round(statistics.median(v), 1) for s, v in rates.items()}}
+            for side in ratios:
+                st, b0 = engines[side].get_stats(), before[side]
+                drafted = st.spec_num_draft_tokens - b0.spec_num_draft_tokens
+                accepted = st.spec_num_accepted_tokens - b0.spec_num_accepted_tokens
+                steps = st.spec_num_drafts - b0.spec_num_drafts
+                row[side] = {"ratio": round(statistics.median(ratios[side]), 2),
+                             "ratio_range": [round(min(ratios[side]), 2), round(max(ratios[side]), 2)],
+                             "acceptance": round(accepted / drafted, 3) if drafted else None,
+                             "mean_accepted_length": round(1 + accepted / steps, 2) if steps else None,
+                             "same_as_base": f"{same[side][0]}/{same[side][1]}"}
+            results.append(row)
+            if not args.json:
+                parts = [f"{workload:5s} batch {batch:3d}: base {row['tok_s']['base']:7.1f} tok/s"]
+                for side in ratios:
+                    d = row[side]
+                    parts.append(f"{side} {row['tok_s'][side]:7.1f} tok/s {d['ratio']:.2f}x "
+                                 f"[{d['ratio_range'][0]:.2f}-{d['ratio_range'][1]:.2f}] accept {d['acceptance']} "
+                                 f"len {d['mean_accepted_length']} same {d['same_as_base']}")
+                print(" | ".join(parts), flush=True)
+    if args.json:
+        print(json.dumps({"model": os.path.basename(model.rstrip("/")), "dtype": args.dtype, "k": args.k,
+                          "tokens": args.tokens, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
+                          "cpus": os.cpu_count(), "load_average_start": load, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

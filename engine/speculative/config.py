@@ -1,0 +1,89 @@
+"""`speculative_config` (vLLM's shape): which proposer drafts tokens on the decode side and how many per step.
+Torch-free: `EngineArgs` holds one, and the router imports the root package."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+LATER_METHODS = ("eagle", "eagle3", "mtp")   # vLLM's names we do not run yet: refused by name
+MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_LOOKUP = 5   # vLLM: prompt_lookup_min = prompt_lookup_max = 5 when neither is given
+
+
+def as_text(value: Any) -> Any:
+    """A config file's object value as JSON text (the knob's type is a string; flags and env give text)."""
+    return json.dumps(value) if isinstance(value, dict) else value
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 0      # ngram: shortest suffix matched earlier in the sequence
+    prompt_lookup_max: int = 0      # ngram: longest suffix tried first
+    model: str = ""                 # draft_model: its HF checkpoint directory (same tokenizer as the target)
+    disable_by_batch_size: int = 0  # no drafts in a step once this many sequences run (0: always draft)
+
+    @classmethod
+    def parse(cls, value: Any) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from a dict, a JSON object text, or one already made; None / "" / {} is off.
+        ValueError names the key at fault."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip() or value.strip().lower() in ("none", "null"):
+                return None
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"speculative_config: not a JSON object ({exc})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config: expected an object, got {type(value).__name__}")
+        if not value:
+            return None
+        d = dict(value)
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                 "draft_tensor_parallel_size", "disable_by_batch_size"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
+        method = d.get("method") or ("draft_model" if d.get("model") else "")
+        if method in LATER_METHODS:
+            raise ValueError(f"speculative_config.method: {method!r} is not available yet (available: "
+                             f"{', '.join(METHODS)})")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method: expected one of {', '.join(METHODS)}, got {method!r}")
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config.num_speculative_tokens: an integer in [1, "
+                             f"{MAX_SPECULATIVE_TOKENS}] is required, got {k!r}")
+        off = d.get("disable_by_batch_size") or 0
+        if not isinstance(off, int) or isinstance(off, bool) or off < 0:
+            raise ValueError(f"speculative_config.disable_by_batch_size: an integer >= 0 is required, got {off!r}")
+        if d.get("draft_tensor_parallel_size", 1) != 1:
+            raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 (the drafter runs on rank 0)")
+        if method == "ngram":
+            if d.get("model"):
+                raise ValueError("speculative_config.model: ngram uses no model")
+            lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+            lo, hi = (lo if lo is not None else hi or DEFAULT_LOOKUP), (hi if hi is not None else lo or DEFAULT_LOOKUP)
+            for name, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+                    raise ValueError(f"speculative_config.{name}: an integer >= 1 is required, got {n!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
+            return cls(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, disable_by_batch_size=off)
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if key in d:
+                raise ValueError(f"speculative_config.{key}: only for method ngram")
+        model = d.get("model")
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config.model: the draft model's checkpoint directory is required")
+        return cls(method, k, model=model, disable_by_batch_size=off)
+
+    def to_json(self) -> str:
+        """The canonical text of this config (keys sorted, unused fields dropped): what nodes compare."""
+        return json.dumps({k: v for k, v in asdict(self).items() if v not in (0, "")}, sort_keys=True)

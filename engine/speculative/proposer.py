@@ -1,0 +1,44 @@
+"""What the engine asks of a proposer, and the one that `speculative_config` names."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdcluster.engine.args import EngineArgs
+    from pdcluster.engine.config import ModelConfig
+    from pdcluster.engine.sequence import Sequence
+
+
+class Proposer(Protocol):
+    # True: it writes its own KV at the draft positions, so the scheduler reserves their blocks first
+    writes_kv: bool
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes of its own KV per block of the target's pool (the engine sizes the pool for both)."""
+        ...
+
+    def bind(self, num_blocks: int, block_size: int) -> None:
+        """The target pool is made: its KV (if any) gets the same block count, indexed by the same block ids."""
+        ...
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to `limits[i]` drafts for the positions after `seqs[i].token_ids` (greedy: one token each)."""
+        ...
+
+
+def make_proposer(args: EngineArgs, target: ModelConfig, tokenizer: Any, dtype: torch.dtype,
+                  kv_dtype: torch.dtype, device: torch.device) -> Proposer | None:
+    spec = args.speculative
+    if spec is None:
+        return None
+    if spec.method == "ngram":
+        from pdcluster.engine.speculative.ngram import NgramProposer
+
+        return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    from pdcluster.engine.speculative.draft_model import DraftModelProposer
+
+    return DraftModelProposer(spec.model, target, tokenizer, dtype, kv_dtype, device, args.attention_backend,
+                              args.seed)
