@@ -297,7 +297,11 @@ class LLMEngine:
         seqs = sched.drafting()
         spec = self.args.speculative
         assert spec is not None
-        if not seqs or 0 < spec.disable_by_batch_size <= len(sched.running):
+        if 0 < spec.disable_by_batch_size <= len(sched.running):
+            for seq in seqs:   # drafts a sequence still holds from a step that did not reach it go too
+                sched.set_drafts(seq, [])
+            return
+        if not seqs:
             return
         limits = []
         for seq in seqs:

@@ -79,19 +79,38 @@ class ChoiceRun:
                 last = now
                 self.num_tokens += len(msg.ids)
             logprobs = _parse_logprobs(msg.ids, msg.logprobs)
-            text = self.detokenizer.add(msg.ids) if msg.ids else ""
-            if msg.finish is not None:
-                text += self.detokenizer.flush()
-            emit, stopped = self.stop.feed(text)
+            emit, stopped, kept = self._text(msg.ids, msg.finish is not None)
             if stopped:
+                self.num_tokens -= len(msg.ids) - kept
                 self.stream.abort("stop_string")
-                yield ChoiceDelta(self.index, emit, logprobs, "stop")
+                yield ChoiceDelta(self.index, emit, logprobs[:kept], "stop")
                 return
             if msg.finish is not None:
                 yield ChoiceDelta(self.index, emit + self.stop.flush(), logprobs, msg.finish)
                 return
             if emit or logprobs:
                 yield ChoiceDelta(self.index, emit, logprobs)
+
+    def _text(self, ids: list[int], last: bool) -> tuple[str, bool, int]:
+        """(text to emit, a stop string matched, tokens kept) of one message's ids. A message of several tokens
+        (a decode step that accepted speculative drafts, or a backlog) meets the stop strings token by token:
+        the tokens after the one that completes a stop string are dropped, as if they had come one by one."""
+        if len(ids) > 1 and self.stop.stops:
+            emitted = []
+            for i, token in enumerate(ids):
+                piece = self.detokenizer.add([token])
+                if last and i == len(ids) - 1:
+                    piece += self.detokenizer.flush()
+                emit, stopped = self.stop.feed(piece)
+                emitted.append(emit)
+                if stopped:
+                    return "".join(emitted), True, i + 1
+            return "".join(emitted), False, len(ids)
+        text = self.detokenizer.add(ids) if ids else ""
+        if last:
+            text += self.detokenizer.flush()
+        emit, stopped = self.stop.feed(text)
+        return emit, stopped, len(ids)
 
     def _head(self) -> ChoiceDelta | None:
         """The delta before the generated text: the echoed prompt and the prompt logprobs, once the first

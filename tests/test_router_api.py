@@ -531,3 +531,17 @@ def test_nodes_max_model_len_routes_and_refuses_with_400(env: Env) -> None:
     out = env.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
     assert out.choices[0].finish_reason == "stop"
     assert big.generates[-1].sampling["max_tokens"] == 128 - len(big.generates[-1].prompt_ids)
+
+
+def test_stop_string_inside_a_multi_token_message_counts_as_token_by_token(env: Env) -> None:
+    """A decode step that accepted speculative drafts sends several tokens in one message: the tokens after the
+    one that completes a stop string are dropped (usage, logprobs), as if they had come one by one."""
+    seen = {}
+    for chunk in (1, 4):
+        env.use_nodes("ok", delay=0.01, chunk=chunk)
+        out = env.client.completions.create(model="tiny", prompt="Hello", max_tokens=40, stop=["brown f"],
+                                            logprobs=1)
+        choice = out.choices[0]
+        seen[chunk] = (choice.text, choice.finish_reason, out.usage.completion_tokens, choice.logprobs.tokens)
+    assert seen[4] == seen[1]
+    assert seen[1][:2] == (" The quick ", "stop") and seen[1][2] == len(seen[1][3]) == 4
