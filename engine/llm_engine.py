@@ -101,7 +101,6 @@ class LLMEngine:
         if args.streaming_window or args.attention_sinks:
             self.scheduler.enable_streaming(args.attention_sinks, args.streaming_window, self.kv_pool, cfg,
                                             self.tp_size)
-        self.num_speculative_tokens = args.speculative.num_speculative_tokens if args.speculative is not None else 0
         self._arrivals = 0
         self._grammars: GrammarCompiler | None = None   # made on the first structured-output request
         self.num_prefill_tokens = 0
@@ -304,8 +303,9 @@ class LLMEngine:
         if not seqs:
             return
         limits = []
+        most = spec.num_speculative_tokens
         for seq in seqs:
-            k = min(seq.spec_limit or self.num_speculative_tokens, self.num_speculative_tokens,
+            k = min(seq.spec_limit or most, most,
                     seq.params.max_tokens - len(seq.output_token_ids) - 1, seq.max_model_len - seq.num_tokens - 1)
             if k > 0 and self.proposer.writes_kv and not sched.reserve_draft_slots(seq, k):
                 k = 0

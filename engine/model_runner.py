@@ -177,7 +177,9 @@ class ModelRunner:
             return [], [], []
         requests = []
         for s in sample_seqs:
-            for j in range(len(s.spec_token_ids) + 1):
+            requests.append(SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids, s.eos_token_ids,
+                                          s.grammar))
+            for j in range(1, len(s.spec_token_ids) + 1):   # a row per draft: the output as if they passed
                 drafts = s.spec_token_ids[:j]
                 requests.append(SampleRequest(s.params, s.prompt_token_ids, s.output_token_ids + drafts,
                                               s.eos_token_ids, s.grammar, drafts))
