@@ -81,6 +81,20 @@ def test_configs_parse_from_dicts_and_text_with_vllm_defaults():
         EngineArgs(model="/m", speculative_config=text, streaming_window=64)
 
 
+def test_a_node_record_carries_the_config_as_text_and_refuses_anything_else():
+    """Peers compare the canonical text only (never parse it); a record whose field is not a string is dropped."""
+    from pdcluster.control.records import NodeInfo
+
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    info = NodeInfo(node_id="d0", role="decode", speculative=spec.to_json())
+    assert NodeInfo.from_json(info.to_json()).speculative == spec.to_json()
+    body = json.loads(info.to_json())
+    for bad in (5, ["x"], {"method": "ngram"}, None):
+        with pytest.raises(ValueError, match="speculative must be a string"):
+            NodeInfo.from_json(json.dumps({**body, "speculative": bad}))
+    assert NodeInfo.from_json(json.dumps({k: v for k, v in body.items() if k != "speculative"})).speculative == ""
+
+
 def test_ngram_lookup_prefers_the_longest_suffix_and_a_full_continuation():
     p = NgramProposer(1, 3)
     assert p.lookup([1, 2, 3, 4, 5, 1, 2, 3], 2) == [4, 5]            # 3-gram [1, 2, 3]
