@@ -327,14 +327,15 @@ class DecodeNode(NodeService):
         self.kv_bytes_moved += result.nbytes
         self.metrics.remote_prefill_seconds.observe(time.monotonic() - req.remote_started)
         self.metrics.prefills.labels("remote").inc()
-        log.info("request %s: prefill done on %s (%d KV bytes via %s)", rid, req.prefill_node, result.nbytes,
-                 backend, extra={"request_id": rid})
+        log.info("request %s: prefill done on %s (%d KV bytes via %s, %d feature bytes)", rid, req.prefill_node,
+                 result.nbytes, backend, len(done.features), extra={"request_id": rid})
         req.move(State.ENGINE)
         req.prefill_path = f"remote:{req.prefill_node}"
         req.num_cached_tokens = max(req.num_cached_tokens, done.num_cached_tokens)
 
         def landed(engine: LLMEngine) -> None:
-            out = engine.remote_kv_landed(rid, done.first_token, first_lp)
+            features = (done.features_start, done.features_dtype, done.features) if done.features else None
+            out = engine.remote_kv_landed(rid, done.first_token, first_lp, features)
             # From the engine thread, so the first token reaches the loop before the next step's tokens.
             self.loop.call_soon_threadsafe(self.engine_outputs, [out])
 

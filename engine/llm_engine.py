@@ -28,6 +28,7 @@ from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.engine.parallel import check_tensor_parallel
 from pdcluster.engine.scheduler import ScheduledBatch, Scheduler, resolve_batched_tokens
 from pdcluster.engine.sequence import Sequence
+from pdcluster.engine.speculative.head_proposer import HeadProposer
 from pdcluster.engine.speculative.proposer import make_proposer
 from pdcluster.engine.stats import EngineStats
 from pdcluster.engine.tp_executor import TPWorkers
@@ -74,7 +75,8 @@ class LLMEngine:
             if workers is not None:
                 workers.wait_ready()
             kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
-            self.proposer = make_proposer(args, cfg, self.tokenizer, self.dtype, kv_dtype, self.device)
+            self.proposer = make_proposer(args, cfg, self.tokenizer, self.runner, self.dtype, kv_dtype,
+                                          self.device)
             draft_bytes = self.proposer.kv_bytes_per_block(args.block_size) if self.proposer is not None else 0
             self.kv_pool, rank_pools = make_pool(cfg, args.block_size, kv_dtype, self.device, self.tp_size,
                                                  lambda per_block: self._num_blocks(per_block + draft_bytes),
@@ -212,16 +214,22 @@ class LLMEngine:
                 raise
         return True
 
-    def remote_kv_landed(self, request_id: str, first_token: int, first_logprobs=None) -> RequestOutput:
+    def remote_kv_landed(self, request_id: str, first_token: int, first_logprobs=None,
+                         prompt_features: tuple[int, str, bytes] | None = None) -> RequestOutput:
         """The prompt KV of a `remote_kv` request is in its blocks: it runs from `first_token` (sampled by the
         remote side) on. The returned output reports that token (and whether the request finished on it).
-        ValueError when the request is not waiting for remote KV, or the token is outside the vocabulary."""
+        `prompt_features`: the remote side's `RequestOutput.prompt_features`, for a hidden-state head (ignored
+        when they do not fit). ValueError when the request is not waiting for remote KV, or the token is outside
+        the vocabulary."""
         if not 0 <= int(first_token) < self.model_config.vocab_size:
             raise ValueError(f"first_token: {first_token} is not in [0, {self.model_config.vocab_size})")
         seq = self.scheduler.waiting_for_kv.get(request_id)
         if seq is not None and seq.grammar is not None:
             seq.grammar.matcher_now()   # the remote side compiled it too: a short wait, or its ValueError
-        return _request_output(self.scheduler.remote_kv_landed(request_id, int(first_token), first_logprobs))
+        seq = self.scheduler.remote_kv_landed(request_id, int(first_token), first_logprobs)
+        if prompt_features is not None and isinstance(self.proposer, HeadProposer) and not seq.stopped:
+            self.proposer.accept_prompt_features(seq, *prompt_features)
+        return _request_output(seq)
 
     def remote_kv_failed(self, request_id: str) -> None:
         """The remote prefill of a `remote_kv` request is given up (no write can land any more): its reserved
@@ -284,36 +292,52 @@ class LLMEngine:
         self.num_generated_tokens += len(sampled)
         self._rate_marks.append((time.monotonic(), self.num_generated_tokens))
         self._drop_old_rate_marks()
-        return failed + [_request_output(seq)
-                         for seq in self.scheduler.update_from_output(batch, sampled, tokens, logprobs)]
+        done = self.scheduler.update_from_output(batch, sampled, tokens, logprobs)
+        outputs = [_request_output(seq) for seq in done]
+        if isinstance(self.proposer, HeadProposer):   # a prefill node's prompt: its features go with its KV
+            for seq, out in zip(done, outputs, strict=True):
+                if seq.stopped and seq.hold_blocks:
+                    out.prompt_features = self.proposer.export_prompt_features(seq)
+        return failed + outputs
 
     def _propose(self) -> None:
         """Drafts for every sequence that decodes next step: at most num_speculative_tokens and the sequence's own
         limit (it shrinks after rejections, `Scheduler._append`), none past its max_tokens or the context, only
-        what its grammar allows, and (a drafter with its own KV) only where its blocks could be reserved."""
-        assert self.proposer is not None
+        what its grammar allows, and (a drafter with its own KV) only where its blocks could be reserved. A
+        proposer that follows the target's hidden states also gets the other running sequences (limit 0)."""
+        proposer = self.proposer
+        assert proposer is not None
         sched = self.scheduler
         seqs = sched.drafting()
         spec = self.args.speculative
         assert spec is not None
-        if 0 < spec.disable_by_batch_size <= len(sched.running):
+        off = 0 < spec.disable_by_batch_size <= len(sched.running)
+        if off:
             for seq in seqs:   # drafts a sequence still holds from a step that did not reach it go too
                 sched.set_drafts(seq, [])
-            return
-        if not seqs:
-            return
         limits = []
         most = spec.num_speculative_tokens
         for seq in seqs:
-            k = min(seq.spec_limit or most, most,
-                    seq.params.max_tokens - len(seq.output_token_ids) - 1, seq.max_model_len - seq.num_tokens - 1)
-            if k > 0 and self.proposer.writes_kv and not sched.reserve_draft_slots(seq, k):
+            k = 0 if off else min(seq.spec_limit or most, most, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                                  seq.max_model_len - seq.num_tokens - 1)
+            if k > 0 and proposer.writes_kv and not sched.reserve_draft_slots(seq, k):
                 k = 0
             limits.append(max(k, 0))
-        for seq, drafts in zip(seqs, self.proposer.propose(seqs, limits), strict=True):
+        if proposer.follows_target:
+            drafting = {id(s) for s in seqs}
+            # (not a prefill node's prompts: their features are kept for the decode node's head)
+            others = [s for s in sched.running
+                      if id(s) not in drafting and s.proposer_state is not None and not s.hold_blocks]
+            seqs, limits = seqs + others, limits + [0] * len(others)
+        elif off:
+            return
+        if not seqs:
+            return
+        for seq, k, drafts in zip(seqs, limits, proposer.propose(seqs, limits), strict=True):
             if drafts and seq.grammar is not None:
                 drafts = drafts[:seq.grammar.valid_drafts(drafts)]
-            sched.set_drafts(seq, drafts)
+            if k > 0 or seq.spec_token_ids:
+                sched.set_drafts(seq, drafts)
 
     # ---- stats ----------------------------------------------------------------------------------
 

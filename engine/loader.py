@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -104,6 +104,15 @@ def iter_weights(model_dir: str, config: ModelConfig | None = None,
                     index[dim] = slice(start, start + length)
                     pieces.append(part[tuple(index)])
                 yield name, pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=cuts[0][0])
+
+
+def read_tensors(model_dir: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors whose names `wanted` accepts, whole, reading no others."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if wanted(name):
+                    yield name, f.get_tensor(name)
 
 
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,

@@ -56,6 +56,10 @@ class ModelRunner:
             self.compiled = CompiledBody(lambda ids, positions: body(ids, positions, None),
                                          self.model.attention_layers())
         self.sampler = Sampler(seed=seed)
+        # A hidden-state head (engine/speculative/heads.py) takes each step's last hidden states (or the
+        # residual stream entering the layers `capture_layers` names, concatenated) of its tokens
+        self.feature_sink: Callable[[Sequence, int, torch.Tensor], None] | None = None
+        self.features: torch.Tensor | None = None
         self.kv_pool: KVCachePool | None = None
         self.block_size = 0
 
@@ -70,68 +74,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = pool.layer_views(i, rank)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
-        """Flattened inputs (on CPU); decodes (one new token) first, then prefill chunks. Also the sequences
-        that get a token this step, in the order of `sample_rows`."""
-        bs = self.block_size
-        # Decodes sorted by context length, so that rows of similar length are neighbours (the torch backend
-        # gathers decode K/V in groups of rows: TorchAttentionMetadata.decode_groups).
-        order = sorted(range(len(batch)),
-                       key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens))
-        seqs = [batch.seqs[i] for i in order]
-        counts = [batch.num_new_tokens[i] for i in order]
-        num_decode = sum(1 for n in counts if n == 1)
-        ids: list[int] = []
-        positions: list[int] = []
-        sample_rows: list[int] = []
-        sample_seqs: list[Sequence] = []
-        prefills: list[tuple[int, int, int, int]] = []   # (row in batch, start, end, num_cached)
-        prompt_rows: list[int] = []
-        prompt_spans: list[tuple[Sequence, int, int]] = []
-        for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
-            start = len(ids)
-            c = seq.num_computed_tokens
-            drafts = seq.spec_token_ids
-            if n == 1:
-                ids.append(seq.token_ids[c])
-                positions.append(c)
-            elif drafts:   # the last token and the drafts after it: a short chunk over the cached context
-                ids.append(seq.token_ids[c])
-                ids.extend(drafts)
-                positions.extend(range(c, c + n))
-                prefills.append((row, start, start + n, c))
-            else:
-                ids.extend(seq.token_ids[c:c + n])
-                positions.extend(range(c, c + n))
-                prefills.append((row, start, start + n, c))
-                if seq.needs_prompt_logprobs:   # the logits at position p score prompt token p + 1
-                    assert seq.prompt_logprobs is not None
-                    first, end = max(c + 1, len(seq.prompt_logprobs)), min(c + n, seq.num_prompt_tokens - 1) + 1
-                    if first < end:
-                        prompt_rows.extend(range(start + first - 1 - c, start + end - 1 - c))
-                        prompt_spans.append((seq, first, end - first))
-            if drafts:   # every row is scored: row j's token is what the model draws after the first j drafts
-                sample_rows.extend(range(start, start + n))
-                sample_seqs.append(seq)
-            elif c + n == seq.num_tokens:
-                sample_rows.append(start + n - 1)
-                sample_seqs.append(seq)
-        max_blocks = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
-                              dtype=torch.int32)
-        counts_t = torch.tensor(counts, dtype=torch.long)
-        positions_t = torch.tensor(positions, dtype=torch.long)
-        seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
-        slots = (tables[seq_of_token, positions_t // bs] * bs + positions_t % bs).to(torch.int32)
-        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=num_decode)
-        if num_decode:
-            dec_blocks = max(len(s.block_table) for s in seqs[:num_decode])
-            meta.decode_block_tables = tables[:num_decode, :dec_blocks]
-            meta.decode_context_lens = (positions_t[:num_decode] + 1).to(torch.int32)
-        for row, start, end, c in prefills:
-            nblocks = -(-(c + end - start) // bs)
-            meta.prefills.append(PrefillChunk(start, end, c, tables[row, :nblocks]))
-        return (StepInputs(torch.tensor(ids, dtype=torch.long), positions_t, meta, sample_rows + prompt_rows,
-                           prompt_spans), sample_seqs)
+        return prepare_step(batch, self.block_size)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs,
@@ -141,7 +84,9 @@ class ModelRunner:
         inputs = inputs.to(self.device)
         meta = self.attn_backend.prepare(inputs.meta)
         hidden = None
-        if self.compiled is not None and layer_done_callback is None:   # a callback per layer needs the eager loop
+        aux = self.model.model.capture_layers if self.feature_sink is not None else ()
+        # a callback per layer, or capturing layers' inputs, needs the eager loop
+        if self.compiled is not None and layer_done_callback is None and not aux:
             try:
                 hidden = self.compiled(inputs.ids, inputs.positions, meta)
             except torch._dynamo.exc.TorchDynamoException:   # could not compile: eager from now on (KV rewritten)
@@ -150,6 +95,8 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(inputs.ids, inputs.positions, meta, layer_done_callback)
         self.expert_load.accumulate()
+        if self.feature_sink is not None:
+            self.features = torch.cat(self.model.model.captured, dim=-1) if aux else hidden
         if not inputs.sample_rows:
             return None
         rows = inputs.sample_rows
@@ -174,6 +121,7 @@ class ModelRunner:
         inputs, sample_seqs = self.prepare(batch)
         logits = self.execute_all_ranks(inputs, layer_done_callback)
         if logits is None:
+            self._hand_features(inputs, {})
             return [], [], []
         requests = []
         for s in sample_seqs:
@@ -191,7 +139,86 @@ class ModelRunner:
                 return [], [], []
             tokens, logprobs = self.sampler(logits, requests)
         token_lists, logprob_lists = verify(sample_seqs, tokens, logprobs)
+        self._hand_features(inputs, {id(s): len(t) for s, t in zip(sample_seqs, token_lists, strict=True)
+                                     if s.spec_token_ids})
         return sample_seqs, token_lists, logprob_lists
+
+    def _hand_features(self, inputs: StepInputs, verified: dict[int, int]) -> None:
+        """Each sequence's features of this step's positions to the sink: every row of a chunk, of a verified
+        one the rows of its last token and the drafts kept (the rest saw rejected tokens)."""
+        features, sink = self.features, self.feature_sink
+        if sink is None or features is None:
+            return
+        self.features = None
+        for seq, row, n in inputs.seq_rows:
+            sink(seq, seq.num_computed_tokens, features[row:row + verified.get(id(seq), n)])
+
+
+def prepare_step(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, list[Sequence]]:
+    """Flattened inputs (on CPU); decodes (one new token) first, then prefill chunks. Also the sequences
+    that get a token this step, in the order of `sample_rows`."""
+    bs = block_size
+    # Decodes sorted by context length, so that rows of similar length are neighbours (the torch backend
+    # gathers decode K/V in groups of rows: TorchAttentionMetadata.decode_groups).
+    order = sorted(range(len(batch)),
+                   key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens))
+    seqs = [batch.seqs[i] for i in order]
+    counts = [batch.num_new_tokens[i] for i in order]
+    num_decode = sum(1 for n in counts if n == 1)
+    ids: list[int] = []
+    positions: list[int] = []
+    sample_rows: list[int] = []
+    sample_seqs: list[Sequence] = []
+    prefills: list[tuple[int, int, int, int]] = []   # (row in batch, start, end, num_cached)
+    prompt_rows: list[int] = []
+    prompt_spans: list[tuple[Sequence, int, int]] = []
+    seq_rows: list[tuple[Sequence, int, int]] = []
+    for row, (seq, n) in enumerate(zip(seqs, counts, strict=True)):
+        start = len(ids)
+        seq_rows.append((seq, start, n))
+        c = seq.num_computed_tokens
+        drafts = seq.spec_token_ids
+        if n == 1:
+            ids.append(seq.token_ids[c])
+            positions.append(c)
+        elif drafts:   # the last token and the drafts after it: a short chunk over the cached context
+            ids.append(seq.token_ids[c])
+            ids.extend(drafts)
+            positions.extend(range(c, c + n))
+            prefills.append((row, start, start + n, c))
+        else:
+            ids.extend(seq.token_ids[c:c + n])
+            positions.extend(range(c, c + n))
+            prefills.append((row, start, start + n, c))
+            if seq.needs_prompt_logprobs:   # the logits at position p score prompt token p + 1
+                assert seq.prompt_logprobs is not None
+                first, end = max(c + 1, len(seq.prompt_logprobs)), min(c + n, seq.num_prompt_tokens - 1) + 1
+                if first < end:
+                    prompt_rows.extend(range(start + first - 1 - c, start + end - 1 - c))
+                    prompt_spans.append((seq, first, end - first))
+        if drafts:   # every row is scored: row j's token is what the model draws after the first j drafts
+            sample_rows.extend(range(start, start + n))
+            sample_seqs.append(seq)
+        elif c + n == seq.num_tokens:
+            sample_rows.append(start + n - 1)
+            sample_seqs.append(seq)
+    max_blocks = max(len(s.block_table) for s in seqs)
+    tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs],
+                          dtype=torch.int32)
+    counts_t = torch.tensor(counts, dtype=torch.long)
+    positions_t = torch.tensor(positions, dtype=torch.long)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)
+    slots = (tables[seq_of_token, positions_t // bs] * bs + positions_t % bs).to(torch.int32)
+    meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=num_decode)
+    if num_decode:
+        dec_blocks = max(len(s.block_table) for s in seqs[:num_decode])
+        meta.decode_block_tables = tables[:num_decode, :dec_blocks]
+        meta.decode_context_lens = (positions_t[:num_decode] + 1).to(torch.int32)
+    for row, start, end, c in prefills:
+        nblocks = -(-(c + end - start) // bs)
+        meta.prefills.append(PrefillChunk(start, end, c, tables[row, :nblocks]))
+    return (StepInputs(torch.tensor(ids, dtype=torch.long), positions_t, meta, sample_rows + prompt_rows,
+                       prompt_spans, seq_rows), sample_seqs)
 
 
 def verify(seqs: list[Sequence], tokens: list[int], logprobs: list) -> tuple[list[list[int]], list[list]]:

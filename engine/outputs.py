@@ -40,6 +40,9 @@ class RequestOutput:
     # on the request's first output and its finished one
     prompt_logprobs: list | None = None
     error: str | None = None          # set when it finished "abort" on its own (a structured output's grammar failed)
+    # hold_blocks under a hidden-state head (EAGLE, EAGLE-3, MTP), on the finished output: (first position, dtype
+    # name, raw rows) of the target's features of the prompt's last positions, for a decode node's head
+    prompt_features: tuple[int, str, bytes] | None = None
 
     @property
     def text(self) -> str:

@@ -21,6 +21,8 @@ class StepInputs:
     # Rank 0 only, not on the wire: after the sampled rows, sample_rows holds prompt rows whose logits give
     # prompt logprobs; per sequence (sequence, index of its first prompt token scored, count), in row order.
     prompt_spans: list[tuple[Any, int, int]] = field(default_factory=list)
+    # Rank 0 only: per sequence (sequence, its first row, its row count), in row order
+    seq_rows: list[tuple[Any, int, int]] = field(default_factory=list)
 
     def to(self, device: torch.device) -> "StepInputs":
         if device.type == "cpu":

@@ -172,3 +172,109 @@ def prefill_logits(engine, token_ids: list[int], block_table: list[int] | None =
     finally:
         if bm is not None:
             bm.free(seq)
+
+
+def make_eagle_head(path: str, target_dir: str, method: str = "eagle", seed: int = 0, num_layers: int = 1,
+                    fc_bias: bool = False, draft_vocab_size: int | None = None,
+                    aux_layers: list[int] | None = None, echo: bool = False) -> str:
+    """Write a random EAGLE (`eagle`) or EAGLE-3 (`eagle3`) head for the model at `target_dir`, in the
+    checkpoint layout of the published heads: no embedding or (EAGLE) LM head of its own, EAGLE's first layer
+    without an input norm; EAGLE-3's `midlayer` over 2 x hidden, `hidden_norm`, a final norm, an LM head over
+    `draft_vocab_size` of the target's ids (a random subset, `d2t` offsets) and `t2d`.
+
+    `echo` (EAGLE): a head whose output is its input feature (fc picks it, the layers add nothing), so it drafts
+    the token the target predicted last, again: right wherever the target repeats a token, which exercises
+    accepted drafts."""
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_dir, "config.json")) as f:
+        target = json.load(f)
+    h, vocab = target["hidden_size"], target["vocab_size"]
+    heads, kv_heads, head_dim, inter = 4, 2, h // 4, 2 * h
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 0.1) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * scale
+
+    def layer(prefix: str, in_dim: int, input_norm: bool) -> dict[str, torch.Tensor]:
+        t = {f"{prefix}self_attn.q_proj.weight": rnd(heads * head_dim, in_dim),
+             f"{prefix}self_attn.k_proj.weight": rnd(kv_heads * head_dim, in_dim),
+             f"{prefix}self_attn.v_proj.weight": rnd(kv_heads * head_dim, in_dim),
+             f"{prefix}self_attn.o_proj.weight": rnd(h, heads * head_dim),
+             f"{prefix}post_attention_layernorm.weight": 1 + rnd(h),
+             f"{prefix}mlp.gate_proj.weight": rnd(inter, h), f"{prefix}mlp.up_proj.weight": rnd(inter, h),
+             f"{prefix}mlp.down_proj.weight": rnd(h, inter)}
+        if input_norm:
+            t[f"{prefix}input_layernorm.weight"] = 1 + rnd(h)
+        return t
+
+    config: dict[str, Any] = dict(
+        model_type="llama", hidden_size=h, intermediate_size=inter, num_hidden_layers=num_layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+        rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=target.get("max_position_embeddings", 512))
+    tensors: dict[str, torch.Tensor] = {}
+    if method == "eagle":
+        config["architectures"] = ["LlamaForCausalLMEagle"]
+        tensors["fc.weight"] = rnd(h, 2 * h)
+        if fc_bias:
+            tensors["fc.bias"] = rnd(h)
+        for i in range(num_layers):
+            tensors.update(layer(f"layers.{i}.", h, input_norm=i > 0))
+            if echo:
+                tensors[f"layers.{i}.self_attn.o_proj.weight"].zero_()
+                tensors[f"layers.{i}.mlp.down_proj.weight"].zero_()
+        if echo:
+            tensors["fc.weight"] = torch.cat((torch.zeros(h, h), torch.eye(h)), dim=1)
+            tensors.pop("fc.bias", None)
+    elif method == "eagle3":
+        dv = draft_vocab_size or vocab
+        ids = torch.sort(torch.randperm(vocab, generator=g)[:dv]).values
+        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=dv, num_hidden_layers=1,
+                      eagle_config={"eagle_aux_hidden_state_layer_ids": aux_layers} if aux_layers else {})
+        tensors.update({"fc.weight": rnd(h, 3 * h), "midlayer.hidden_norm.weight": 1 + rnd(h),
+                        "norm.weight": 1 + rnd(h), "lm_head.weight": rnd(dv, h, scale=0.3),
+                        "d2t": ids - torch.arange(dv),
+                        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, ids, True)})
+        tensors.update(layer("midlayer.", 2 * h, input_norm=True))
+    else:
+        raise ValueError(f"method must be eagle or eagle3, got {method!r}")
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return path
+
+
+def add_mtp_layer(model_dir: str, seed: int = 0, echo: bool = False) -> str:
+    """Turn a tiny DeepSeek-V3 checkpoint of L + 1 layers into one of L layers with a multi-token-prediction
+    layer (layer L, as DeepSeek-V3 ships it: enorm, hnorm, eh_proj, shared_head, a copy of the embedding).
+    `echo`: the layer drafts the token the target predicted last again (see `make_eagle_head`)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg_path = os.path.join(model_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    last = cfg["num_hidden_layers"] - 1
+    cfg.update(num_hidden_layers=last, num_nextn_predict_layers=1)
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+    path = os.path.join(model_dir, "model.safetensors")
+    tensors = load_file(path)
+    h, vocab = cfg["hidden_size"], cfg["vocab_size"]
+    g = torch.Generator().manual_seed(seed)
+    p = f"model.layers.{last}."
+    tensors.update({f"{p}enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                    f"{p}hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                    f"{p}eh_proj.weight": 0.1 * torch.randn(h, 2 * h, generator=g),
+                    f"{p}shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                    f"{p}shared_head.head.weight": 0.3 * torch.randn(vocab, h, generator=g),
+                    f"{p}embed_tokens.weight": tensors["model.embed_tokens.weight"].clone()})
+    if echo:   # eh_proj picks hnorm(feature); attention and MLP add nothing; the target's own LM head
+        tensors.update({f"{p}hnorm.weight": torch.ones(h), f"{p}shared_head.norm.weight": torch.ones(h),
+                        f"{p}eh_proj.weight": torch.cat((torch.zeros(h, h), torch.eye(h)), dim=1),
+                        f"{p}shared_head.head.weight": tensors["lm_head.weight"].clone()})
+        for name, t in tensors.items():
+            if name.startswith(p) and name.endswith(("o_proj.weight", "down_proj.weight")):
+                t.zero_()
+    save_file(tensors, path, metadata={"format": "pt"})
+    return model_dir

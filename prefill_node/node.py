@@ -217,10 +217,12 @@ class PrefillNode(NodeService):
         lp = out.logprobs[0] if out.logprobs else None
         log.info("prefill %s done: %d KV bytes via %s, %d tokens from the prefix cache", job.rid,
                  outgoing.nbytes, transfer.backend, out.num_cached_tokens, extra={"request_id": job.rid})
+        start, dtype, features = out.prompt_features or (0, "", b"")
         self.control.send(job.owner, PrefillDone(
             rid=job.rid, first_token=int(out.new_token_ids[0]), checksum=checksum,
             logprobs=[logprob_to_wire(lp)] if lp is not None else None,
-            num_cached_tokens=out.num_cached_tokens, kv_backend=transfer.backend))
+            num_cached_tokens=out.num_cached_tokens, kv_backend=transfer.backend,
+            features=features, features_dtype=dtype, features_start=start))
 
     def on_engine_failure(self) -> None:
         for job in list(self.jobs.values()):

@@ -56,7 +56,7 @@ def models(tmp_path_factory) -> dict[str, str]:
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "speculative_config.lookahead"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
-    ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "not available yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "speculative_config.model"),
     ({"method": "medusa", "num_speculative_tokens": 2}, "speculative_config.method"),
     ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2},
      "draft_tensor_parallel_size"),

@@ -1,7 +1,8 @@
 """Speculative decoding across the P/D cluster, real processes: decode nodes draft with a draft model whose KV
 they rebuild for prompts a prefill node computed; outputs equal the offline engine without speculation; a
 decode node SIGKILLed mid-stream loses nothing (the node the streams move to rebuilds the draft state); a
-prefill node whose speculative_config differs from its decode nodes' is refused at registration."""
+prefill node whose speculative_config differs from its decode nodes' is refused at registration. With an
+EAGLE-3 head the prefill node ships the prompt's features with its KV."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -48,6 +50,24 @@ def prompts() -> list[list[int]]:
     return out
 
 
+def offline_texts(model: str, tokens: int) -> list[str]:
+    """The offline engine's greedy texts for `prompts()`, without speculation."""
+    from pdcluster.engine import LLM
+
+    llm = LLM(model=model, dtype="float32", device="cpu", num_gpu_blocks_override=512)
+    want = [list(o.outputs[0].token_ids) for o in
+            llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))]
+    tokenizer = llm.get_tokenizer()
+    texts = [tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) for ids in want]
+    llm.shutdown()
+    return texts
+
+
+def node_config(spec: dict) -> dict:
+    return {"kv_cache_memory": "48MiB", "max_num_seqs": 16, "device": "cpu", "dtype": "float32",
+            "speculative_config": spec}
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     from pdcluster.engine.testing import make_tiny_model
@@ -57,19 +77,10 @@ def model(tmp_path_factory) -> str:
 
 @pytest.mark.timeout(420)
 async def test_1p2d_drafts_on_decode_nodes_survives_a_kill_and_refuses_a_mismatched_prefill_node(model, tmp_path):
-    from pdcluster.engine import LLM
-
-    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
-    llm = LLM(model=model, dtype="float32", device="cpu", num_gpu_blocks_override=512)
-    want = [list(o.outputs[0].token_ids) for o in
-            llm.generate(prompts(), SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True))]
-    tokenizer = llm.get_tokenizer()
-    texts = [tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) for ids in want]
-    llm.shutdown()
+    texts = offline_texts(model, TOKENS)
     with LocalCluster(model=model, work_dir=tmp_path, num_prefill=1, num_decode=2, port=0, cluster="spec",
                       lease_ttl=2, threads_per_node=1,
-                      node_config={"kv_cache_memory": "48MiB", "max_num_seqs": 16, "device": "cpu",
-                                   "dtype": "float32", "speculative_config": spec},
+                      node_config=node_config({"method": "draft_model", "model": model, "num_speculative_tokens": 3}),
                       router_config={"disagg_min_tokens": 0, "routing_policy": "round_robin"}) as cluster:
         cluster.wait_ready(1, 2, timeout=180, serving=True)
         api = client(cluster)
@@ -127,4 +138,29 @@ async def test_1p2d_drafts_on_decode_nodes_survives_a_kill_and_refuses_a_mismatc
         cluster.wait_ready(2, 1, timeout=120)
         assert "prefill-plain" in await registered_nodes(cluster)
         assert plain.proc.poll() is None
+        wait_idle(cluster)
+
+
+@pytest.mark.timeout(300)
+async def test_1p1d_eagle3_head_gets_the_prompt_features_from_the_prefill_node(model, tmp_path):
+    from pdcluster.engine.testing import make_eagle_head
+
+    head = make_eagle_head(str(tmp_path / "eagle3"), model, "eagle3", draft_vocab_size=256)
+    texts = offline_texts(model, 24)
+    with LocalCluster(model=model, work_dir=tmp_path, num_prefill=1, num_decode=1, port=0, cluster="eagle",
+                      lease_ttl=2, threads_per_node=1,
+                      node_config=node_config({"method": "eagle3", "model": head, "num_speculative_tokens": 3}),
+                      router_config={"disagg_min_tokens": 0, "routing_policy": "round_robin"}) as cluster:
+        cluster.wait_ready(1, 1, timeout=180, serving=True)
+        api = client(cluster)
+        results = await bounded([complete(api, MODEL_NAME, p, 24, stream=i % 2 == 0)
+                                 for i, p in enumerate(prompts())], 180)
+        assert [r.text for r in results] == texts
+        decode = node_metrics(cluster, "decode")
+        assert total(decode, 'pdcluster_node_prefills_total{path="remote"}') == STREAMS
+        assert total(decode, 'pdcluster_node_spec_decode_draft_tokens_total{method="eagle3"}') > 0
+        log = next(s for s in cluster.services if s.kind == "decode").log_path.read_text()
+        shipped = [int(n) for n in re.findall(r"via \w+, (\d+) feature bytes", log)]
+        # every prompt's features (3 x hidden float32 per position) went with its KV
+        assert sorted(shipped) == sorted(len(p) * 3 * MODEL["hidden_size"] * 4 for p in prompts()), shipped
         wait_idle(cluster)

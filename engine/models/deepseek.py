@@ -28,7 +28,7 @@ from pdcluster.engine.layers.mla import MLAttention
 from pdcluster.engine.layers.mlp import GatedMLP
 from pdcluster.engine.layers.moe import FusedMoE
 from pdcluster.engine.layers.rotary import RotaryEmbedding
-from pdcluster.engine.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
+from pdcluster.engine.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel, copy_tensor
 from pdcluster.engine.parallel import TPGroup
 
 _GATE_UP = {"gate_proj": "gate", "up_proj": "up"}
@@ -71,6 +71,8 @@ class DeepseekModel(LlamaModel):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(deepseek_layer(config, backend, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.capture_layers: tuple[int, ...] = ()
+        self.captured: list[torch.Tensor] = []
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
@@ -104,14 +106,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 attn = self.get_submodule(owner_path)
                 assert isinstance(attn, MLAttention)
                 tensor = attn.load_rows(module_name, tensor)
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.data.copy_(tensor)
-            missing.discard(name)
+            copy_tensor(params, missing, name, tensor, self.config.architecture)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
 

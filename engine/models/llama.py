@@ -30,6 +30,34 @@ _FUSED = {
 }
 
 
+def load_tensor(model: nn.Module, params: dict[str, nn.Parameter], missing: set[str], name: str,
+                tensor: torch.Tensor, owner: str) -> None:
+    """Checkpoint tensor `name` into `model`'s parameter (q/k/v and gate/up into their fused one's shard)."""
+    leaf = name.split(".")[-2] if name.count(".") >= 1 else ""
+    if leaf in _FUSED:
+        fused, shard = _FUSED[leaf]
+        target = name.replace(leaf, fused)
+        module = model.get_submodule(target.rsplit(".", 1)[0])
+        assert isinstance(module, MergedLinear)
+        module.load_shard(params[target], shard, tensor)
+        missing.discard(target)
+        return
+    copy_tensor(params, missing, name, tensor, owner)
+
+
+def copy_tensor(params: dict[str, nn.Parameter], missing: set[str], name: str, tensor: torch.Tensor,
+                owner: str) -> None:
+    """Checkpoint tensor `name` into the parameter of that name, refused (naming both) if it has none or
+    another shape."""
+    if name not in params:
+        raise ValueError(f"checkpoint tensor {name!r} has no place in {owner}")
+    param = params[name]
+    if param.shape != tensor.shape:
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+    missing.discard(name)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP, with the residual carried into the next norm. `attn` / `mlp` replace the
     default SelfAttention / GatedMLP (DeepSeek's MLA; a layer's FusedMoE)."""
@@ -75,6 +103,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, backend, i, tp, make_mlp(config, i, tp))
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.capture_layers: tuple[int, ...] = ()   # EAGLE-3: the residual stream entering these layers ...
+        self.captured: list[torch.Tensor] = []      # ... of the last forward, in that order
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
                 layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -82,7 +112,14 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.lookup(positions)
         residual = None
+        if self.capture_layers:
+            self.captured = [torch.empty(0)] * len(self.capture_layers)
         for i, layer in enumerate(self.layers):
+            if i in self.capture_layers:
+                stream = hidden if residual is None else hidden + residual
+                for j, c in enumerate(self.capture_layers):
+                    if c == i:
+                        self.captured[j] = stream
             hidden, residual = layer(rope, hidden, residual, meta)
             if layer_done_callback is not None:
                 layer_done_callback(i)
@@ -130,22 +167,6 @@ class LlamaForCausalLM(nn.Module):
             if filled is not None:
                 missing.difference_update(filled)
                 continue
-            leaf = name.split(".")[-2] if name.count(".") >= 1 else ""
-            if leaf in _FUSED:
-                fused, shard = _FUSED[leaf]
-                target = name.replace(leaf, fused)
-                module = self.get_submodule(target.rsplit(".", 1)[0])
-                assert isinstance(module, MergedLinear)
-                module.load_shard(params[target], shard, tensor)
-                missing.discard(target)
-                continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.data.copy_(tensor)
-            missing.discard(name)
+            load_tensor(self, params, missing, name, tensor, self.config.architecture)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")

@@ -7,8 +7,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
-LATER_METHODS = ("eagle", "eagle3", "mtp")   # vLLM's names we do not run yet: refused by name
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+ALIASES = {"deepseek_mtp": "mtp"}   # vLLM's earlier name (vLLM-Ascend's docs use it)
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP = 5   # vLLM: prompt_lookup_min = prompt_lookup_max = 5 when neither is given
 
@@ -24,7 +24,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 0      # ngram: shortest suffix matched earlier in the sequence
     prompt_lookup_max: int = 0      # ngram: longest suffix tried first
-    model: str = ""                 # draft_model: its HF checkpoint directory (same tokenizer as the target)
+    model: str = ""                 # draft_model / eagle / eagle3: the drafter's or head's checkpoint directory
     disable_by_batch_size: int = 0  # no drafts in a step once this many sequences run (0: always draft)
 
     @classmethod
@@ -51,9 +51,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
         method = d.get("method") or ("draft_model" if d.get("model") else "")
-        if method in LATER_METHODS:
-            raise ValueError(f"speculative_config.method: {method!r} is not available yet (available: "
-                             f"{', '.join(METHODS)})")
+        method = ALIASES.get(method, method) if isinstance(method, str) else method
         if method not in METHODS:
             raise ValueError(f"speculative_config.method: expected one of {', '.join(METHODS)}, got {method!r}")
         k = d.get("num_speculative_tokens")
@@ -80,8 +78,13 @@ class SpeculativeConfig:
             if key in d:
                 raise ValueError(f"speculative_config.{key}: only for method ngram")
         model = d.get("model")
+        if method == "mtp":   # the layers come with the target's own checkpoint
+            if model:
+                raise ValueError("speculative_config.model: mtp reads the target model's own layers (leave it out)")
+            return cls(method, k, disable_by_batch_size=off)
         if not isinstance(model, str) or not model:
-            raise ValueError("speculative_config.model: the draft model's checkpoint directory is required")
+            what = "draft model" if method == "draft_model" else f"{method} head"
+            raise ValueError(f"speculative_config.model: the {what}'s checkpoint directory is required")
         return cls(method, k, model=model, disable_by_batch_size=off)
 
     def to_json(self) -> str:

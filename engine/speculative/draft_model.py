@@ -21,6 +21,7 @@ from pdcluster.engine.loader import load_tokenizer
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.scheduler import ScheduledBatch
 from pdcluster.engine.sequence import Sequence
+from pdcluster.engine.speculative.proposer import StepView
 
 
 @dataclass
@@ -39,22 +40,9 @@ class DraftState:
         return n
 
 
-@dataclass
-class _DraftView:
-    """What ModelRunner.prepare reads of a sequence, for one draft forward pass."""
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_table: list[int]
-    spec_token_ids: list[int] = field(default_factory=list)
-    needs_prompt_logprobs: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
 class DraftModelProposer:
     writes_kv = True
+    follows_target = False
 
     def __init__(self, model_dir: str, target: ModelConfig, tokenizer, dtype: torch.dtype, kv_dtype: torch.dtype,
                  device: torch.device, attention_backend: str | None = None, seed: int = 0) -> None:
@@ -86,7 +74,7 @@ class DraftModelProposer:
             seq = seqs[i]
             state = seq.proposer_state if isinstance(seq.proposer_state, DraftState) else DraftState()
             start = min(max(state.valid_for(seq.token_ids), seq.num_freed_blocks * bs), seq.num_tokens - 1)
-            views.append(_DraftView(seq.token_ids, start, seq.block_table))
+            views.append(StepView(seq.token_ids, start, seq.block_table))
             counts.append(seq.num_tokens - start)
         step = 0
         while active:
@@ -97,7 +85,7 @@ class DraftModelProposer:
             keep = [n for n, i in enumerate(active)
                     if step < limits[i] and seqs[i].num_tokens + step < self.config.max_model_len]
             active = [active[n] for n in keep]
-            views = [_DraftView(seqs[i].token_ids + drafts[i], seqs[i].num_tokens + step - 1, seqs[i].block_table)
+            views = [StepView(seqs[i].token_ids + drafts[i], seqs[i].num_tokens + step - 1, seqs[i].block_table)
                      for i in active]
             counts = [1] * len(active)
         for seq, d in zip(seqs, drafts, strict=True):
@@ -105,7 +93,7 @@ class DraftModelProposer:
                 seq.proposer_state = DraftState(seq.num_tokens, d[:-1])
         return drafts
 
-    def _greedy(self, views: list[_DraftView], counts: list[int]) -> list[int]:
+    def _greedy(self, views: list[StepView], counts: list[int]) -> list[int]:
         inputs, sampled = self.runner.prepare(ScheduledBatch(views, counts))   # type: ignore[arg-type]
         logits = self.runner.execute(inputs)
         assert logits is not None and len(sampled) == len(views)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -9,12 +10,32 @@ if TYPE_CHECKING:
 
     from pdcluster.engine.args import EngineArgs
     from pdcluster.engine.config import ModelConfig
+    from pdcluster.engine.model_runner import ModelRunner
     from pdcluster.engine.sequence import Sequence
+
+
+@dataclass
+class StepView:
+    """What `prepare_step` (engine/model_runner.py) reads of a sequence, for one forward pass of a drafter:
+    tokens `num_computed_tokens..num_tokens` are run. `features`: a head's input features of those rows."""
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_table: list[int]
+    features: Any = None
+    spec_token_ids: list[int] = field(default_factory=list)
+    needs_prompt_logprobs: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
 
 
 class Proposer(Protocol):
     # True: it writes its own KV at the draft positions, so the scheduler reserves their blocks first
     writes_kv: bool
+    # True: it reads the target's hidden states of every computed token, so every running sequence is handed
+    # to `propose` each step (limit 0 where it may not draft)
+    follows_target: bool
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of its own KV per block of the target's pool (the engine sizes the pool for both)."""
@@ -29,7 +50,7 @@ class Proposer(Protocol):
         ...
 
 
-def make_proposer(args: EngineArgs, target: ModelConfig, tokenizer: Any, dtype: torch.dtype,
+def make_proposer(args: EngineArgs, target: ModelConfig, tokenizer: Any, runner: ModelRunner, dtype: torch.dtype,
                   kv_dtype: torch.dtype, device: torch.device) -> Proposer | None:
     spec = args.speculative
     if spec is None:
@@ -38,6 +59,10 @@ def make_proposer(args: EngineArgs, target: ModelConfig, tokenizer: Any, dtype: 
         from pdcluster.engine.speculative.ngram import NgramProposer
 
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    if spec.method in ("eagle", "eagle3", "mtp"):
+        from pdcluster.engine.speculative.head_proposer import HeadProposer
+
+        return HeadProposer(spec, args.model, target, runner, dtype, kv_dtype, device, args.attention_backend)
     from pdcluster.engine.speculative.draft_model import DraftModelProposer
 
     return DraftModelProposer(spec.model, target, tokenizer, dtype, kv_dtype, device, args.attention_backend,

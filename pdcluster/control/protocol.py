@@ -15,6 +15,7 @@ from typing import Any, ClassVar, cast
 import msgpack
 
 PROTOCOL_VERSION = 2  # 2: Generate/Prefill carry timeout_s (time left), not a wall-clock deadline
+FEATURE_DTYPES = ("float32", "bfloat16", "float16")
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a prompt of 1M token ids fits; anything bigger is hostile
 
 
@@ -209,6 +210,18 @@ class PrefillDone(Message):
     num_cached_tokens: int = 0
     error: str | None = None
     kv_backend: str = ""  # transfer backend used (shm | tcp | gloo | ...), for the decode node's metrics
+    # A hidden-state head (EAGLE, EAGLE-3, MTP): the target's features of the prompt's positions
+    # features_start.. (the last ones, bounded), rows of features_dtype, for the decode node's head
+    features: bytes = b""
+    features_dtype: str = ""
+    features_start: int = 0
+
+    def check(self) -> None:
+        if self.features_start < 0:
+            raise ProtocolError(f"prefill_done.features_start: must be >= 0, got {self.features_start}")
+        if self.features and self.features_dtype not in FEATURE_DTYPES:
+            raise ProtocolError(f"prefill_done.features_dtype: one of {', '.join(FEATURE_DTYPES)}, "
+                                f"got {self.features_dtype!r}")
 
 
 @dataclass
@@ -357,6 +370,8 @@ def _check_for(annotation: str) -> tuple[Any, str]:
         fits = lambda v: type(v) is float or type(v) is int  # noqa: E731
     elif base == "bool":
         fits = lambda v: type(v) is bool  # noqa: E731
+    elif base == "bytes":
+        fits = lambda v: type(v) is bytes  # noqa: E731
     elif base == "list[int]":
         fits, base = (lambda v: type(v) is list and all(type(x) is int for x in v)), "a list of ints"
     elif base.startswith("list"):
