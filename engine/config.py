@@ -110,6 +110,8 @@ class ModelConfig:
     qk_norm: bool = False             # RMSNorm over each query / key head before the rotary (Qwen3)
     moe: MoEConfig | None = None
     shared_expert_intermediate_size: int = 0   # DeepSeek: the shared experts beside the routed ones, one GatedMLP
+    # a quantized checkpoint's format and schemes (engine/quant/formats.py `CheckpointQuant`); None: float weights
+    quantization: Any = None
 
     def layer_window(self, index: int) -> int:
         return self.layer_windows[index] if self.layer_windows else 0
@@ -181,7 +183,12 @@ class ModelConfig:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"model: {path} is missing (expected config.json in the HF model directory)")
         with open(path) as f:
-            return cls.from_dict(json.load(f))
+            raw = json.load(f)
+        config = cls.from_dict(raw)
+        from pdcluster.engine.quant.formats import read_checkpoint_quant
+
+        config.quantization = read_checkpoint_quant(model_dir, raw)
+        return config
 
 
 _MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")

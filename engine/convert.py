@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -31,9 +32,13 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_parallel_size: int = 1,
-                  progress: Progress | None = None, expert_parallel: bool = False) -> str:
+                  progress: Progress | None = None, expert_parallel: bool = False,
+                  quantization: str | None = None) -> str:
     """Convert `src` into `output_dir` (replaced if it is an earlier conversion); returns `output_dir`.
     `expert_parallel`: MoE rank files hold whole experts, for engines run with enable_expert_parallel.
+    `quantization` ("w8a8" | "w8a16" | "w4a16", engine/quant/scheme.py): the decoder layers' linear weights are
+    quantized round-to-nearest (no calibration) and written as compressed-tensors, as llm-compressor writes them
+    (embedding, norms and LM head stay in `dtype`).
     Bad input raises ValueError / FileNotFoundError naming the file and the field or tensor."""
     import dataclasses
 
@@ -53,20 +58,43 @@ def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_para
         assert model_config.moe is not None
         model_config.moe = dataclasses.replace(model_config.moe, expert_parallel=True)
     check_divisible(model_config, tp)
+    scheme = None
+    if quantization:
+        from pdcluster.engine.quant.scheme import QuantScheme
+
+        scheme = QuantScheme.named(quantization)
+        if tp > 1 or model_config.moe is not None or model_config.mla is not None:
+            raise ValueError(f"quantization {quantization!r}: only for dense models at tensor_parallel_size 1 so far")
+        if scheme.group_size:   # one group size for every layer: the largest that divides all their inputs
+            inputs = (model_config.hidden_size, model_config.intermediate_size,
+                      model_config.num_heads * model_config.head_dim)
+            group = next((g for g in (scheme.group_size, 64, 32) if all(n % g == 0 for n in inputs)), 0)
+            if not group:
+                raise ValueError(f"quantization {quantization!r}: the layers' inputs {inputs} do not split into "
+                                 "groups of 128, 64 or 32")
+            scheme = dataclasses.replace(scheme, group_size=group)
+    if "quantization_config" in config:
+        raise ValueError(f"{source.config_file}: the model is quantized already "
+                         f"({config['quantization_config'].get('quant_method')}): serve it as it is")
     parent = os.path.dirname(output_dir)
     os.makedirs(parent, exist_ok=True)
     _sweep_partials(output_dir)
     tmp = tempfile.mkdtemp(prefix=f"{_partial_prefix(output_dir)}{os.getpid()}-", dir=parent)
     try:
-        _write_weights(source, model_config, getattr(torch, name), tp, tmp, progress)
+        _write_weights(source, model_config, getattr(torch, name), tp, tmp, progress, scheme)
         source.write_tokenizer(tmp)
         config.update(torch_dtype=name, dtype=name)
+        if scheme is not None:
+            from pdcluster.engine.quant.formats import compressed_tensors_config
+
+            config["quantization_config"] = compressed_tensors_config(scheme, ["lm_head"])
         _write_json(os.path.join(tmp, "config.json"), config)
         if not os.path.isfile(os.path.join(tmp, "generation_config.json")):
             _write_json(os.path.join(tmp, "generation_config.json"),
                         {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config})
         manifest = {"format_version": FORMAT_VERSION, "source": src, "source_sha256": source_sha256(src),
                     "dtype": name, "tensor_parallel_size": tp, "expert_parallel": expert_parallel,
+                    "quantization": quantization or "",
                     "architecture": model_config.architecture,
                     "files": {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))},
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -111,15 +139,17 @@ def read_manifest(model_dir: str) -> dict[str, Any] | None:
 
 
 def is_converted(output_dir: str, src: str, dtype: str, tensor_parallel_size: int = 1,
-                 expert_parallel: bool = False) -> bool:
-    """Whether `output_dir` is a whole, current conversion of `src` (same content hash, dtype, tp, EP, format)."""
+                 expert_parallel: bool = False, quantization: str | None = None) -> bool:
+    """Whether `output_dir` is a whole, current conversion of `src` (same content hash, dtype, tp, EP,
+    quantization, format)."""
     try:
         manifest = read_manifest(output_dir)
     except ValueError:
         return False
     if (not manifest or manifest.get("format_version") != FORMAT_VERSION or manifest.get("dtype") != dtype_name(dtype)
             or manifest.get("tensor_parallel_size") != tensor_parallel_size
-            or manifest.get("expert_parallel", False) != expert_parallel):
+            or manifest.get("expert_parallel", False) != expert_parallel
+            or manifest.get("quantization", "") != (quantization or "")):
         return False
     for file, size in manifest.get("files", {}).items():
         path = os.path.join(output_dir, file)
@@ -129,11 +159,11 @@ def is_converted(output_dir: str, src: str, dtype: str, tensor_parallel_size: in
 
 
 def ensure_converted(src: str, output_dir: str, dtype: str, tensor_parallel_size: int = 1,
-                     progress: Progress | None = None) -> tuple[str, bool]:
+                     progress: Progress | None = None, quantization: str | None = None) -> tuple[str, bool]:
     """`output_dir`, converted from `src` unless a current conversion is there; (dir, converted now)."""
-    if is_converted(output_dir, src, dtype, tensor_parallel_size):
+    if is_converted(output_dir, src, dtype, tensor_parallel_size, quantization=quantization):
         return output_dir, False
-    return convert_model(src, output_dir, dtype, tensor_parallel_size, progress), True
+    return convert_model(src, output_dir, dtype, tensor_parallel_size, progress, quantization=quantization), True
 
 
 def source_sha256(src: str) -> str:
@@ -393,8 +423,13 @@ def _extra_layer(name: str, mc) -> bool:
         parts[2].isdigit() and int(parts[2]) >= mc.num_layers
 
 
-def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | None) -> list[str]:
-    """Check, cast once and shard every tensor; write one safetensors file per rank. Returns the file names."""
+# the linear weights `quantization` quantizes: attention and MLP projections of the decoder layers
+_QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | None, scheme=None) -> list[str]:
+    """Check, cast once and shard every tensor (`scheme`: quantize the decoder layers' linear weights); write one
+    safetensors file per rank. Returns the file names."""
     from safetensors.torch import save_file
 
     from pdcluster.engine.tp_shards import holds, rank_file, shard
@@ -419,10 +454,17 @@ def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | No
             raise ValueError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point one")
         # DeepSeek's router stays fp32 (FusedMoE router_fp32): near-ties between experts decide the routing
         full = tensor.to(dtype) if mc.mla is None or not _router_tensor(name) else tensor.float()
+        seen.add(name)
+        if scheme is not None and _QUANTIZED.match(name):
+            from pdcluster.engine.quant.formats import compressed_tensors_tensors
+            from pdcluster.engine.quant.scheme import quantize_weight
+
+            module = name.removesuffix(".weight")
+            ranks[0].update(compressed_tensors_tensors(module, quantize_weight(tensor, scheme), scheme))
+            continue
         for rank in range(tp):
             if holds(name, mc, rank, tp):   # expert parallelism: an expert goes to one rank's file only
                 ranks[rank][name] = shard(name, full, mc, rank, tp).contiguous()
-        seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:
         raise ValueError(f"{source.path}: tensors missing: {missing[:4]}{' ...' if len(missing) > 4 else ''}")

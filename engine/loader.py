@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -12,6 +12,7 @@ from safetensors import safe_open
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.models import get_model_class
 from pdcluster.engine.parallel import TPGroup
+from pdcluster.engine.quant.scheme import QuantizedWeight
 from pdcluster.engine.tp_shards import expert_parallel, holds, rank_file, shard_parts
 
 _INDEX = "model.safetensors.index.json"
@@ -115,6 +116,53 @@ def read_tensors(model_dir: str, wanted: Callable[[str], bool]) -> Iterator[tupl
                     yield name, f.get_tensor(name)
 
 
+def assemble_quantized(weights: Iterable[tuple[str, torch.Tensor]], quant
+                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """A quantized checkpoint's tensors with each quantized layer's tensors (qweight, scales, ...) gathered into
+    one `QuantizedWeight`, yielded as `<layer>.weight` once all it needs arrived (and the float bias a format
+    folds into its own tensors as `<layer>.bias`); other tensors as they are. A layer's optional tensors that
+    come after it was assembled are redundant by the format's definition and dropped."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    done: set[str] = set()
+    for name, tensor in weights:
+        split = quant.split_name(name)
+        if split is None:
+            yield name, tensor
+            continue
+        module, role = split
+        if module in done:
+            if role in quant.optional_roles(module):
+                continue
+            raise ValueError(f"quantized checkpoint: tensor {name!r} of layer {module} comes twice")
+        parts = pending.setdefault(module, {})
+        parts[role] = tensor
+        if quant.roles(module) <= parts.keys():
+            parts = pending.pop(module)
+            done.add(module)
+            weight = quant.assemble(module, parts)
+            weight.scheme = quant.scheme_for(module)
+            yield f"{module}.weight", weight
+            bias = quant.bias(module, parts)
+            if bias is not None:
+                yield f"{module}.bias", bias
+    for module, parts in pending.items():
+        raise ValueError(f"quantized checkpoint: layer {module} lacks {sorted(quant.roles(module) - parts.keys())}")
+
+
+def check_quantized(config: ModelConfig, tp: TPGroup, weight_pool) -> None:
+    """What a quantized checkpoint cannot be served with (yet): refused naming it."""
+    if config.quantization is None:
+        return
+    method = config.quantization.method
+    if config.moe is not None or config.mla is not None:
+        raise ValueError(f"quantization ({method}): quantized MoE / MLA checkpoints are not supported yet "
+                         f"({config.architecture})")
+    if tp.size > 1:
+        raise ValueError(f"quantization ({method}): tensor_parallel_size > 1 is not supported yet")
+    if weight_pool is not None:
+        raise ValueError(f"quantization ({method}): weight_pool (shared weights) is not supported")
+
+
 def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device, backend,
                weight_pool=None, tp: TPGroup | None = None):
     """`weight_pool` (a `SharedWeightPool`, CPU only): the parameters become read-only views of the pool's copy
@@ -127,6 +175,7 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
         raise ValueError("weight_pool: not supported with tensor_parallel_size > 1 (each rank holds other shards)")
     files = checkpoint_files(model_dir, tp.rank, tp.size)  # fail on missing weights before allocating anything
     del files
+    check_quantized(config, tp, weight_pool)
     cls = get_model_class(config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -139,7 +188,8 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
         if weight_pool is not None:
             weight_pool.load(model, model_dir, dtype, lambda: model.load_weights(iter_weights(model_dir)))
             return model.eval().requires_grad_(False)
-        model.load_weights(iter_weights(model_dir, config, tp))
+        weights = iter_weights(model_dir, config, tp)
+        model.load_weights(weights if config.quantization is None else assemble_quantized(weights, config.quantization))
         for module in model.modules():   # weights are final now: device-specific packed copies
             if hasattr(module, "prepack"):
                 module.prepack()

@@ -51,7 +51,8 @@ class ModelRunner:
         self.expert_load = ExpertLoadCounter(self.model, enabled=self.tp.rank == 0)
         self.compiled: CompiledBody | None = None
         # the compiled body's opaque attention op is the regular backend's; MLA runs eagerly
-        if not enforce_eager and self.tp.size == 1 and config.mla is None:   # tp > 1 all-reduces in Python
+        # tp > 1 all-reduces in Python; quantized layers call their kernels eagerly
+        if not enforce_eager and self.tp.size == 1 and config.mla is None and config.quantization is None:
             body = self.model.model
             self.compiled = CompiledBody(lambda ids, positions: body(ids, positions, None),
                                          self.model.attention_layers())

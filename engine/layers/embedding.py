@@ -51,6 +51,8 @@ class LMHead(Linear):
         return self.tp.gather_last_dim(self._local_logits(hidden), self.sizes)
 
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:   # a checkpoint with a quantized LM head
+            return super().forward(hidden)
         if self.packed is not None:
             return linear(hidden, self.weight, None, self.packed)
         if self.weight.dtype != torch.float32 or self.weight.device.type != "cpu" or hidden.shape[0] == 1:

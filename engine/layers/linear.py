@@ -1,15 +1,25 @@
 """Linear layers whose parameters are left uninitialized: every value comes from the checkpoint.
 
 `MergedLinear` stores several projections (q/k/v or gate/up) as one matrix so one matmul serves them;
-`load_shard` copies one checkpoint tensor into its rows."""
+`load_shard` copies one checkpoint tensor into its rows.
+
+A quantized checkpoint (engine/quant/) hands a layer `QuantizedWeight`s instead (`load_quantized`, per shard
+of a MergedLinear); `prepack` then packs them for the device's kernel (`quant`) and drops the float weight,
+which was never written (its pages were never touched), and `forward` multiplies by the packed weight."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdcluster.engine.parallel import TPGroup
+
+if TYPE_CHECKING:
+    from pdcluster.engine.quant.kernels import PackedWeight
+    from pdcluster.engine.quant.scheme import QuantizedWeight
 
 
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
@@ -50,15 +60,48 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None   # see prepack
         self.packable = True                       # False when the owner multiplies by slices of the weight
+        self.quantized: dict[str, QuantizedWeight] = {}   # a quantized checkpoint's weights, per shard, until packed
+        self.quant: PackedWeight | None = None     # ... packed for the kernel (engine/quant/kernels.py)
+
+    def load_quantized(self, weight: QuantizedWeight, shard: str = "") -> None:
+        """A quantized checkpoint's weight (of one shard of a MergedLinear) in place of the float one."""
+        if weight.qweight.shape[1] != self.weight.shape[1]:
+            raise ValueError(f"quantized weight has {weight.qweight.shape[1]} inputs, the layer {self.weight.shape[1]}")
+        self.quantized[shard] = weight
 
     def prepack(self) -> None:
         """Once the weights are loaded: multiply by a oneDNN-packed copy where that is faster, in place of the
-        weight."""
+        weight; a quantized layer by its weights packed for the kernel."""
+        if self.quantized:
+            self._pack_quantized()
+            return
         self.packed = onednn_packed(self.weight) if self.packable else None
         if self.packed is not None:
             release(self.weight)
 
+    def _pack_quantized(self) -> None:
+        from pdcluster.engine.quant.kernels import pack
+        from pdcluster.engine.quant.scheme import merge_rows
+
+        order = list(getattr(self, "shard_offsets", {"": None}))
+        missing = [s for s in order if s not in self.quantized]
+        if missing:
+            raise ValueError(f"quantized checkpoint: shards {missing} of a merged layer are not quantized like the "
+                             "rest")
+        weight = merge_rows([self.quantized[s] for s in order])
+        if weight.qweight.shape != self.weight.shape:
+            raise ValueError(f"quantized weight has shape {tuple(weight.qweight.shape)}, the layer "
+                             f"{tuple(self.weight.shape)}")
+        assert weight.scheme is not None
+        self.quant = pack(weight, weight.scheme, self.weight.device, self.weight.dtype)
+        self.quantized = {}
+        release(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            from pdcluster.engine.quant.kernels import quant_linear
+
+            return quant_linear(x, self.quant, self.bias)
         return linear(x, self.weight, self.bias, self.packed)
 
 

@@ -28,7 +28,7 @@ class GatedMLP(nn.Module):
     def prepack(self) -> None:
         n = self.intermediate_size
         w = self.gate_up_proj.weight
-        if is_npu(w.device):   # the NPU path multiplies by the whole merged weight
+        if is_npu(w.device) or self.gate_up_proj.quantized:   # the whole merged weight (quantized: its own prepack)
             return
         gate, up = onednn_packed(w[:n]), onednn_packed(w[n:])
         self.packed_halves = None if gate is None or up is None else (gate, up)
@@ -40,6 +40,9 @@ class GatedMLP(nn.Module):
         # N = intermediate_size beat one with 2x N (measured in docs/benchmarks.md), and each output is then
         # contiguous.
         w, b, n = self.gate_up_proj.weight, self.gate_up_proj.bias, self.intermediate_size
+        if self.gate_up_proj.quant is not None:
+            gate, up = self.gate_up_proj(x).split(n, dim=-1)
+            return self.down_proj(F.silu(gate).mul_(up))
         if is_npu(x.device):
             import torch_npu
 

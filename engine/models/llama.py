@@ -16,12 +16,13 @@ from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.layers.attention import SelfAttention
 from pdcluster.engine.layers.embedding import LMHead, VocabEmbedding
 from pdcluster.engine.layers.layernorm import RMSNorm
-from pdcluster.engine.layers.linear import MergedLinear
+from pdcluster.engine.layers.linear import Linear, MergedLinear
 from pdcluster.engine.layers.mla import MLAttention
 from pdcluster.engine.layers.mlp import GatedMLP
 from pdcluster.engine.layers.moe import FusedMoE, load_moe_tensor
 from pdcluster.engine.layers.rotary import RotaryEmbedding
 from pdcluster.engine.parallel import TPGroup
+from pdcluster.engine.quant.scheme import QuantizedWeight
 
 # checkpoint name fragment -> (our fused module name fragment, shard)
 _FUSED = {
@@ -31,16 +32,27 @@ _FUSED = {
 
 
 def load_tensor(model: nn.Module, params: dict[str, nn.Parameter], missing: set[str], name: str,
-                tensor: torch.Tensor, owner: str) -> None:
-    """Checkpoint tensor `name` into `model`'s parameter (q/k/v and gate/up into their fused one's shard)."""
+                tensor: torch.Tensor | QuantizedWeight, owner: str) -> None:
+    """Checkpoint tensor `name` into `model`'s parameter (q/k/v and gate/up into their fused one's shard); a
+    quantized checkpoint's weight into its linear layer."""
     leaf = name.split(".")[-2] if name.count(".") >= 1 else ""
     if leaf in _FUSED:
         fused, shard = _FUSED[leaf]
         target = name.replace(leaf, fused)
         module = model.get_submodule(target.rsplit(".", 1)[0])
         assert isinstance(module, MergedLinear)
-        module.load_shard(params[target], shard, tensor)
+        if isinstance(tensor, QuantizedWeight):
+            module.load_quantized(tensor, shard)
+        else:
+            module.load_shard(params[target], shard, tensor)
         missing.discard(target)
+        return
+    if isinstance(tensor, QuantizedWeight):
+        layer = model.get_submodule(name.rsplit(".", 1)[0]) if name in params else None
+        if not isinstance(layer, Linear):
+            raise ValueError(f"checkpoint tensor {name!r} is quantized, but {owner} has no linear layer there")
+        layer.load_quantized(tensor)
+        missing.discard(name)
         return
     copy_tensor(params, missing, name, tensor, owner)
 

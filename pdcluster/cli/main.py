@@ -37,6 +37,8 @@ def convert(
     tensor_parallel_size: int = typer.Option(1, help="write one pre-sharded file per tensor-parallel rank"),
     enable_expert_parallel: bool = typer.Option(False, help="MoE: shard for engines run with enable_expert_parallel "
                                                 "(whole experts per rank)"),
+    quantization: str = typer.Option("", help="w8a8 | w8a16 | w4a16: quantize the decoder layers' linear weights "
+                                     "(round-to-nearest) and write them as compressed-tensors"),
 ) -> None:
     """Convert a checkpoint into the engine's format (safetensors in DTYPE, config, tokenizer, chat template,
     manifest; docs/engine.md). Written to a temp dir and renamed at the end: an interrupted run leaves nothing."""
@@ -52,11 +54,13 @@ def convert(
 
         try:
             path = convert_model(src, out, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                                 progress=progress, expert_parallel=enable_expert_parallel)
+                                 progress=progress, expert_parallel=enable_expert_parallel,
+                                 quantization=quantization or None)
         except (ValueError, OSError) as exc:
             typer.echo(f"pdcluster convert: {exc}", err=True)
             raise typer.Exit(2) from None
-    typer.echo(f"converted {src} -> {path} ({dtype}, tensor_parallel_size {tensor_parallel_size})")
+    quantized = f", {quantization}" if quantization else ""
+    typer.echo(f"converted {src} -> {path} ({dtype}{quantized}, tensor_parallel_size {tensor_parallel_size})")
 
 
 # ---- cluster services: thin wiring; the logic lives in pdcluster.cli.up, router.server and the node packages.
