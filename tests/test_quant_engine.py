@@ -76,20 +76,42 @@ def test_greedy_equals_the_dequantized_reference(arch, scheme, models, make_engi
     got = run_all(quantized, prompts, GREEDY)
     reference = dequantized_copy(models[f"{arch}-{scheme}"], str(tmp_path / "ref"))
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)   # the reference keeps its plain weights
-    if scheme == "w8a8":   # the decoder layers' matmuls see per-token quantized activations (not the LM head)
-        from pdcluster.engine.layers import linear as linear_module
-        from pdcluster.engine.layers import mlp as mlp_module
-
-        plain = linear_module.linear
-
-        def fake(x, weight, bias, packed):
-            return F.linear(_fake_quant_rows(x.float()), weight.float(), None if bias is None else bias.float())
-
-        monkeypatch.setattr(linear_module, "linear", fake)
-        monkeypatch.setattr(mlp_module, "linear", fake)
-        assert plain is not fake
+    if scheme == "w8a8":
+        _quantize_reference_activations(monkeypatch)
     want = run_all(make_engine(reference, max_num_batched_tokens=64), prompts, GREEDY)
     assert got == want
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "modelslim"])
+def test_gptq_awq_and_modelslim_checkpoints_equal_their_dequantized_reference(fmt, models, make_engine, tmp_path,
+                                                                              monkeypatch):
+    """A tiny Qwen2 (q/k/v biases stay float) re-written as its tool writes it: the loader assembles each layer,
+    the kernels multiply; greedy equals the float model of the dequantized weights (msModelSlim's W8A8_DYNAMIC:
+    with its activations quantized per token)."""
+    from quant_helpers import requantize
+
+    quantized, reference = requantize(models["qwen2"], str(tmp_path / "m"), fmt)
+    prompts = make_prompts([6, 50], seed=4)
+    engine = make_engine(quantized, max_num_batched_tokens=64)
+    kernels = {m.quant.kernel for m in engine.runner.model.modules() if isinstance(m, Linear) and m.quant is not None}
+    assert kernels == ({"int8mm"} if fmt == "modelslim" else {"int4pack"})
+    got = run_all(engine, prompts, GREEDY)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    if fmt == "modelslim":
+        _quantize_reference_activations(monkeypatch)
+    assert got == run_all(make_engine(reference, max_num_batched_tokens=64), prompts, GREEDY)
+
+
+def _quantize_reference_activations(monkeypatch) -> None:
+    """The float reference's decoder-layer matmuls see per-token int8-quantized activations (not the LM head)."""
+    from pdcluster.engine.layers import linear as linear_module
+    from pdcluster.engine.layers import mlp as mlp_module
+
+    def fake(x, weight, bias, packed):
+        return F.linear(_fake_quant_rows(x.float()), weight.float(), None if bias is None else bias.float())
+
+    monkeypatch.setattr(linear_module, "linear", fake)
+    monkeypatch.setattr(mlp_module, "linear", fake)
 
 
 def test_weights_take_the_bytes_of_their_scheme(models, make_engine):

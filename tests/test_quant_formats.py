@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from quant_helpers import awq_checkpoint, gptq_checkpoint
 from torch import nn
 
 from pdcluster.engine.quant.formats import (
@@ -228,39 +229,7 @@ def test_compressed_tensors_regex_targets_and_ignore(tmp_path):
     assert cq.split_name(EXPERT + ".weight_packed") == (EXPERT, "weight_packed")
 
 
-# ---- GPTQ: reference packer (AutoGPTQ's QuantLinear.pack) ----------------------------------------------------------
-
-def _gptq_checkpoint(w: torch.Tensor, bits: int, group: int, sym: bool, v1: bool):
-    """qweight/qzeros/scales/g_idx as AutoGPTQ packs them, and the float weight they stand for."""
-    out_f, in_f = w.shape
-    g = group if group > 0 else in_f
-    maxq = (1 << bits) - 1
-    wg = w.reshape(out_f, in_f // g, g)
-    if sym:
-        xmax = wg.abs().amax(-1)
-        scale = (2 * xmax / maxq).half()
-        zero = torch.full_like(xmax, (maxq + 1) // 2)
-    else:
-        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
-        scale = ((hi - lo) / maxq).half()
-        zero = torch.round(-lo / scale.float())
-    s = scale.float()
-    q = torch.clamp(torch.round(wg / s[..., None]) + zero[..., None], 0, maxq).reshape(out_f, in_f)
-    deq = ((q.reshape(out_f, -1, g) - zero[..., None]) * s[..., None]).reshape(out_f, in_f)
-    pf = 32 // bits
-    intweight = q.t().numpy().astype(np.uint32)                        # [in, out]
-    qweight = np.zeros((in_f // pf, out_f), dtype=np.uint32)
-    for j in range(pf):
-        qweight |= intweight[j::pf] << (bits * j)
-    stored = (zero.t() - (1 if v1 else 0)).numpy().astype(np.int64).astype(np.uint32)   # [groups, out]
-    qzeros = np.zeros((stored.shape[0], out_f // pf), dtype=np.uint32)
-    for j in range(pf):
-        qzeros |= stored[:, j::pf] << (bits * j)
-    tensors = {"qweight": torch.from_numpy(qweight.astype(np.int32)),
-               "qzeros": torch.from_numpy(qzeros.astype(np.int32)), "scales": scale.t().contiguous(),
-               "g_idx": torch.arange(in_f, dtype=torch.int32) // g}
-    return tensors, deq
-
+# ---- GPTQ -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bits,group,sym,v1", [(4, 32, True, True), (4, 32, False, True), (4, -1, False, False),
                                                (8, 32, True, False), (8, -1, False, True)])
@@ -275,7 +244,7 @@ def test_gptq(tmp_path, bits, group, sym, v1):
         assert cq.scheme_for(plain) is None
     tensors, deq = {}, {}
     for module, shape in ((Q_PROJ, (48, 64)), (EXPERT, (40, 64))):
-        parts, deq[module] = _gptq_checkpoint(torch.randn(*shape), bits, group, sym, v1)
+        parts, deq[module] = gptq_checkpoint(torch.randn(*shape), bits, group, sym, v1)
         tensors.update({f"{module}.{k}": v for k, v in parts.items()})
     tensors[Q_PROJ + ".bias"] = torch.zeros(48)
     weights, plain = _load(cq, tensors)
@@ -289,7 +258,7 @@ def test_gptq(tmp_path, bits, group, sym, v1):
 def test_gptq_act_order(tmp_path):
     qc = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": True}
     cq = read_checkpoint_quant(str(tmp_path), {"quantization_config": qc})
-    parts, deq = _gptq_checkpoint(torch.randn(48, 64), 4, 32, True, True)
+    parts, deq = gptq_checkpoint(torch.randn(48, 64), 4, 32, True, True)
     torch.testing.assert_close(cq.assemble(Q_PROJ, parts).dequantize(), deq, rtol=0, atol=1e-6)  # trivial g_idx
     parts["g_idx"] = parts["g_idx"][torch.randperm(64)]
     with pytest.raises(ValueError, match=r"q_proj\.g_idx.*desc_act"):
@@ -306,30 +275,7 @@ def test_gptq_dynamic_and_lm_head(tmp_path):
     assert cq.roles(Q_PROJ) == {"qweight", "qzeros", "scales", "g_idx"}
 
 
-# ---- AWQ: reference packer (AutoAWQ's WQLinear_GEMM.from_linear) ---------------------------------------------------
-
-def _awq_checkpoint(w: torch.Tensor, group: int):
-    out_f, in_f = w.shape
-    wg = w.reshape(out_f, in_f // group, group)
-    lo, hi = wg.amin(-1), wg.amax(-1)
-    scale = ((hi - lo).clamp(min=1e-5) / 15).half()
-    zero = torch.clamp(-torch.round(lo / scale.float()), 0, 15)
-    q = torch.clamp(torch.round(wg / scale.float()[..., None]) + zero[..., None], 0, 15)
-    deq = ((q - zero[..., None]) * scale.float()[..., None]).reshape(out_f, in_f)
-    order = [0, 2, 4, 6, 1, 3, 5, 7]
-
-    def pack(cols: np.ndarray) -> torch.Tensor:   # [rows, out] -> [rows, out / 8]
-        packed = np.zeros((cols.shape[0], cols.shape[1] // 8), dtype=np.uint32)
-        for c in range(cols.shape[1] // 8):
-            for i in range(8):
-                packed[:, c] |= cols[:, c * 8 + order[i]].astype(np.uint32) << (i * 4)
-        return torch.from_numpy(packed.astype(np.int32))
-
-    intweight = q.reshape(out_f, in_f).t().numpy().astype(np.uint32)
-    tensors = {"qweight": pack(intweight), "qzeros": pack(zero.t().numpy().astype(np.uint32)),
-               "scales": scale.t().contiguous()}
-    return tensors, deq
-
+# ---- AWQ ------------------------------------------------------------------------------------------------------
 
 def test_awq(tmp_path):
     torch.manual_seed(3)
@@ -341,7 +287,7 @@ def test_awq(tmp_path):
     assert cq.scheme_for("visual.blocks.0.attn.qkv") is None and cq.scheme_for("lm_head") is None
     tensors, deq = {}, {}
     for module, shape in ((Q_PROJ, (48, 64)), (EXPERT, (40, 64))):
-        parts, deq[module] = _awq_checkpoint(torch.randn(*shape), 32)
+        parts, deq[module] = awq_checkpoint(torch.randn(*shape), 32)
         tensors.update({f"{module}.{k}": v for k, v in parts.items()})
     weights, plain = _load(cq, tensors)
     assert not plain
@@ -504,13 +450,13 @@ def test_missing_and_malformed_tensors(tmp_path):
         cq.assemble(Q_PROJ, parts | {"weight_packed": parts["weight_packed"].long()})
     gptq = read_checkpoint_quant(str(tmp_path), {"quantization_config": {"quant_method": "gptq", "bits": 4,
                                                                          "group_size": 32, "sym": True}})
-    gparts, _ = _gptq_checkpoint(torch.randn(48, 64), 4, 32, True, True)
+    gparts, _ = gptq_checkpoint(torch.randn(48, 64), 4, 32, True, True)
     with pytest.raises(ValueError, match=r"q_proj\.scales has shape \[2, 40\], expected \[2, 48\]"):
         gptq.assemble(Q_PROJ, gparts | {"scales": gparts["scales"][:, :40]})
     with pytest.raises(ValueError, match=r"q_proj\.qzeros: sym=true but the zero points are not 8"):
         gptq.assemble(Q_PROJ, gparts | {"qzeros": torch.zeros_like(gparts["qzeros"])})
     awq = read_checkpoint_quant(str(tmp_path), {"quantization_config": {"quant_method": "awq", "bits": 4,
                                                                         "group_size": 32, "version": "GEMM"}})
-    aparts, _ = _awq_checkpoint(torch.randn(48, 64), 32)
+    aparts, _ = awq_checkpoint(torch.randn(48, 64), 32)
     with pytest.raises(ValueError, match=r"q_proj\.qzeros is missing"):
         awq.assemble(Q_PROJ, {k: v for k, v in aparts.items() if k != "qzeros"})
