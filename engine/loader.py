@@ -13,7 +13,7 @@ from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.models import get_model_class
 from pdcluster.engine.parallel import TPGroup
 from pdcluster.engine.quant.scheme import QuantizedWeight
-from pdcluster.engine.tp_shards import expert_parallel, holds, rank_file, shard_parts
+from pdcluster.engine.tp_shards import expert_parallel, holds, rank_file, shard, shard_parts
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -78,7 +78,8 @@ def iter_weights(model_dir: str, config: ModelConfig | None = None,
                  tp: TPGroup | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Tensors straight from memory-mapped safetensors files; under tensor parallelism (`tp`, `config`), only
     this rank's slice of each (read as a slice: the rest of the tensor is never read), and under expert
-    parallelism only this rank's experts (the others' tensors are skipped unread)."""
+    parallelism only this rank's experts (the others' tensors are skipped unread). A quantized layer's tensors
+    come whole (packed along either dimension): `assemble_quantized` cuts the rank's part once they are unpacked."""
     rank, size = (tp.rank, tp.size) if tp is not None else (0, 1)
     presharded = _converted_tp(model_dir) > 1
     if presharded and config is not None:
@@ -92,6 +93,9 @@ def iter_weights(model_dir: str, config: ModelConfig | None = None,
                 if config is None:
                     raise ValueError("iter_weights: slicing the weights for tensor parallelism needs `config`")
                 if not holds(name, config, rank, size):   # another expert-parallel rank's expert
+                    continue
+                if config.quantization is not None and config.quantization.split_name(name) is not None:
+                    yield name, f.get_tensor(name)
                     continue
                 part = f.get_slice(name)
                 shape = tuple(part.get_shape())
@@ -116,12 +120,13 @@ def read_tensors(model_dir: str, wanted: Callable[[str], bool]) -> Iterator[tupl
                     yield name, f.get_tensor(name)
 
 
-def assemble_quantized(weights: Iterable[tuple[str, torch.Tensor]], quant
-                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+def assemble_quantized(weights: Iterable[tuple[str, torch.Tensor]], quant, config: ModelConfig | None = None,
+                       tp: TPGroup | None = None) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """A quantized checkpoint's tensors with each quantized layer's tensors (qweight, scales, ...) gathered into
     one `QuantizedWeight`, yielded as `<layer>.weight` once all it needs arrived (and the float bias a format
     folds into its own tensors as `<layer>.bias`); other tensors as they are. A layer's optional tensors that
-    come after it was assembled are redundant by the format's definition and dropped."""
+    come after it was assembled are redundant by the format's definition and dropped. Under tensor parallelism
+    (`tp`, `config`) each quantized weight is cut to this rank's part as its float weight would be."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     done: set[str] = set()
     for name, tensor in weights:
@@ -141,15 +146,41 @@ def assemble_quantized(weights: Iterable[tuple[str, torch.Tensor]], quant
             done.add(module)
             weight = quant.assemble(module, parts)
             weight.scheme = quant.scheme_for(module)
-            yield f"{module}.weight", weight
             bias = quant.bias(module, parts)
+            if tp is not None and tp.size > 1:
+                assert config is not None
+                weight = _rank_part(f"{module}.weight", weight, config, tp)
+                bias = None if bias is None else shard(f"{module}.bias", bias, config, tp.rank, tp.size)
+            yield f"{module}.weight", weight
             if bias is not None:
                 yield f"{module}.bias", bias
     for module, parts in pending.items():
         raise ValueError(f"quantized checkpoint: layer {module} lacks {sorted(quant.roles(module) - parts.keys())}")
 
 
-def check_quantized(config: ModelConfig, tp: TPGroup, weight_pool) -> None:
+def _rank_part(name: str, weight: QuantizedWeight, config: ModelConfig, tp: TPGroup) -> QuantizedWeight:
+    """This rank's rows (column-parallel) or inputs (row-parallel) of a quantized weight, with their scales."""
+    cuts = shard_parts(name, tuple(weight.qweight.shape), config, tp.rank, tp.size)
+    if cuts is None:
+        return weight
+    (dim, start, size), = cuts
+    q = weight.qweight.narrow(dim, start, size)
+    scales, zeros = weight.scales, weight.zeros
+    if dim == 0:
+        scales = scales.narrow(0, start, size)
+        zeros = None if zeros is None else zeros.narrow(0, start, size)
+    elif scales.shape[1] > 1:   # groups of inputs: the rank's inputs must be whole groups
+        g = weight.group_size
+        if start % g or size % g:
+            raise ValueError(f"quantized checkpoint: {name} has groups of {g} inputs, which do not split over "
+                             f"tensor_parallel_size {tp.size} ({size} inputs per rank)")
+        scales = scales.narrow(1, start // g, size // g)
+        zeros = None if zeros is None else zeros.narrow(1, start // g, size // g)
+    return QuantizedWeight(q.contiguous(), scales.contiguous(), None if zeros is None else zeros.contiguous(),
+                           weight.input_scale, weight.input_offset, weight.scheme)
+
+
+def check_quantized(config: ModelConfig, weight_pool) -> None:
     """What a quantized checkpoint cannot be served with (yet): refused naming it."""
     if config.quantization is None:
         return
@@ -157,8 +188,6 @@ def check_quantized(config: ModelConfig, tp: TPGroup, weight_pool) -> None:
     if config.moe is not None or config.mla is not None:
         raise ValueError(f"quantization ({method}): quantized MoE / MLA checkpoints are not supported yet "
                          f"({config.architecture})")
-    if tp.size > 1:
-        raise ValueError(f"quantization ({method}): tensor_parallel_size > 1 is not supported yet")
     if weight_pool is not None:
         raise ValueError(f"quantization ({method}): weight_pool (shared weights) is not supported")
 
@@ -175,7 +204,7 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
         raise ValueError("weight_pool: not supported with tensor_parallel_size > 1 (each rank holds other shards)")
     files = checkpoint_files(model_dir, tp.rank, tp.size)  # fail on missing weights before allocating anything
     del files
-    check_quantized(config, tp, weight_pool)
+    check_quantized(config, weight_pool)
     cls = get_model_class(config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -189,7 +218,9 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
             weight_pool.load(model, model_dir, dtype, lambda: model.load_weights(iter_weights(model_dir)))
             return model.eval().requires_grad_(False)
         weights = iter_weights(model_dir, config, tp)
-        model.load_weights(weights if config.quantization is None else assemble_quantized(weights, config.quantization))
+        if config.quantization is not None:
+            weights = assemble_quantized(weights, config.quantization, config, tp)
+        model.load_weights(weights)
         for module in model.modules():   # weights are final now: device-specific packed copies
             if hasattr(module, "prepack"):
                 module.prepack()
