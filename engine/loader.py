@@ -217,9 +217,9 @@ def load_model(model_dir: str, config: ModelConfig, dtype: torch.dtype, device: 
         if weight_pool is not None:
             weight_pool.load(model, model_dir, dtype, lambda: model.load_weights(iter_weights(model_dir)))
             return model.eval().requires_grad_(False)
-        weights = iter_weights(model_dir, config, tp)
-        if config.quantization is not None:
-            weights = assemble_quantized(weights, config.quantization, config, tp)
+        raw = iter_weights(model_dir, config, tp)
+        weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]] = raw if config.quantization is None \
+            else assemble_quantized(raw, config.quantization, config, tp)
         model.load_weights(weights)
         for module in model.modules():   # weights are final now: device-specific packed copies
             if hasattr(module, "prepack"):
