@@ -122,7 +122,7 @@ class ModelRunner:
         inputs, sample_seqs = self.prepare(batch)
         logits = self.execute_all_ranks(inputs, layer_done_callback)
         if logits is None:
-            self._hand_features(inputs, {})
+            self._hand_features(inputs, [], [])
             return [], [], []
         requests = []
         for s in sample_seqs:
@@ -140,17 +140,17 @@ class ModelRunner:
                 return [], [], []
             tokens, logprobs = self.sampler(logits, requests)
         token_lists, logprob_lists = verify(sample_seqs, tokens, logprobs)
-        self._hand_features(inputs, {id(s): len(t) for s, t in zip(sample_seqs, token_lists, strict=True)
-                                     if s.spec_token_ids})
+        self._hand_features(inputs, sample_seqs, token_lists)
         return sample_seqs, token_lists, logprob_lists
 
-    def _hand_features(self, inputs: StepInputs, verified: dict[int, int]) -> None:
+    def _hand_features(self, inputs: StepInputs, sampled: list[Sequence], token_lists: list[list[int]]) -> None:
         """Each sequence's features of this step's positions to the sink: every row of a chunk, of a verified
         one the rows of its last token and the drafts kept (the rest saw rejected tokens)."""
         features, sink = self.features, self.feature_sink
-        if sink is None or features is None:
+        if sink is None or features is None:   # no head: nothing to do on the step's path
             return
         self.features = None
+        verified = {id(s): len(t) for s, t in zip(sampled, token_lists, strict=True) if s.spec_token_ids}
         for seq, row, n in inputs.seq_rows:
             sink(seq, seq.num_computed_tokens, features[row:row + verified.get(id(seq), n)])
 
