@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-SCHEMES = ("w8a8", "w8a16", "w4a16")
+SCHEMES = ("w8a8", "w8a8_static", "w8a16", "w4a16")
 
 
 @dataclass(frozen=True)
@@ -52,9 +52,12 @@ class QuantScheme:
     @classmethod
     def named(cls, name: str, group_size: int | None = None) -> QuantScheme:
         """The scheme `convert_model(quantization=name)` writes: w8a8 (per-channel int8 weights, dynamic per-token
-        int8 activations), w8a16 (per-channel int8), w4a16 (int4, groups of 128)."""
+        int8 activations), w8a8_static (per-tensor int8 activations with calibrated scales), w8a16 (per-channel
+        int8), w4a16 (int4, groups of 128)."""
         if name == "w8a8":
             return cls(8, group_size or 0, True, "int8_dynamic")
+        if name == "w8a8_static":
+            return cls(8, group_size or 0, True, "int8_static")
         if name == "w8a16":
             return cls(8, group_size or 0, True)
         if name == "w4a16":

@@ -37,8 +37,11 @@ def convert(
     tensor_parallel_size: int = typer.Option(1, help="write one pre-sharded file per tensor-parallel rank"),
     enable_expert_parallel: bool = typer.Option(False, help="MoE: shard for engines run with enable_expert_parallel "
                                                 "(whole experts per rank)"),
-    quantization: str = typer.Option("", help="w8a8 | w8a16 | w4a16: quantize the decoder layers' linear weights "
-                                     "(round-to-nearest) and write them as compressed-tensors"),
+    quantization: str = typer.Option("", help="w8a8 | w8a8_static | w8a16 | w4a16: quantize the decoder layers' "
+                                     "linear weights (round-to-nearest) and write them as compressed-tensors"),
+    calibration: str = typer.Option("", help="W8A8: 'default' (built-in prompts) or a .jsonl / text file of "
+                                    "prompts: SmoothQuant (and w8a8_static's activation scales) calibrated on them"),
+    smoothing_strength: float = typer.Option(0.6, help="SmoothQuant's alpha, with --calibration"),
 ) -> None:
     """Convert a checkpoint into the engine's format (safetensors in DTYPE, config, tokenizer, chat template,
     manifest; docs/engine.md). Written to a temp dir and renamed at the end: an interrupted run leaves nothing."""
@@ -55,11 +58,13 @@ def convert(
         try:
             path = convert_model(src, out, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                                  progress=progress, expert_parallel=enable_expert_parallel,
-                                 quantization=quantization or None)
+                                 quantization=quantization or None, calibration=calibration or None,
+                                 smoothing_strength=smoothing_strength)
         except (ValueError, OSError) as exc:
             typer.echo(f"pdcluster convert: {exc}", err=True)
             raise typer.Exit(2) from None
     quantized = f", {quantization}" if quantization else ""
+    quantized += f", calibrated ({calibration})" if calibration or quantization == "w8a8_static" else ""
     typer.echo(f"converted {src} -> {path} ({dtype}{quantized}, tensor_parallel_size {tensor_parallel_size})")
 
 

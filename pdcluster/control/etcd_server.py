@@ -10,6 +10,7 @@ import atexit
 import json
 import logging
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -37,10 +38,32 @@ def etcd_binary() -> Path:
 
 
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago (the OS picks it)."""
+    """A loopback TCP port that was free a moment ago, chosen below the kernel's ephemeral range.
+
+    A port the OS picks with bind(0) comes from the ephemeral range, which outgoing connections draw
+    from too: between the pick and a later bind, any client socket may take it. Below that range only
+    explicit binds compete.
+    """
+    low, _ = _ephemeral_range()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def is_reachable(endpoint: str, timeout: float = 1.0) -> bool:
