@@ -5,12 +5,14 @@ and timed in alternation round by round (the order rotates), on two models:
   smollm2    the default model (SmolLM2-135M-Instruct), converted once per scheme (bf16 activations)
   llama2048  a random Llama with hidden 2048, 4 layers, intermediate 5632, vocab 32000 (weights dominate a step)
 
-Schemes: bf16 (the baseline), w8a16, w8a8, w4a16 (`convert_model(quantization=...)`). Printed per model and batch:
+Schemes: bf16 (the baseline), w8a16, w8a8, w4a16 (`convert_model(quantization=...)`); a "+lm_head" suffix
+(`--schemes w8a16+lm_head ...`) quantizes the LM head too (`quantize_lm_head`). Printed per model and batch:
 tokens/s per scheme (median over rounds), the per-round ratio to bf16 (median [min-max]), and the resident bytes
 of the decoder layers' linear weights per scheme.
 
     .venv/bin/python benchmarks/quantized.py                              # both models, batch 1 and 32, 3 rounds
     .venv/bin/python benchmarks/quantized.py --models llama2048 --batches 1 --rounds 5
+    .venv/bin/python benchmarks/quantized.py --schemes w8a16 w8a16+lm_head w4a16+lm_head --batches 1
 """
 
 from __future__ import annotations
@@ -29,18 +31,20 @@ from pdcluster.engine.layers.linear import Linear
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.testing import make_tiny_model
 
-SCHEMES = ["bf16", "w8a16", "w8a8", "w4a16"]
+SCHEMES = ["w8a16", "w8a8", "w4a16"]
 
 
-def checkpoints(model: str, root: str) -> dict[str, str]:
+def checkpoints(model: str, root: str, schemes: list[str]) -> dict[str, str]:
     if model == "smollm2":
         src = default_model_source()
     else:
         src = make_tiny_model(f"{root}/llama2048-src", "llama", hidden_size=2048, intermediate_size=5632,
                               num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
                               max_position_embeddings=2048, tokenizer_vocab_size=400)
-    return {s: convert_model(src, f"{root}/{model}-{s}", "bfloat16", quantization=None if s == "bf16" else s)
-            for s in SCHEMES}
+    return {s: convert_model(src, f"{root}/{model}-{s}", "bfloat16",
+                             quantization=None if s == "bf16" else s.removesuffix("+lm_head"),
+                             quantize_lm_head=s.endswith("+lm_head"))
+            for s in schemes}
 
 
 def linear_bytes(engine: LLMEngine) -> int:
@@ -57,6 +61,17 @@ def linear_bytes(engine: LLMEngine) -> int:
     mlp_halves = [m.packed_halves for m in engine.runner.model.modules() if getattr(m, "packed_halves", None)]
     total += sum(h.numel() * h.element_size() for pair in mlp_halves for h in pair)
     return total
+
+
+def lm_head_bytes(engine: LLMEngine) -> int:
+    """The LM head's own resident bytes: its quantized or oneDNN-packed copy, else its dense weight."""
+    from pdcluster.engine.quant.kernels import resident_bytes
+
+    head = engine.runner.model.lm_head
+    if head.quant is not None:
+        return resident_bytes(head.quant)
+    weight = head.packed if head.packed is not None else head.weight
+    return weight.numel() * weight.element_size()
 
 
 def decode_rate(engine: LLMEngine, batch: int, tokens: int, tag: str) -> float:
@@ -77,26 +92,30 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--schemes", nargs="+", default=SCHEMES,
+                    help="besides bf16: w8a16 | w8a8 | w4a16, each optionally +lm_head")
     args = ap.parse_args()
+    schemes = ["bf16", *args.schemes]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     with tempfile.TemporaryDirectory() as root:
         for model in args.models:
-            dirs = checkpoints(model, root)
+            dirs = checkpoints(model, root, schemes)
             engines = {s: LLMEngine(EngineArgs(model=d, dtype="bfloat16", max_num_seqs=max(args.batches)))
                        for s, d in dirs.items()}
             sizes = {s: linear_bytes(e) for s, e in engines.items()}
-            print(f"\n{model}: decoder-layer linear weights " +
-                  ", ".join(f"{s} {sizes[s] / 2**20:.1f} MiB" for s in SCHEMES))
+            heads = {s: lm_head_bytes(e) for s, e in engines.items()}
+            print(f"\n{model}: decoder-layer linear weights / LM head " +
+                  ", ".join(f"{s} {sizes[s] / 2**20:.1f} / {heads[s] / 2**20:.1f} MiB" for s in schemes))
             for batch in args.batches:
-                rates: dict[str, list[float]] = {s: [] for s in SCHEMES}
+                rates: dict[str, list[float]] = {s: [] for s in schemes}
                 for r in range(args.rounds):
-                    order = SCHEMES[r % len(SCHEMES):] + SCHEMES[:r % len(SCHEMES)]
+                    order = schemes[r % len(schemes):] + schemes[:r % len(schemes)]
                     for s in order:
                         rates[s].append(decode_rate(engines[s], batch, args.tokens, f"{s}-{r}"))
                 print(f"  batch {batch}:")
-                for s in SCHEMES:
+                for s in schemes:
                     ratios = [a / b for a, b in zip(rates[s], rates["bf16"], strict=True)]
-                    print(f"    {s:6s} {statistics.median(rates[s]):8.1f} tok/s  x{statistics.median(ratios):.2f} "
+                    print(f"    {s:14s} {statistics.median(rates[s]):8.1f} tok/s  x{statistics.median(ratios):.2f} "
                           f"[{min(ratios):.2f}-{max(ratios):.2f}]")
             for e in engines.values():
                 e.shutdown()

@@ -38,7 +38,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_parallel_size: int = 1,
                   progress: Progress | None = None, expert_parallel: bool = False,
                   quantization: str | None = None, calibration: str | None = None,
-                  smoothing_strength: float = SMOOTHING_STRENGTH) -> str:
+                  smoothing_strength: float = SMOOTHING_STRENGTH, quantize_lm_head: bool = False) -> str:
     """Convert `src` into `output_dir` (replaced if it is an earlier conversion); returns `output_dir`.
     `expert_parallel`: MoE rank files hold whole experts, for engines run with enable_expert_parallel.
     `quantization` ("w8a8" | "w8a8_static" | "w8a16" | "w4a16", engine/quant/scheme.py): the decoder layers' linear
@@ -46,6 +46,8 @@ def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_para
     (embedding, norms and LM head stay in `dtype`). `calibration` ("default": built-in prompts, or a .jsonl / text
     file of prompts; engine/quant/smoothing.py), W8A8 only: SmoothQuant with `smoothing_strength` folded into the
     weights first, and for w8a8_static (calibrated with the built-in prompts unless given) the activation scales.
+    `quantize_lm_head`: the LM head too (decode reads it every step); a tied one is written untied, the embedding
+    staying in `dtype`.
     Bad input raises ValueError / FileNotFoundError naming the file and the field or tensor."""
     import dataclasses
 
@@ -70,16 +72,23 @@ def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_para
         from pdcluster.engine.quant.scheme import QuantScheme
 
         scheme = QuantScheme.named(quantization)
-        if tp > 1 or model_config.moe is not None or model_config.mla is not None:
-            raise ValueError(f"quantization {quantization!r}: only for dense models at tensor_parallel_size 1 so far")
+        if tp > 1 or model_config.mla is not None:
+            raise ValueError(f"quantization {quantization!r}: only for models without MLA at tensor_parallel_size 1 "
+                             "so far")
+        if calibration and model_config.moe is not None:
+            raise ValueError(f"calibration: not for MoE models yet ({model_config.architecture}): each expert's "
+                             "inputs would need their own smoothing")
         if scheme.group_size:   # one group size for every layer: the largest that divides all their inputs
             inputs = (model_config.hidden_size, model_config.intermediate_size,
-                      model_config.num_heads * model_config.head_dim)
+                      model_config.num_heads * model_config.head_dim) + \
+                ((model_config.moe.intermediate_size,) if model_config.moe is not None else ())
             group = next((g for g in (scheme.group_size, 64, 32) if all(n % g == 0 for n in inputs)), 0)
             if not group:
                 raise ValueError(f"quantization {quantization!r}: the layers' inputs {inputs} do not split into "
                                  "groups of 128, 64 or 32")
             scheme = dataclasses.replace(scheme, group_size=group)
+    if quantize_lm_head and (scheme is None or scheme.activations == "int8_static"):
+        raise ValueError("quantize_lm_head: only with a quantization scheme without static activation scales")
     if calibration and (scheme is None or scheme.activations == "none"):
         raise ValueError(f"calibration: only for W8A8 (quantization w8a8 or w8a8_static), not {quantization!r}: "
                          "weight-only schemes are round-to-nearest")
@@ -95,20 +104,26 @@ def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_para
     try:
         smoothing = _calibrate(source, config, model_config, name, tmp, calibration, smoothing_strength) \
             if calibration else None
-        _write_weights(source, model_config, getattr(torch, name), tp, tmp, progress, scheme, smoothing)
+        _write_weights(source, model_config, getattr(torch, name), tp, tmp, progress, scheme, smoothing,
+                       quantize_lm_head)
         source.write_tokenizer(tmp)
         config.update(torch_dtype=name, dtype=name)
         if scheme is not None:
             from pdcluster.engine.quant.formats import compressed_tensors_config
 
-            config["quantization_config"] = compressed_tensors_config(scheme, ["lm_head"])
+            # MoE routers stay float, named as llm-compressor's MoE recipes name them
+            routers = ["re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"] if model_config.moe is not None else []
+            config["quantization_config"] = compressed_tensors_config(
+                scheme, ([] if quantize_lm_head else ["lm_head"]) + routers)
+            if quantize_lm_head:
+                config["tie_word_embeddings"] = False   # the LM head is its own (quantized) tensor now
         _write_json(os.path.join(tmp, "config.json"), config)
         if not os.path.isfile(os.path.join(tmp, "generation_config.json")):
             _write_json(os.path.join(tmp, "generation_config.json"),
                         {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config})
         manifest = {"format_version": FORMAT_VERSION, "source": src, "source_sha256": source_sha256(src),
                     "dtype": name, "tensor_parallel_size": tp, "expert_parallel": expert_parallel,
-                    "quantization": quantization or "",
+                    "quantization": (quantization or "") + ("+lm_head" if quantize_lm_head else ""),
                     "calibration": _calibration_id(calibration, smoothing_strength),
                     "architecture": model_config.architecture,
                     "files": {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))},
@@ -442,15 +457,17 @@ def _extra_layer(name: str, mc) -> bool:
         parts[2].isdigit() and int(parts[2]) >= mc.num_layers
 
 
-# the linear weights `quantization` quantizes: attention and MLP projections of the decoder layers
-_QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# the linear weights `quantization` quantizes: attention, MLP and routed / shared expert projections of the decoder
+# layers (not MoE routers)
+_QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_experts?\.)?(gate|up|down)_proj"
+                        r"|(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3))\.weight$")
 
 
 def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | None, scheme=None,
-                   smoothing=None) -> list[str]:
+                   smoothing=None, quantize_lm_head: bool = False) -> list[str]:
     """Check, cast once and shard every tensor (`scheme`: quantize the decoder layers' linear weights, after
     folding in `smoothing`, a quant.smoothing.Smoothing); write one safetensors file per rank. Returns the file
-    names."""
+    names. `quantize_lm_head`: lm_head.weight (for tied embeddings: a copy of the embedding) quantized too."""
     from safetensors.torch import save_file
 
     from pdcluster.engine.tp_shards import holds, rank_file, shard
@@ -464,7 +481,10 @@ def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | No
             progress(done, max(total, done), name)
         if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and mc.tie_word_embeddings):
             continue
-        if _extra_layer(name, mc):   # DeepSeek-V3's multi-token-prediction layers: not served
+        if _extra_layer(name, mc):   # DeepSeek-V3's multi-token-prediction layers: whole, in rank 0's file
+            if not tensor.is_floating_point():   # (speculative `mtp` reads them there; the model never does)
+                raise ValueError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point one")
+            ranks[0][name] = (tensor.float() if _router_tensor(name) else tensor.to(dtype)).contiguous()
             continue
         if name not in expected:
             raise ValueError(f"{file}: tensor {name!r} is not a weight of {mc.architecture}")
@@ -479,16 +499,19 @@ def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | No
         if smoothing is not None:
             tensor = smoothing.apply(name, tensor)
             full = tensor.to(dtype)
-        if scheme is not None and _QUANTIZED.match(name):
+        lm_head = quantize_lm_head and (name == "lm_head.weight" or (
+            name == "model.embed_tokens.weight" and mc.tie_word_embeddings))
+        if scheme is not None and (_QUANTIZED.match(name) or lm_head):
             from pdcluster.engine.quant.formats import compressed_tensors_tensors
             from pdcluster.engine.quant.scheme import quantize_weight
 
-            module = name.removesuffix(".weight")
+            module = "lm_head" if lm_head else name.removesuffix(".weight")
             qw = quantize_weight(tensor, scheme)
             if scheme.activations == "int8_static":
                 qw.input_scale = smoothing.input_scale(module)
             ranks[0].update(compressed_tensors_tensors(module, qw, scheme))
-            continue
+            if name != "model.embed_tokens.weight":   # a tied LM head's embedding is written as well
+                continue
         for rank in range(tp):
             if holds(name, mc, rank, tp):   # expert parallelism: an expert goes to one rank's file only
                 ranks[rank][name] = shard(name, full, mc, rank, tp).contiguous()

@@ -112,8 +112,10 @@ def iter_weights(model_dir: str, config: ModelConfig | None = None,
 
 
 def read_tensors(model_dir: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors whose names `wanted` accepts, whole, reading no others."""
-    for path in checkpoint_files(model_dir):
+    """The checkpoint's tensors whose names `wanted` accepts, reading no others: whole ones, or of a pre-sharded
+    conversion those in rank 0's file (rank 0's shards, and whole what only rank 0 reads: DeepSeek's MTP layers)."""
+    converted = _converted_tp(model_dir)
+    for path in checkpoint_files(model_dir, 0, converted):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 if wanted(name):
@@ -185,8 +187,8 @@ def check_quantized(config: ModelConfig, weight_pool) -> None:
     if config.quantization is None:
         return
     method = config.quantization.method
-    if config.moe is not None or config.mla is not None:
-        raise ValueError(f"quantization ({method}): quantized MoE / MLA checkpoints are not supported yet "
+    if config.mla is not None:
+        raise ValueError(f"quantization ({method}): quantized MLA checkpoints are not supported yet "
                          f"({config.architecture})")
     if weight_pool is not None:
         raise ValueError(f"quantization ({method}): weight_pool (shared weights) is not supported")

@@ -77,7 +77,7 @@ def modelslim_dynamic_checkpoint(w: torch.Tensor):
     return {"weight": q.to(torch.int8), "weight_scale": scale, "weight_offset": torch.zeros_like(scale)}, q * scale
 
 
-_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
+_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
 
 
 def requantize(src: str, out: str, fmt: str) -> tuple[str, str]:

@@ -1,14 +1,16 @@
 """Quantized checkpoints served by the engine: `convert_model(quantization=...)` writes compressed-tensors, the
 loader gathers each layer's tensors into one quantized weight, the layers multiply with the device's kernel.
 Greedy outputs equal a straightforward reference (the dequantized weights in fp32; for W8A8 also the activations
-quantized per token) on every dense architecture, with and without a bias; the weights take the bytes the scheme
-says; what is not supported yet is refused by name."""
+quantized per token) on every dense architecture, with and without a bias, and on the MoE ones (every routed expert
+quantized, routers float); the weights take the bytes the scheme says; what is not supported yet is refused by
+name."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,8 +20,11 @@ from engine_helpers import make_prompts, run_all
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.convert import convert_model
+from pdcluster.engine.layers import moe_cpu
 from pdcluster.engine.layers.linear import Linear
+from pdcluster.engine.layers.moe import FusedMoE
 from pdcluster.engine.loader import assemble_quantized, iter_weights
+from pdcluster.engine.quant.kernels import PackedWeight
 from pdcluster.engine.quant.scheme import QuantizedWeight
 from pdcluster.engine.testing import make_tiny_model
 
@@ -102,16 +107,24 @@ def test_gptq_awq_and_modelslim_checkpoints_equal_their_dequantized_reference(fm
     assert got == run_all(make_engine(reference, max_num_batched_tokens=64), prompts, GREEDY)
 
 
-def _quantize_reference_activations(monkeypatch) -> None:
-    """The float reference's decoder-layer matmuls see per-token int8-quantized activations (not the LM head)."""
+def _quantize_reference_activations(monkeypatch, engine=None) -> None:
+    """The float reference's decoder-layer matmuls see per-token int8-quantized activations (not the LM head, nor
+    the MoE routers of `engine`)."""
     from pdcluster.engine.layers import linear as linear_module
     from pdcluster.engine.layers import mlp as mlp_module
 
+    routers = {id(m.gate.weight) for m in engine.runner.model.modules() if isinstance(m, FusedMoE)} if engine else set()
+    plain = linear_module.linear
+
     def fake(x, weight, bias, packed):
+        if id(weight) in routers:
+            return plain(x, weight, bias, packed)
         return F.linear(_fake_quant_rows(x.float()), weight.float(), None if bias is None else bias.float())
 
     monkeypatch.setattr(linear_module, "linear", fake)
     monkeypatch.setattr(mlp_module, "linear", fake)
+    # routed experts (the reference's are unpacked: F.linear), but not the MoE routers
+    monkeypatch.setattr(moe_cpu, "F", SimpleNamespace(silu=F.silu, linear=lambda x, w: fake(x, w, None, None)))
 
 
 def test_weights_take_the_bytes_of_their_scheme(models, make_engine):
@@ -130,10 +143,66 @@ def test_weights_take_the_bytes_of_their_scheme(models, make_engine):
     assert sizes["w4a16"] < 0.65 * sizes["w8a16"]
 
 
+@pytest.mark.parametrize("scheme", ["w8a16", "w4a16"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])   # tied and untied embeddings
+def test_a_quantized_lm_head_equals_the_dequantized_reference(arch, scheme, models, make_engine, tmp_path,
+                                                              monkeypatch):
+    """`quantize_lm_head`: the LM head is packed for the kernel like the layers (a tied one written untied, the
+    embedding staying float); greedy equals the dequantized model; the LM head takes the scheme's bytes."""
+    from pdcluster.engine.quant.kernels import resident_bytes
+
+    quantized = convert_model(models[arch], str(tmp_path / "q"), "float32", quantization=scheme,
+                              quantize_lm_head=True)
+    with open(os.path.join(quantized, "config.json")) as f:
+        config = json.load(f)
+    assert config["tie_word_embeddings"] is False and "lm_head" not in config["quantization_config"]["ignore"]
+    engine = make_engine(quantized, max_num_batched_tokens=64)
+    head = engine.runner.model.lm_head
+    assert head.quant is not None and head.weight.numel() == 0
+    assert resident_bytes(head.quant) < 0.3 * head.quant.out_features * head.quant.in_features * 4
+    assert engine.runner.model.model.embed_tokens.weight.dtype == torch.float32
+    prompts = make_prompts([5, 40], seed=3)
+    got = run_all(engine, prompts, GREEDY)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    reference = dequantized_copy(quantized, str(tmp_path / "ref"))
+    assert got == run_all(make_engine(reference, max_num_batched_tokens=64), prompts, GREEDY)
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        convert_model(models[arch], str(tmp_path / "float"), "float32", quantize_lm_head=True)
+
+
+MOE_SIZE = {"qwen3_moe": dict(SIZE, moe_intermediate_size=64), "mixtral": dict(SIZE, intermediate_size=64)}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_quantized_moe_experts_equal_the_dequantized_reference(arch, scheme, make_engine, tmp_path, monkeypatch):
+    """Every routed expert's gate / up / down quantized (gate and up packed as one matrix per expert), routers and
+    the LM head float; Qwen3-MoE's dense layer 0 quantized like any MLP. Greedy equals the dequantized model."""
+    src = make_tiny_model(str(tmp_path / "src"), arch, **MOE_SIZE[arch])
+    quantized = convert_model(src, str(tmp_path / scheme), "float32", quantization=scheme)
+    with open(os.path.join(quantized, "config.json")) as f:
+        assert "re:.*mlp.gate$" in json.load(f)["quantization_config"]["ignore"]
+    engine = make_engine(quantized, max_num_batched_tokens=64)
+    moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.w13.numel() == 0 and m.w2.numel() == 0 for m in moes)   # the float stacks are gone
+    packed = [w for m in moes for pair in m.packed for w in pair]   # type: ignore[union-attr]
+    assert len(packed) == 2 * 8 * len(moes) and all(isinstance(w, PackedWeight) for w in packed)
+    assert {w.kernel for w in packed} == {"w8a16": {"int8pack"}, "w4a16": {"int4pack"}, "w8a8": {"int8mm"}}[scheme]
+    assert all(m.gate.quant is None for m in moes)
+    prompts = make_prompts([5, 40, 77], seed=3)
+    got = run_all(engine, prompts, GREEDY)
+    reference = dequantized_copy(quantized, str(tmp_path / "ref"))
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    reference_engine = make_engine(reference, max_num_batched_tokens=64)
+    if scheme == "w8a8":
+        _quantize_reference_activations(monkeypatch, reference_engine)
+    assert got == run_all(reference_engine, prompts, GREEDY)
+
+
 def test_what_is_not_supported_yet_is_refused(models, make_engine, tmp_path):
-    moe = make_tiny_model(str(tmp_path / "moe"), "qwen3_moe")
-    with pytest.raises(ValueError, match="dense models"):
-        convert_model(moe, str(tmp_path / "moe-q"), "float32", quantization="w8a16")
+    mla = make_tiny_model(str(tmp_path / "mla"), "deepseek_v3")
+    with pytest.raises(ValueError, match="without MLA"):
+        convert_model(mla, str(tmp_path / "mla-q"), "float32", quantization="w8a16")
     with pytest.raises(ValueError, match="not one of"):
         convert_model(models["llama"], str(tmp_path / "x"), "float32", quantization="w3a16")
     with pytest.raises(ValueError, match="quantized already"):
@@ -164,3 +233,63 @@ def test_tensor_parallel_ranks_take_their_part_of_the_quantized_weights(make_eng
     quantized = convert_model(narrow, str(tmp_path / "narrow-w4"), "float32", quantization="w4a16")
     with pytest.raises(Exception, match="do not split over tensor_parallel_size 2"):
         make_engine(quantized, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_tensor_parallel_ranks_take_their_part_of_quantized_experts(expert_parallel, make_engine, tmp_path):
+    """Qwen3-MoE W8A16 / W4A16 at TP = 2: each rank's experts get their slice of rows (gate / up) and inputs (down,
+    whole groups) with the scales, or under expert parallelism whole experts of its own; greedy equals TP = 1."""
+    src = make_tiny_model(str(tmp_path / "src"), "qwen3_moe", **MOE_SIZE["qwen3_moe"])
+    prompts = make_prompts([9, 60], seed=5)
+    for scheme in ("w8a16", "w4a16"):
+        quantized = convert_model(src, str(tmp_path / scheme), "float32", quantization=scheme)
+        want = run_all(make_engine(quantized), prompts, GREEDY)
+        engine = make_engine(quantized, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+        got = run_all(engine, prompts, GREEDY)
+        engine.shutdown()   # one tensor-parallel engine per process at a time
+        assert got == want, scheme
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq", "modelslim"])
+def test_gptq_awq_and_modelslim_moe_checkpoints_equal_their_dequantized_reference(fmt, make_engine, tmp_path,
+                                                                                  monkeypatch):
+    """A tiny Qwen3-MoE with every routed expert as its tool writes it (routers float, as AutoGPTQ, AutoAWQ and
+    msModelSlim leave them)."""
+    from quant_helpers import requantize
+
+    src = make_tiny_model(str(tmp_path / "src"), "qwen3_moe", **MOE_SIZE["qwen3_moe"])
+    quantized, reference = requantize(src, str(tmp_path / "m"), fmt)
+    engine = make_engine(quantized, max_num_batched_tokens=64)
+    moes = [m for m in engine.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(isinstance(m.packed, list) and isinstance(m.packed[0][0], PackedWeight) for m in moes)
+    prompts = make_prompts([6, 50], seed=4)
+    got = run_all(engine, prompts, GREEDY)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
+    reference_engine = make_engine(reference, max_num_batched_tokens=64)
+    if fmt == "modelslim":
+        _quantize_reference_activations(monkeypatch, reference_engine)
+    assert got == run_all(reference_engine, prompts, GREEDY)
+
+
+def test_quantized_experts_on_a_dense_only_moe_kernel_are_dequantized_once(make_engine, tmp_path, monkeypatch):
+    """The CUDA MoE kernel (FlashInfer's cutlass_fused_moe, emulated) takes dense expert stacks: the quantized
+    experts are dequantized into w13 / w2 at load (which that kernel then packs its way), and greedy equals the
+    dequantized model on the CPU."""
+    from flashinfer_emulator import emulated_flashinfer
+
+    from pdcluster.engine.layers import moe
+    from pdcluster.engine.layers.moe_cuda import CudaMoEKernel
+
+    src = make_tiny_model(str(tmp_path / "src"), "qwen3_moe", **MOE_SIZE["qwen3_moe"])
+    quantized = convert_model(src, str(tmp_path / "w4a16"), "float32", quantization="w4a16")
+    prompts = make_prompts([5, 40], seed=3)
+    with emulated_flashinfer(float32=True) as fi:
+        with monkeypatch.context() as m:
+            m.setattr(moe, "kernel_for", lambda device: CudaMoEKernel())
+            engine = make_engine(quantized, attention_backend="flashinfer")
+        moes = [x for x in engine.runner.model.modules() if isinstance(x, FusedMoE)]
+        assert moes and all(not x.quantized and not isinstance(x.packed, list) for x in moes)   # dense stacks
+        got = run_all(engine, prompts, GREEDY)
+        assert fi._emulator.calls["cutlass_fused_moe"]
+    assert got == run_all(make_engine(dequantized_copy(quantized, str(tmp_path / "ref"))), prompts, GREEDY)

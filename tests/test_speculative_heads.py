@@ -431,3 +431,36 @@ def test_tensor_parallel_target_with_a_rank0_head(models, make_engine, tmp_path)
         if method == "eagle":
             assert engine.get_stats().spec_num_accepted_tokens > 0
         engine.shutdown()
+
+
+def test_a_converted_deepseek_keeps_its_mtp_layers(models, make_engine, tmp_path):
+    """`pdcluster convert` writes the MTP layer (past num_hidden_layers) whole into the output, so `mtp` runs on a
+    converted model as on the original checkpoint."""
+    from safetensors import safe_open
+
+    from pdcluster.engine.convert import convert_model
+
+    converted = convert_model(models["mtp-echo"], str(tmp_path / "converted"), "float32")
+    with open(os.path.join(converted, "config.json")) as f:
+        mtp = f"model.layers.{json.load(f)['num_hidden_layers']}."
+    with safe_open(os.path.join(converted, "model.safetensors"), "pt") as f:
+        assert {f"{mtp}eh_proj.weight", f"{mtp}enorm.weight"} <= set(f.keys())
+    prompts = prompts_with_repeats()
+    want, source_stats = _greedy(make_engine, models["mtp-echo"], prompts, speculative_config=spec("mtp", k=2))
+    got, stats = _greedy(make_engine, converted, prompts, speculative_config=spec("mtp", k=2))
+    assert got == want and stats.spec_num_accepted_tokens == source_stats.spec_num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_mtp_on_a_presharded_tensor_parallel_conversion(models, make_engine, tmp_path):
+    """A conversion for TP = 2 keeps the MTP layer whole in rank 0's file, where the rank-0 head reads it."""
+    from pdcluster.engine.convert import convert_model
+
+    converted = convert_model(models["mtp-echo"], str(tmp_path / "tp2"), "float32", tensor_parallel_size=2)
+    prompts = prompts_with_repeats()[:4]
+    kw = dict(max_num_batched_tokens=48, num_gpu_blocks_override=40, block_size=8)
+    want = run_all(make_engine(models["mtp-echo"], **kw), prompts, GREEDY)
+    engine = make_engine(converted, tensor_parallel_size=2, speculative_config=spec("mtp", k=2), **kw)
+    assert run_all(engine, prompts, GREEDY) == want
+    assert engine.get_stats().spec_num_accepted_tokens > 0
+    engine.shutdown()

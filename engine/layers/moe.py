@@ -2,6 +2,10 @@
 w13 [E_local, 2 * I_local, H] (gate rows first) and w2 [E_local, H, I_local], and a device kernel
 (`MoEKernel`: moe_cpu.py, moe_npu.py, moe_cuda.py) that routes the tokens and runs the experts.
 
+A quantized checkpoint hands each expert's gate / up / down as `QuantizedWeight`s (`load_expert`); `prepack` packs
+them per expert (gate and up merged) for the CPU kernel's quantized matmuls (engine/quant/kernels.py), or, on
+devices whose MoE kernel takes only dense stacks (NPU, CUDA so far), dequantizes them into w13 / w2 once.
+
 Tensor parallelism without expert parallelism slices every expert like GatedMLP (I_local = I / tp); with it
 (`expert_parallel`) a rank holds E / tp whole experts. Either way each rank computes its part for every token and
 one all-reduce sums the parts, as RowParallelLinear does. Shared experts (DeepSeek, Qwen2-MoE) are a GatedMLP the
@@ -22,6 +26,7 @@ from pdcluster.device import is_npu
 from pdcluster.engine.layers.linear import Linear, release
 from pdcluster.engine.layers.moe_routing import RoutingConfig
 from pdcluster.engine.parallel import TPGroup
+from pdcluster.engine.quant.scheme import QuantizedWeight, merge_rows
 
 # Checkpoint names of routed experts. Hub checkpoints hold one tensor per expert and projection (Qwen-MoE and
 # DeepSeek gate_proj / up_proj / down_proj; Mixtral w1 / w3 / w2); transformers 5 models hold them fused,
@@ -109,19 +114,29 @@ class FusedMoE(nn.Module):
         self.expert_counts = torch.zeros(num_experts, dtype=torch.int64)   # tokens per expert, last forward
         self.kernel: MoEKernel | None = None
         self.packed: object | None = None   # the kernel's packed copy of w13 / w2 (prepack), if it has one
+        self.quantized: dict[tuple[int, str], QuantizedWeight] = {}   # (local expert, shard) until prepack
         self.layer_key = next(_keys)   # this layer, for the compiled body's opaque op
         _layers[self.layer_key] = self
 
     def owns(self, expert_id: int) -> bool:
         return self.expert_start <= expert_id < self.expert_start + self.num_local_experts
 
-    def load_expert(self, param_name: str, expert_id: int, shard: str, tensor: torch.Tensor) -> bool:
+    def load_expert(self, param_name: str, expert_id: int, shard: str,
+                    tensor: torch.Tensor | QuantizedWeight) -> bool:
         """Place one checkpoint tensor of global expert `expert_id`: shard "gate" / "up" ([I, H]) or "down"
-        ([H, I]), whole or already cut to this rank's slice. False (nothing copied) for another rank's expert."""
+        ([H, I]), whole or already cut to this rank's slice (a quantized one: cut by the loader). False (nothing
+        copied) for another rank's expert."""
         if not self.owns(expert_id):
             return False
         local = expert_id - self.expert_start
         n = self.local_intermediate
+        if isinstance(tensor, QuantizedWeight):
+            want = (self.hidden_size, n) if shard == "down" else (n, self.hidden_size)
+            if shard not in ("gate", "up", "down") or tuple(tensor.qweight.shape) != want:
+                raise ValueError(f"checkpoint tensor {param_name!r} ({shard}) is quantized with shape "
+                                 f"{tuple(tensor.qweight.shape)}, expected {want}")
+            self.quantized[(local, shard)] = tensor
+            return True
         cut_dim = 1 if shard == "down" else 0
         if tensor.shape[cut_dim] == self.intermediate_size and n != self.intermediate_size:
             tensor = tensor.narrow(cut_dim, self.tp.rank * n, n)   # a whole tensor: this rank's slice of it
@@ -140,12 +155,42 @@ class FusedMoE(nn.Module):
     def prepack(self) -> None:
         """The loader calls it once the weights are final (and `gate.prepack` on its own)."""
         self.kernel = kernel_for(self.w13.device)
+        if self.quantized:
+            from pdcluster.engine.layers.moe_cpu import CpuMoEKernel
+
+            experts = self._quantized_experts()
+            if isinstance(self.kernel, CpuMoEKernel):
+                from pdcluster.engine.quant.kernels import pack
+
+                dtype = self.w13.dtype
+                self.packed = [(pack(w13, w13.scheme, self.w13.device, dtype),   # type: ignore[arg-type]
+                                pack(w2, w2.scheme, self.w13.device, dtype))    # type: ignore[arg-type]
+                               for w13, w2 in experts]
+                release(self.w13)
+                release(self.w2)
+                return
+            for e, (w13, w2) in enumerate(experts):   # dense kernels only: dequantized once, here
+                self.w13.data[e].copy_(w13.dequantize(self.w13.dtype))
+                self.w2.data[e].copy_(w2.dequantize(self.w2.dtype))
         prepack = getattr(self.kernel, "prepack", None)
         if prepack is not None:
             self.packed = prepack(self.w13, self.w2)
         if self.packed is not None:   # the packed copies are the only ones kept, as GatedMLP does
             release(self.w13)
             release(self.w2)
+
+    def _quantized_experts(self) -> list[tuple[QuantizedWeight, QuantizedWeight]]:
+        """Per local expert its quantized gate and up rows merged (one matmul, as w13) and its down weight."""
+        out = []
+        for e in range(self.num_local_experts):
+            missing = [s for s in ("gate", "up", "down") if (e, s) not in self.quantized]
+            if missing:
+                raise ValueError(f"quantized checkpoint: expert {self.expert_start + e} of an MoE layer lacks "
+                                 f"quantized {missing} (every routed expert must be quantized alike)")
+            gate, up, down = (self.quantized[(e, s)] for s in ("gate", "up", "down"))
+            out.append((merge_rows([gate, up]), down))
+        self.quantized = {}
+        return out
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():

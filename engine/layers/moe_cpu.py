@@ -6,7 +6,8 @@ rows back into their tokens (in expert order per token, the order transformers' 
 token cost nothing. Pairs routed to another rank's experts (expert parallelism) sort past the local ones and are
 dropped. With oneDNN, `prepack` keeps each expert's gate+up and down matrices in its blocked layout
 (engine/layers/linear.py onednn_packed), which F.linear would otherwise re-pack on every call. Gate and up stay one
-GEMM (GatedMLP splits them): at the few rows an expert gets, one call over both was as fast or faster when timed."""
+GEMM (GatedMLP splits them): at the few rows an expert gets, one call over both was as fast or faster when timed.
+Quantized experts come packed for the quantized kernels (engine/quant/kernels.py `PackedWeight`s) instead."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import torch.nn.functional as F
 
 from pdcluster.engine.layers.linear import linear, onednn_packed
 from pdcluster.engine.layers.moe_routing import RoutingConfig, select_experts
+from pdcluster.engine.quant.kernels import PackedWeight, quant_linear
 
-PackedExperts = list[tuple[torch.Tensor, torch.Tensor]]   # per local expert: gate and up (one matrix), down
+# per local expert: gate and up (one matrix), down; oneDNN-packed dense ones or quantized ones
+PackedExperts = list[tuple[torch.Tensor, torch.Tensor]] | list[tuple[PackedWeight, PackedWeight]]
 
 
 class CpuMoEKernel:
@@ -27,7 +30,7 @@ class CpuMoEKernel:
     def prepack(self, w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | None:
         """oneDNN-packed copies of every expert's matrices, which then serve every call in place of w13 / w2 (the
         caller may release those); None where oneDNN does not serve this dtype / device."""
-        packed: PackedExperts = []
+        packed: list[tuple[torch.Tensor, torch.Tensor]] = []
         for e in range(w13.shape[0]):
             gate_up, down = onednn_packed(w13[e]), onednn_packed(w2[e])
             if gate_up is None or down is None:
@@ -58,11 +61,11 @@ class CpuMoEKernel:
             if count == 0:
                 continue
             x = rows[start:start + count]
-            if packed is not None:   # the dense weights may be released: `linear` reads only the packed ones
+            if packed is not None:   # the dense weights may be released: only the packed ones are read
                 gate_up_p, down_p = packed[e]
-                gate_up = linear(x, w13, None, gate_up_p)
+                gate_up = _matmul(x, w13, gate_up_p)
                 half = gate_up.shape[1] // 2
-                down = linear(F.silu(gate_up[:, :half]).mul_(gate_up[:, half:]), w2, None, down_p)
+                down = _matmul(F.silu(gate_up[:, :half]).mul_(gate_up[:, half:]), w2, down_p)
             else:
                 gate, up = F.linear(x, w13[e, :n]), F.linear(x, w13[e, n:])
                 down = F.linear(F.silu(gate, inplace=True).mul_(up), w2[e])
@@ -71,3 +74,7 @@ class CpuMoEKernel:
         out = torch.zeros(tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         out.index_add_(0, token_of_row, out_rows)
         return out.to(hidden.dtype)
+
+
+def _matmul(x: torch.Tensor, dense: torch.Tensor, packed: torch.Tensor | PackedWeight) -> torch.Tensor:
+    return quant_linear(x, packed) if isinstance(packed, PackedWeight) else linear(x, dense, None, packed)

@@ -294,7 +294,7 @@ class CompressedTensorsQuant(CheckpointQuant):
         for targets, scheme, fmt in self.groups:
             if any(t != "Linear" and _ct_match(module, t) for t in targets):
                 return scheme, fmt
-        if _is_linear_name(module):
+        if _is_linear_name(module) and not _is_router(module):   # vLLM builds MoE routers unquantized
             for targets, scheme, fmt in self.groups:
                 if "Linear" in targets:
                     return scheme, fmt

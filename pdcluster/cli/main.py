@@ -42,6 +42,7 @@ def convert(
     calibration: str = typer.Option("", help="W8A8: 'default' (built-in prompts) or a .jsonl / text file of "
                                     "prompts: SmoothQuant (and w8a8_static's activation scales) calibrated on them"),
     smoothing_strength: float = typer.Option(0.6, help="SmoothQuant's alpha, with --calibration"),
+    quantize_lm_head: bool = typer.Option(False, help="quantize the LM head too (a tied one is written untied)"),
 ) -> None:
     """Convert a checkpoint into the engine's format (safetensors in DTYPE, config, tokenizer, chat template,
     manifest; docs/engine.md). Written to a temp dir and renamed at the end: an interrupted run leaves nothing."""
@@ -59,12 +60,13 @@ def convert(
             path = convert_model(src, out, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                                  progress=progress, expert_parallel=enable_expert_parallel,
                                  quantization=quantization or None, calibration=calibration or None,
-                                 smoothing_strength=smoothing_strength)
+                                 smoothing_strength=smoothing_strength, quantize_lm_head=quantize_lm_head)
         except (ValueError, OSError) as exc:
             typer.echo(f"pdcluster convert: {exc}", err=True)
             raise typer.Exit(2) from None
     quantized = f", {quantization}" if quantization else ""
     quantized += f", calibrated ({calibration})" if calibration or quantization == "w8a8_static" else ""
+    quantized += ", LM head quantized" if quantize_lm_head else ""
     typer.echo(f"converted {src} -> {path} ({dtype}{quantized}, tensor_parallel_size {tensor_parallel_size})")
 
 
