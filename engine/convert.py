@@ -72,16 +72,14 @@ def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_para
         from pdcluster.engine.quant.scheme import QuantScheme
 
         scheme = QuantScheme.named(quantization)
-        if tp > 1 or model_config.mla is not None:
-            raise ValueError(f"quantization {quantization!r}: only for models without MLA at tensor_parallel_size 1 "
-                             "so far")
-        if calibration and model_config.moe is not None:
-            raise ValueError(f"calibration: not for MoE models yet ({model_config.architecture}): each expert's "
-                             "inputs would need their own smoothing")
+        if tp > 1:
+            raise ValueError(f"quantization {quantization!r}: only at tensor_parallel_size 1 (the engine's ranks cut "
+                             "their parts of a quantized checkpoint themselves)")
+        if calibration and (model_config.moe is not None or model_config.mla is not None):
+            raise ValueError(f"calibration: not for MoE or MLA models yet ({model_config.architecture}): each "
+                             "expert's inputs (and MLA's latent projections) would need their own smoothing")
         if scheme.group_size:   # one group size for every layer: the largest that divides all their inputs
-            inputs = (model_config.hidden_size, model_config.intermediate_size,
-                      model_config.num_heads * model_config.head_dim) + \
-                ((model_config.moe.intermediate_size,) if model_config.moe is not None else ())
+            inputs = _linear_inputs(model_config)
             group = next((g for g in (scheme.group_size, 64, 32) if all(n % g == 0 for n in inputs)), 0)
             if not group:
                 raise ValueError(f"quantization {quantization!r}: the layers' inputs {inputs} do not split into "
@@ -457,9 +455,25 @@ def _extra_layer(name: str, mc) -> bool:
         parts[2].isdigit() and int(parts[2]) >= mc.num_layers
 
 
-# the linear weights `quantization` quantizes: attention, MLP and routed / shared expert projections of the decoder
-# layers (not MoE routers)
-_QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_experts?\.)?(gate|up|down)_proj"
+def _linear_inputs(mc) -> tuple[int, ...]:
+    """The input widths of the linear layers `quantization` quantizes (a group size must divide each)."""
+    widths = [mc.hidden_size, mc.intermediate_size]
+    if mc.mla is not None:
+        mla = mc.mla
+        widths += [mc.num_heads * mla.v_head_dim, mla.kv_lora_rank] + ([mla.q_lora_rank] if mla.q_lora_rank else [])
+    else:
+        widths.append(mc.num_heads * mc.head_dim)
+    if mc.moe is not None:
+        widths.append(mc.moe.intermediate_size)
+    if mc.shared_expert_intermediate_size:
+        widths.append(mc.shared_expert_intermediate_size)
+    return tuple(widths)
+
+
+# the linear weights `quantization` quantizes: attention (MLA's projections too), MLP and routed / shared expert
+# projections of the decoder layers (not MoE routers)
+_QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.([qkvo]|q_a|q_b|kv_a|kv_b)_proj(_with_mqa)?"
+                        r"|mlp\.(shared_experts?\.)?(gate|up|down)_proj"
                         r"|(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3))\.weight$")
 
 

@@ -187,9 +187,6 @@ def check_quantized(config: ModelConfig, weight_pool) -> None:
     if config.quantization is None:
         return
     method = config.quantization.method
-    if config.mla is not None:
-        raise ValueError(f"quantization ({method}): quantized MLA checkpoints are not supported yet "
-                         f"({config.architecture})")
     if weight_pool is not None:
         raise ValueError(f"quantization ({method}): weight_pool (shared weights) is not supported")
 

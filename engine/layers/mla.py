@@ -18,6 +18,8 @@ o_proj row-parallel); q_a_proj, kv_a_proj_with_mqa and the norms are replicated,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -26,6 +28,7 @@ from pdcluster.engine.layers.layernorm import RMSNorm
 from pdcluster.engine.layers.linear import Linear, RowParallelLinear
 from pdcluster.engine.layers.rotary import apply_rotary
 from pdcluster.engine.parallel import TPGroup
+from pdcluster.engine.quant.scheme import QuantizedWeight
 
 LORA_NORM_EPS = 1e-6   # q_a_layernorm / kv_a_layernorm: DeepSeek's RMSNorm default, not rms_norm_eps
 
@@ -71,10 +74,14 @@ class MLAttention(nn.Module):
 
     def load_rows(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor of this layer (`name` its leaf module) as the engine's rotary wants it: the rope
-        rows of an interleaved checkpoint de-interleaved."""
+        rows of an interleaved checkpoint de-interleaved (a quantized weight's rows with their scales)."""
         mla = self.mla
         if not mla.rope_interleave:
             return tensor
+        if isinstance(tensor, QuantizedWeight):
+            zeros = None if tensor.zeros is None else self.load_rows(name, tensor.zeros)
+            return dataclasses.replace(tensor, qweight=self.load_rows(name, tensor.qweight),
+                                       scales=self.load_rows(name, tensor.scales), zeros=zeros)
         if name in ("q_proj", "q_b_proj"):
             return deinterleave_rows(tensor, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.qk_head_dim)
         if name == "kv_a_proj_with_mqa":

@@ -23,13 +23,14 @@ from torch import nn
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.layers.embedding import VocabEmbedding
 from pdcluster.engine.layers.layernorm import RMSNorm
-from pdcluster.engine.layers.linear import MergedLinear
+from pdcluster.engine.layers.linear import Linear, MergedLinear
 from pdcluster.engine.layers.mla import MLAttention
 from pdcluster.engine.layers.mlp import GatedMLP
 from pdcluster.engine.layers.moe import FusedMoE
 from pdcluster.engine.layers.rotary import RotaryEmbedding
 from pdcluster.engine.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel, copy_tensor
 from pdcluster.engine.parallel import TPGroup
+from pdcluster.engine.quant.scheme import QuantizedWeight
 
 _GATE_UP = {"gate_proj": "gate", "up_proj": "up"}
 _EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -99,13 +100,27 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 target = f"{owner_path}.gate_up_proj.{leaf}"
                 module = self.get_submodule(f"{owner_path}.gate_up_proj")
                 assert isinstance(module, MergedLinear)
-                module.load_shard(params[target], _GATE_UP[module_name], tensor)
+                if isinstance(tensor, QuantizedWeight):
+                    module.load_quantized(tensor, _GATE_UP[module_name])
+                else:
+                    module.load_shard(params[target], _GATE_UP[module_name], tensor)
                 missing.discard(target)
                 continue
             elif module_name in ("q_proj", "q_b_proj", "kv_a_proj_with_mqa"):
                 attn = self.get_submodule(owner_path)
                 assert isinstance(attn, MLAttention)
                 tensor = attn.load_rows(module_name, tensor)
+            if isinstance(tensor, QuantizedWeight):
+                if module_name == "kv_b_proj":   # the backend multiplies by per-head slices: dequantized once, as vLLM
+                    tensor = tensor.dequantize(params[name].dtype)
+                else:
+                    linear = self.get_submodule(module_path)
+                    if not isinstance(linear, Linear) or name not in params:
+                        raise ValueError(f"checkpoint tensor {name!r} is quantized, but "
+                                         f"{self.config.architecture} has no linear layer there")
+                    linear.load_quantized(tensor)
+                    missing.discard(name)
+                    continue
             copy_tensor(params, missing, name, tensor, self.config.architecture)
         if missing:
             raise ValueError(f"checkpoint is missing tensors: {sorted(missing)[:8]}")
