@@ -14,7 +14,8 @@ even when it fails or is skipped:
   device     GPU name, memory, capability, driver and CUDA versions (torch; NVML through nvidia-ml-py or
              nvidia-smi)
   parity     the engine's parity tests against transformers (PARITY_TESTS) with PDCLUSTER_DEVICE=cuda, the
-             FlashInfer backend against the torch one (bf16), KV between two processes on the GPU (cuda_ipc).
+             FlashInfer backend against the torch one (bf16), KV between two processes on the GPU (cuda_ipc), the
+             quantized-weight kernels (tests/test_quant_cuda.py).
              On cuda the engine's attention is FlashInfer when flashinfer-python imports (the cuda extra): its
              kernels are JIT-compiled on first use (nvcc; minutes) unless prebuilt; where they cannot be built
              the engine runs the torch path and the FlashInfer parity test fails, saying so
@@ -65,6 +66,8 @@ PARITY_TESTS = [
     "tests/test_flashinfer_backend.py::test_flashinfer_on_cuda_matches_the_torch_backend",
     # KV between two processes on one GPU through the cuda_ipc channel, picked by kv_backend=auto over nccl
     "tests/test_cuda_ipc_channel.py::test_round_trip_between_processes[cuda]",
+    # the quantized kernels (torch._int_mm, _weight_int8pack_mm, tinygemm int4) against the dequantized reference
+    "tests/test_quant_cuda.py",
 ]
 STAGE_LIMITS = {"device": 60, "parity": 150, "benchmark": 210, "kv_ipc": 90}
 STAGE_KEEP = {"device": 60, "parity": 90, "benchmark": 120, "kv_ipc": 45}   # kept back from install for these

@@ -216,3 +216,44 @@ def test_npu_branch_under_emulated_torch_npu(monkeypatch, scheme, kernel):
     assert fake.calls and set(fake.calls) <= {"npu_weight_quant_batchmatmul", "npu_quant_matmul"}
     if scheme.weight_bits == 4:
         assert packed.weight.dtype == torch.int32 and packed.weight.shape == (256, 96 // 8)
+
+
+# ---- CUDA paths, checked here without a GPU (tests/test_quant_cuda.py runs them on one) -------------------------
+
+def test_int_mm_pads_decode_rows_past_the_cuda_minimum():
+    from pdcluster.engine.quant.kernels import CUDA_INT_MM_MIN_ROWS, int_mm
+
+    g = torch.Generator().manual_seed(0)
+    b = torch.randint(-127, 128, (24, 64), generator=g, dtype=torch.int8)
+    for rows in (1, 5, 16, 17, 40):
+        a = torch.randint(-127, 128, (rows, 64), generator=g, dtype=torch.int8)
+        got = int_mm(a, b.t(), CUDA_INT_MM_MIN_ROWS)
+        assert got.shape == (rows, 24) and torch.equal(got, a.to(torch.int32) @ b.to(torch.int32).t())
+
+
+def test_tinygemm_nibbles_put_even_columns_in_the_high_nibble():
+    from pdcluster.engine.quant.kernels import tinygemm_inner_k_tiles, tinygemm_nibbles
+
+    q = torch.randint(0, 16, (8, 64), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    packed = tinygemm_nibbles(q)
+    assert packed.dtype == torch.uint8 and packed.shape == (8, 32)
+    assert torch.equal(packed.to(torch.int32) >> 4, q[:, ::2]) and torch.equal(packed.to(torch.int32) & 15, q[:, 1::2])
+    assert [tinygemm_inner_k_tiles(n) for n in (4096, 576, 96)] == [8, 4, 2]
+
+
+@pytest.mark.parametrize("works", [True, False])
+def test_cuda_kernel_choice_follows_the_probes(works, monkeypatch):
+    """On a CUDA device each scheme takes torch's CUDA kernel where the probe found it working, else the weight is
+    dequantized at load; W4A16 only with bf16 activations (tinygemm's)."""
+    from pdcluster.engine.quant import kernels
+
+    monkeypatch.setattr(kernels, "_cuda_kernel_works", lambda kind, device: works)
+    cuda = torch.device("cuda")
+    cases = {(QuantScheme(8, 0, True, "int8_dynamic"), torch.bfloat16): "int8mm",
+             (QuantScheme(8, 0, True), torch.bfloat16): "int8pack",
+             (QuantScheme(4, 128, True), torch.bfloat16): "int4pack",
+             (QuantScheme(4, 128, True), torch.float16): "dequantized",
+             (QuantScheme(8, 128, True), torch.bfloat16): "dequantized"}
+    for (scheme, dtype), kernel in cases.items():
+        qw = quantize_weight(torch.randn(64, 256), scheme)
+        assert kernels._choose(qw, scheme, cuda, dtype) == (kernel if works else "dequantized"), (scheme, dtype)

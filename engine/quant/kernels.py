@@ -37,7 +37,18 @@ NPU (torch_npu, as vLLM-Ascend calls it; weights transposed to [in, out])
   `npu_quant_matmul(x_q, w, deq_scale = input_scale * w_scale, bias=quant_bias)`, quant_bias the int32
   -offset * row sums of w_q; deq_scale fp32 for bf16 output, `npu_trans_quant_param` (int64) for fp16.
 
-Everything else ("dequantized": group-wise int8, zero points on 8-bit weights, odd widths, fp32 on NPU, CUDA, ...):
+CUDA (torch's own CUDA kernels, each enabled by a probe on the device at first use; never run on hardware here:
+`make gpu-check` runs tests/test_quant_cuda.py where a GPU is lent)
+- "int8mm" variant "int_mm" (W8A8): `torch._int_mm`, cuBLASLt's int8 GEMM with int32 accumulation. Its CUDA
+  contract: more than 16 rows, in % 8 == 0 and out % 8 == 0; fewer rows (decode) are padded with zero rows to
+  CUDA_INT_MM_MIN_ROWS and the output sliced.
+- "int8pack" (W8A16 per channel): `_weight_int8pack_mm` where this torch build has its CUDA kernel.
+- "int4pack" variant "tinygemm" (W4A16, bf16 activations): `_convert_weight_to_int4pack(q_u4 packed two to a
+  uint8 [out, in / 2] (even column in the high nibble), inner_k_tiles)` + `_weight_int4pack_mm(x, packed, group,
+  scales_and_zeros)`, the same (q_u4 - 8) * scale + zero convention and [groups, out, 2] table as the CPU kernel;
+  in % (inner_k_tiles * 16) == 0 (inner_k_tiles 8, 4 or 2), out padded to 16 like on CPU.
+
+Everything else ("dequantized": group-wise int8, zero points on 8-bit weights, odd widths, fp32 on NPU, ...):
 the weight dequantized once at pack time into the activation dtype (correct, not smaller), then F.linear; W8A8
 schemes quantize and dequantize the activations the same way first.
 """
@@ -57,6 +68,7 @@ _INT4_KERNEL_GROUPS = (256, 128, 64, 32)
 # oneDNN's int8 GEMM costs ~0.1 ms more per call than _int_mm: it pays off from about this many weights (measured:
 # faster at 2048x6144 and up, slower at SmolLM2's 576x1536)
 ONEDNN_INT8_MIN_WEIGHTS = 1 << 22
+CUDA_INT_MM_MIN_ROWS = 17   # torch._int_mm on CUDA: "self.size(0) needs to be greater than 16"
 
 
 @dataclass
@@ -87,13 +99,16 @@ def pack(qw: QuantizedWeight, scheme: QuantScheme, device: torch.device, act_dty
     base = PackedWeight(kernel, scheme, out_features, in_features, device, act_dtype)
     if kernel == "int8mm":
         big = out_features * in_features >= ONEDNN_INT8_MIN_WEIGHTS
-        base.variant = variant or ("onednn" if big and _onednn_int8_exact() else "int_mm")
+        onednn = device.type == "cpu" and big and _onednn_int8_exact()
+        base.variant = variant or ("onednn" if onednn else "int_mm")
+    if kernel == "int4pack":
+        base.variant = variant or ("tinygemm" if device.type == "cuda" else "cpu")
     if kernel == "int8pack":
         return _pack_int8pack(base, qw)
     if kernel == "int4pack":
         return _pack_int4pack(base, qw)
     if kernel == "int8mm":
-        return _pack_w8a8_cpu(base, qw)
+        return _pack_w8a8(base, qw)
     if kernel == "npu_wqbmm":
         return _pack_npu_wqbmm(base, qw)
     if kernel in ("npu_w8a8", "npu_w8a8_static"):
@@ -117,6 +132,18 @@ def _choose(qw: QuantizedWeight, scheme: QuantScheme, device: torch.device, act_
             if per_channel and qw.zeros is None and in_features % 16 == 0:
                 return "int8pack"
         elif group % 32 == 0:
+            return "int4pack"
+        return "dequantized"
+    if device.type == "cuda":
+        if scheme.activations != "none":
+            if per_channel and qw.zeros is None and in_features % 8 == 0 and out_features % 8 == 0 \
+                    and _cuda_kernel_works("int_mm", device):
+                return "int8mm"
+        elif scheme.weight_bits == 8:
+            if per_channel and qw.zeros is None and _cuda_kernel_works("int8pack", device):
+                return "int8pack"
+        elif group % 32 == 0 and in_features % 32 == 0 and act_dtype == torch.bfloat16 \
+                and _cuda_kernel_works("tinygemm", device):
             return "int4pack"
         return "dequantized"
     if device.type == "npu" and act_dtype in (torch.bfloat16, torch.float16):
@@ -157,23 +184,39 @@ def _pack_int4pack(p: PackedWeight, qw: QuantizedWeight) -> PackedWeight:
     if pad:
         q = F.pad(q, (0, 0, 0, pad), value=8)
         scales, zeros = F.pad(scales, (0, 0, 0, pad)), F.pad(zeros, (0, 0, 0, pad))
-    p.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1).to(p.device)
+    if p.variant == "tinygemm":
+        p.weight = torch.ops.aten._convert_weight_to_int4pack(tinygemm_nibbles(q).to(p.device),
+                                                              tinygemm_inner_k_tiles(p.in_features))
+    else:
+        p.weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1).to(p.device)
     p.scales = torch.stack([scales.t(), zeros.t()], dim=-1).to(p.act_dtype).contiguous().to(p.device)
     p.group_size = kernel_group
     return p
 
 
-def _pack_w8a8_cpu(p: PackedWeight, qw: QuantizedWeight) -> PackedWeight:
+def tinygemm_nibbles(q_u4: torch.Tensor) -> torch.Tensor:
+    """[out, in] values 0..15 -> uint8 [out, in / 2], columns 2j (high nibble) and 2j + 1 (low) in byte j: what
+    `_convert_weight_to_int4pack` takes on CUDA (as torchao packs it)."""
+    q = q_u4.to(torch.int32)
+    return ((q[:, ::2] << 4) | q[:, 1::2]).to(torch.uint8).contiguous()
+
+
+def tinygemm_inner_k_tiles(in_features: int) -> int:
+    return next(t for t in (8, 4, 2) if in_features % (t * 16) == 0)
+
+
+def _pack_w8a8(p: PackedWeight, qw: QuantizedWeight) -> PackedWeight:
     _set_static(p, qw)
     w_scale = qw.scales[:, 0].to(torch.float32).contiguous()
     if p.variant == "onednn":
         p.weight = torch.ops.onednn.qlinear_prepack(qw.qweight.contiguous(), None)
         p.extra["w_zero"] = torch.zeros(p.out_features, dtype=torch.int32)
     else:
-        p.weight = qw.qweight.contiguous()
+        p.weight = qw.qweight.contiguous().to(p.device)
         if p.scheme.activations == "int8_static":
-            p.extra["offset_corr"] = (p.input_offset * qw.qweight.to(torch.int32).sum(dim=1)).to(torch.int32)
-    p.scales = w_scale
+            corr = (p.input_offset * qw.qweight.to(torch.int32).sum(dim=1)).to(torch.int32)
+            p.extra["offset_corr"] = corr.to(p.device)
+    p.scales = w_scale.to(p.device)
     return p
 
 
@@ -215,6 +258,30 @@ def _pack_npu_w8a8(p: PackedWeight, qw: QuantizedWeight) -> PackedWeight:
     p.extra["input_offset"] = torch.full((p.in_features,), float(p.input_offset), dtype=p.act_dtype,
                                          device=p.device)
     return p
+
+
+@functools.cache
+def _cuda_kernel_works(kind: str, device: torch.device) -> bool:
+    """Whether this torch build runs `kind` ("int_mm", "int8pack", "tinygemm") on `device` and gets the
+    reference's answer (a build without the CUDA kernel raises; an older GPU may lack tinygemm)."""
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randint(-8, 8, (64, 128), generator=g, dtype=torch.int8)
+        x = torch.randn(4, 128, generator=g)
+        scheme = QuantScheme(4 if kind == "tinygemm" else 8, 32 if kind == "tinygemm" else 0, True,
+                             "int8_dynamic" if kind == "int_mm" else "none")
+        qw = QuantizedWeight(q, torch.full((64, 128 // (scheme.group_size or 128)), 0.01), scheme=scheme)
+        packed = pack(qw, scheme, device, torch.bfloat16, {"int_mm": "int8mm", "int8pack": "int8pack",
+                                                           "tinygemm": "int4pack"}[kind])
+        got = quant_linear(x.to(device, torch.bfloat16), packed).float().cpu()
+        xr = x.bfloat16().float()
+        if kind == "int_mm":
+            xq, x_scale = quantize_activations_dynamic(xr)
+            xr = xq.float() * x_scale
+        want = xr @ qw.dequantize().t()
+        return bool(torch.allclose(got, want, rtol=2e-2, atol=2e-2))
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
 
 
 @functools.cache
@@ -268,7 +335,8 @@ def _run_int8pack(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -
 
 
 def _run_int4pack(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(p.act_dtype), p.weight, p.group_size, p.scales)
+    mm = torch.ops.aten._weight_int4pack_mm if p.variant == "tinygemm" else torch.ops.aten._weight_int4pack_mm_for_cpu
+    y = mm(x.to(p.act_dtype), p.weight, p.group_size, p.scales)
     if y.shape[-1] != p.out_features:
         y = y[:, :p.out_features]
     return _add_bias(y, bias)
@@ -295,17 +363,26 @@ def _run_int8mm(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> 
 
 def _run_int_mm(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     assert p.weight is not None and p.scales is not None
+    min_rows = CUDA_INT_MM_MIN_ROWS if x.device.type == "cuda" else 0
     if p.scheme.activations == "int8_dynamic":
         xq, x_scale = quantize_activations_dynamic(x)
-        acc = torch._int_mm(xq, p.weight.t())
+        acc = int_mm(xq, p.weight.t(), min_rows)
     else:
         xq = quantize_activations_static(x, p.input_scale, p.input_offset)
-        acc = torch._int_mm(xq, p.weight.t()) - p.extra["offset_corr"]
-        x_scale = torch.tensor(p.input_scale, dtype=torch.float32)
+        acc = int_mm(xq, p.weight.t(), min_rows) - p.extra["offset_corr"]
+        x_scale = torch.tensor(p.input_scale, dtype=torch.float32, device=x.device)
     y = acc.to(torch.float32).mul_(x_scale).mul_(p.scales)
     if bias is not None:
         y = y.add_(bias.to(torch.float32))
     return y.to(x.dtype)
+
+
+def int_mm(a: torch.Tensor, b: torch.Tensor, min_rows: int = 0) -> torch.Tensor:
+    """torch._int_mm(a, b) (int8 x int8 -> int32), `a` padded with zero rows up to `min_rows` and the result cut."""
+    rows = a.shape[0]
+    if rows >= min_rows:
+        return torch._int_mm(a, b)
+    return torch._int_mm(F.pad(a, (0, 0, 0, min_rows - rows)), b)[:rows]
 
 
 def _run_npu_wqbmm(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
