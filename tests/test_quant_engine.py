@@ -333,3 +333,42 @@ def test_quantized_experts_on_a_dense_only_moe_kernel_are_dequantized_once(make_
         got = run_all(engine, prompts, GREEDY)
         assert fi._emulator.calls["cutlass_fused_moe"]
     assert got == run_all(make_engine(dequantized_copy(quantized, str(tmp_path / "ref"))), prompts, GREEDY)
+
+
+@pytest.mark.parametrize("naming", ["norm.bias", "norm.module.bias"])
+def test_norm_biases_of_msmodelslim_anti_outlier_checkpoints(naming, models, make_engine, tmp_path):
+    """msModelSlim's anti-outlier quantization gives RMSNorms a bias (y = weight * norm(x) + bias, vLLM-Ascend's
+    AscendRMSNorm), named `<norm>.bias` or, with the weight, `<norm>.module.bias` / `.module.weight`: greedy equals
+    transformers with that bias added after each norm; a W8A8_DYNAMIC checkpoint carrying them loads it too."""
+    from engine_helpers import make_prompts
+    from quant_helpers import requantize
+    from safetensors.torch import load_file, save_file
+
+    from pdcluster.engine.testing import load_hf_model
+
+    src = str(tmp_path / "biased")
+    shutil.copytree(models["qwen2"], src)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    g = torch.Generator().manual_seed(7)
+    biases = {}
+    for name in [n for n in tensors if n.endswith("layernorm.weight")]:
+        norm = name.removesuffix(".weight")
+        biases[norm] = torch.randn(tensors[name].shape, generator=g) * 0.3
+        if naming == "norm.module.bias":
+            tensors[f"{norm}.module.weight"] = tensors.pop(name)
+        tensors[f"{norm}.{'module.bias' if naming == 'norm.module.bias' else 'bias'}"] = biases[norm]
+    save_file(tensors, os.path.join(src, "model.safetensors"))
+    prompts = make_prompts([6, 33], seed=9)
+    hf = load_hf_model(models["qwen2"])
+    for norm, bias in biases.items():
+        hf.get_submodule(norm).register_forward_hook(lambda m, i, out, b=bias: out + b)
+    with torch.no_grad():
+        want = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, min_new_tokens=24)[0, len(p):]
+                .tolist() for p in prompts]
+    engine = make_engine(src)
+    assert all(getattr(m, "bias", None) is not None for n, m in engine.runner.model.named_modules()
+               if n.endswith("layernorm"))
+    assert run_all(engine, prompts, GREEDY) == want
+    quantized, reference = requantize(src, str(tmp_path / "q"), "modelslim")
+    engine = make_engine(quantized)
+    assert len(run_all(engine, prompts, GREEDY)[0]) == 24

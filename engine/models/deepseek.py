@@ -22,7 +22,7 @@ from torch import nn
 
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.layers.embedding import VocabEmbedding
-from pdcluster.engine.layers.layernorm import RMSNorm
+from pdcluster.engine.layers.layernorm import RMSNorm, load_norm_bias, norm_tensor_name
 from pdcluster.engine.layers.linear import Linear, MergedLinear
 from pdcluster.engine.layers.mla import MLAttention
 from pdcluster.engine.layers.mlp import GatedMLP
@@ -91,6 +91,9 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
             if layer is not None and int(layer.group(1)) >= self.config.num_layers:
                 continue   # DeepSeek-V3's multi-token-prediction layers
             if self._load_expert(name, tensor, missing):
+                continue
+            name = norm_tensor_name(name)
+            if name not in params and load_norm_bias(self, name, tensor):
                 continue
             module_path, _, leaf = name.rpartition(".")
             owner_path, _, module_name = module_path.rpartition(".")

@@ -15,7 +15,7 @@ from pdcluster.engine.attention import AttentionMetadata
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.layers.attention import SelfAttention
 from pdcluster.engine.layers.embedding import LMHead, VocabEmbedding
-from pdcluster.engine.layers.layernorm import RMSNorm
+from pdcluster.engine.layers.layernorm import RMSNorm, load_norm_bias, norm_tensor_name
 from pdcluster.engine.layers.linear import Linear, MergedLinear
 from pdcluster.engine.layers.mla import MLAttention
 from pdcluster.engine.layers.mlp import GatedMLP
@@ -35,6 +35,9 @@ def load_tensor(model: nn.Module, params: dict[str, nn.Parameter], missing: set[
                 tensor: torch.Tensor | QuantizedWeight, owner: str) -> None:
     """Checkpoint tensor `name` into `model`'s parameter (q/k/v and gate/up into their fused one's shard); a
     quantized checkpoint's weight into its linear layer."""
+    name = norm_tensor_name(name)
+    if not isinstance(tensor, QuantizedWeight) and name not in params and load_norm_bias(model, name, tensor):
+        return
     leaf = name.split(".")[-2] if name.count(".") >= 1 else ""
     if leaf in _FUSED:
         fused, shard = _FUSED[leaf]

@@ -54,8 +54,9 @@ exactly what it lists for X). q is signed int8 [out, in] in X.weight, per output
         per-token activations.
     W8A16: X.weight_scale, X.weight_offset [out, 1] (or [out, in / group_size] with a top-level "group_size"),
         w = (q - offset) * scale.
-    Not handled here: anti-outlier norms ("X.module.weight" / "X.module.bias" of a norm) stay ordinary tensors
-    for the loader; kv-cache / attention quantization and the other types are refused.
+    Anti-outlier norms ("<norm>.bias", or "<norm>.module.weight" / ".module.bias"; FLOAT in the description) stay
+    ordinary tensors: the loader gives the RMSNorm its bias (engine/layers/layernorm.py). kv-cache / attention
+    quantization and the other types are refused.
 """
 
 from __future__ import annotations
