@@ -257,3 +257,42 @@ def test_cuda_kernel_choice_follows_the_probes(works, monkeypatch):
     for (scheme, dtype), kernel in cases.items():
         qw = quantize_weight(torch.randn(64, 256), scheme)
         assert kernels._choose(qw, scheme, cuda, dtype) == (kernel if works else "dequantized"), (scheme, dtype)
+
+
+# ---- the native W8A16 decode GEMV (engine/quant/int8_gemv.c) ----------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("shape", [(96, 576), (40, 100), (17, 7)])   # whole 16-wide vectors and masked tails
+def test_native_int8_gemv_equals_the_reference(rows, shape):
+    from pdcluster.engine.attention.native import int8_gemv
+
+    g = torch.Generator().manual_seed(rows)
+    n, k = shape
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 0.02
+    x = torch.randn(rows, k, generator=g)
+    want = x.double() @ (q.double() * scales.double()[:, None]).t()
+    got = int8_gemv(x, q, scales)
+    if got is None:
+        pytest.skip("no C compiler: the native kernels are not built")
+    portable = int8_gemv(x, q, scales, portable=True)
+    for y in (got, portable):
+        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    with pytest.raises(ValueError, match="at most"):
+        int8_gemv(torch.randn(9, k), q, scales)
+
+
+def test_w8a16_decode_rows_take_the_native_gemv_and_larger_batches_int8pack(monkeypatch):
+    from pdcluster.engine.quant import kernels
+
+    scheme = QuantScheme(8, 0, True)
+    qw = quantize_weight(torch.randn(64, 576), scheme)
+    packed = pack(qw, scheme, torch.device("cpu"), torch.bfloat16)
+    calls = []
+    real = kernels.int8_gemv
+    monkeypatch.setattr(kernels, "int8_gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 2, 7, 8, 32):
+        x = torch.randn(rows, 576).bfloat16()
+        want = x.float() @ qw.dequantize().t()
+        torch.testing.assert_close(quant_linear(x, packed).float(), want, rtol=2e-2, atol=2e-2)
+    assert calls == [1, 2, 7]   # 8 x 576 inputs outgrow L1 (NATIVE_GEMV_MAX_ELEMS): torch's kernel

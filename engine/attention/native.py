@@ -1,4 +1,5 @@
-"""Builds and loads the CPU paged attention kernels (paged_decode.c, paged_prefill.c) with the system C compiler.
+"""Builds and loads the CPU native kernels with the system C compiler: paged attention (paged_decode.c,
+paged_prefill.c) and the W8A16 decode matrix-vector product (engine/quant/int8_gemv.c), one library.
 
 Compiled once per machine and source version (`-march=native`, so the key includes the CPU's flags)
 into a user cache dir, then loaded with ctypes. Without a compiler, or if the build fails, `load()`
@@ -25,7 +26,8 @@ from pdcluster.device import row_size
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("paged_prefill.c")]   # one library
+SOURCES = [Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("paged_prefill.c"),
+           Path(__file__).parent.parent / "quant" / "int8_gemv.c"]   # one library
 HEADERS = [Path(__file__).with_name("paged_simd.h")]   # included by both; part of the build key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # (q dtype, cache dtype) -> symbol; an int8 cache holds D int8 values + an fp16 scale per row (engine/kv_cache.py)
@@ -36,6 +38,8 @@ _PREFILL_SYMBOLS = {key: symbol.replace("paged_decode", "paged_prefill") for key
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
              ctypes.c_int]
+GEMV_MAX_ROWS = 8   # INT8_GEMV_MAX_ROWS in int8_gemv.c
+_GEMV_ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
 _PREFILL_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
                      ctypes.c_int]
 
@@ -93,12 +97,31 @@ def load() -> ctypes.CDLL | None:
         detail = str(getattr(e, "stderr", None) or e)
         log.warning("native CPU attention kernels unavailable, using the torch path: %s", detail.strip()[-2000:])
         return None
-    for symbols, argtypes in ((_SYMBOLS, _ARGTYPES), (_PREFILL_SYMBOLS, _PREFILL_ARGTYPES)):
+    for symbols, argtypes in ((_SYMBOLS, _ARGTYPES), (_PREFILL_SYMBOLS, _PREFILL_ARGTYPES),
+                              ({"": "int8_gemv_f32", "s": "int8_gemv_f32_scalar"}, _GEMV_ARGTYPES)):
         for symbol in symbols.values():
             fn = getattr(lib, symbol, None)
             if fn is not None:
                 fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib
+
+
+def int8_gemv(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, portable: bool = False) -> torch.Tensor | None:
+    """x [m, k] float32 (1 <= m <= GEMV_MAX_ROWS) times the int8 weight q [n, k] with per-row float32 `scales`:
+    [m, n] float32 (engine/quant/int8_gemv.c); None without the native library. `portable`: the scalar path."""
+    lib = load()
+    fn = None if lib is None else getattr(lib, "int8_gemv_f32_scalar" if portable else "int8_gemv_f32", None)
+    if fn is None:
+        return None
+    m, k = x.shape
+    n = q.shape[0]
+    if not (x.dtype == torch.float32 and x.is_contiguous() and q.dtype == torch.int8 and q.is_contiguous()
+            and tuple(q.shape) == (n, k) and scales.dtype == torch.float32 and scales.is_contiguous()):
+        raise ValueError("int8_gemv: x float32 [m, k], q int8 [n, k] and float32 scales [n], all contiguous")
+    y = torch.empty((m, n), dtype=torch.float32)
+    if fn(x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr(), torch.get_num_threads()) != 0:
+        raise ValueError(f"int8_gemv: {m} rows; at most {GEMV_MAX_ROWS}")
+    return y
 
 
 def decode_kernel(dtype: torch.dtype, cache_dtype: torch.dtype | None = None):

@@ -5,7 +5,8 @@
 CPU
 - "int8pack" (W8A16, per-channel symmetric): aten `_weight_int8pack_mm(x, w [out, in] int8, scales [out])`. The
   scales must be in the activation dtype (bf16 scales round the canonical fp32 ones, ~2^-9 relative). It
-  needs `in % 16 == 0` (other widths crash the process in torch 2.13, so they go to the fallback).
+  needs `in % 16 == 0` (other widths crash the process in torch 2.13, so they go to the fallback). Decode-sized
+  inputs (NATIVE_GEMV_MAX_ELEMS) go to our native GEMV instead (int8_gemv.c, fp32 scales and accumulation).
 - "int4pack" (W4A16, groups of a multiple of 32, per-channel included): aten `_convert_weight_to_int4pack_for_cpu`
   + `_weight_int4pack_mm_for_cpu(x, packed, kernel_group, scales_and_zeros)`. Found empirically, the
   convention is tinygemm's: w = (q_u4 - 8) * scale + zero, q_u4 in 0..15, scales_and_zeros [groups, out, 2]
@@ -61,6 +62,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pdcluster.engine.attention.native import GEMV_MAX_ROWS, int8_gemv
 from pdcluster.engine.quant.scheme import QuantizedWeight, QuantScheme
 
 KERNELS = ("int8pack", "int4pack", "int8mm", "npu_wqbmm", "npu_w8a8", "npu_w8a8_static", "dequantized")
@@ -68,6 +70,10 @@ _INT4_KERNEL_GROUPS = (256, 128, 64, 32)
 # oneDNN's int8 GEMM costs ~0.1 ms more per call than _int_mm: it pays off from about this many weights (measured:
 # faster at 2048x6144 and up, slower at SmolLM2's 576x1536)
 ONEDNN_INT8_MIN_WEIGHTS = 1 << 22
+# W8A16 on CPU: up to this many input values (rows x in_features; any 1 or 2 rows) the native GEMV of
+# engine/quant/int8_gemv.c, which streams the int8 weight once, beats _weight_int8pack_mm (measured 1.1-1.2x on
+# SmolLM2's and 2048-wide layers at one row, 2.8x on SmolLM2's LM head; slower once the rows outgrow L1)
+NATIVE_GEMV_MAX_ELEMS = 4096
 CUDA_INT_MM_MIN_ROWS = 17   # torch._int_mm on CUDA: "self.size(0) needs to be greater than 16"
 
 
@@ -166,6 +172,8 @@ def _set_static(packed: PackedWeight, qw: QuantizedWeight) -> None:
 def _pack_int8pack(p: PackedWeight, qw: QuantizedWeight) -> PackedWeight:
     p.weight = qw.qweight.contiguous().to(p.device)
     p.scales = qw.scales[:, 0].to(p.act_dtype).contiguous().to(p.device)
+    if p.device.type == "cpu":   # the native decode GEMV (int8_gemv.c) takes the fp32 scales
+        p.extra["scales_f32"] = qw.scales[:, 0].to(torch.float32).contiguous()
     return p
 
 
@@ -331,6 +339,12 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def _run_int8pack(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.shape[0]
+    native = rows <= GEMV_MAX_ROWS and (rows <= 2 or rows * p.in_features <= NATIVE_GEMV_MAX_ELEMS)
+    if native and "scales_f32" in p.extra and p.weight is not None:
+        y = int8_gemv(x.to(torch.float32).contiguous(), p.weight, p.extra["scales_f32"])
+        if y is not None:
+            return _add_bias(y.to(x.dtype), bias)
     return _add_bias(torch.ops.aten._weight_int8pack_mm(x.to(p.act_dtype), p.weight, p.scales), bias)
 
 
