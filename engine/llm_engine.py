@@ -302,7 +302,8 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Drafts for every sequence that decodes next step: at most num_speculative_tokens and the sequence's own
-        limit (it shrinks after rejections, `Scheduler._append`), none past its max_tokens or the context, only
+        limit (it shrinks after rejections, `Scheduler._append`; none while a pause after failed drafts runs), none
+        past its max_tokens or the context, only
         what its grammar allows, and (a drafter with its own KV) only where its blocks could be reserved. A
         proposer that follows the target's hidden states also gets the other running sequences (limit 0)."""
         proposer = self.proposer
@@ -320,6 +321,9 @@ class LLMEngine:
         for seq in seqs:
             k = 0 if off else min(seq.spec_limit or most, most, seq.params.max_tokens - len(seq.output_token_ids) - 1,
                                   seq.max_model_len - seq.num_tokens - 1)
+            if k > 0 and seq.spec_pause > 0:   # its drafts kept failing (Scheduler._append)
+                seq.spec_pause -= 1
+                k = 0
             if k > 0 and proposer.writes_kv and not sched.reserve_draft_slots(seq, k):
                 k = 0
             limits.append(max(k, 0))

@@ -76,6 +76,9 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
+SPEC_MAX_PAUSE = 32   # steps a sequence whose drafts keep failing goes without (Scheduler._append)
+
+
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, enable_prefix_caching: bool = True, sliding_window: int = 0) -> None:
@@ -260,6 +263,11 @@ class Scheduler:
             # the next draft length: two more after a step that kept every draft, one fewer after a rejection
             # (transformers' assisted-generation schedule); the engine caps it at num_speculative_tokens
             seq.spec_limit = len(drafts) + 2 if accepted == len(drafts) else max(1, len(drafts) - 1)
+            # drafts that keep failing still cost their rows in every step: after two steps with none accepted the
+            # sequence stops drafting for 2, then 4, ... up to SPEC_MAX_PAUSE steps, and tries again
+            seq.spec_misses = 0 if accepted else seq.spec_misses + 1
+            if seq.spec_misses >= 2:
+                seq.spec_pause = min(1 << (seq.spec_misses - 1), SPEC_MAX_PAUSE)
         if seq.stopped:
             self.running.remove(seq)
             seq.move_to(SequenceStatus.FINISHED)

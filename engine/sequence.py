@@ -68,6 +68,8 @@ class Sequence:
         # sets and clears them); what the proposer keeps about this sequence's KV (None once its blocks are freed)
         self.spec_token_ids: list[int] = []
         self.spec_limit = 0                         # drafts the proposer may make next (0: the engine's maximum)
+        self.spec_misses = 0                        # consecutive steps whose drafts were all rejected
+        self.spec_pause = 0                         # steps left without drafts after such misses
         self.proposer_state: Any = None
         self.num_step_tokens = 0                    # output tokens the last step appended (several when drafts passed)
 

@@ -149,6 +149,49 @@ def test_drafts_fit_the_budget_are_given_up_before_preemption_and_rejections_fre
     assert not sched.reserve_draft_slots(c, 3)
 
 
+def test_a_sequence_whose_drafts_keep_failing_pauses_drafting():
+    """Two steps in a row with every draft rejected: no drafts for 2 steps, then 4 after the next miss (up to
+    SPEC_MAX_PAUSE); one accepted draft ends the streak."""
+    from pdcluster.engine.scheduler import Scheduler
+
+    sched = Scheduler(64, 4, max_num_seqs=4, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    a, = _step(sched, [5, 6, 7])
+
+    def drafted_step(sampled: list[int]) -> None:
+        sched.set_drafts(a, [8, 9])
+        batch = sched.schedule()
+        sched.update_from_output(batch, [a], [sampled], [[None] * len(sampled)])
+
+    drafted_step([1])            # both drafts rejected
+    assert a.spec_misses == 1 and a.spec_pause == 0
+    drafted_step([2])
+    assert a.spec_misses == 2 and a.spec_pause == 2
+    drafted_step([3])
+    assert a.spec_misses == 3 and a.spec_pause == 4
+    drafted_step([8, 4])         # one kept: the streak ends (the pause already set runs out on its own)
+    assert a.spec_misses == 0 and a.output_token_ids[-2:] == [8, 4]
+
+
+def test_paused_sequences_are_not_drafted_for_and_outputs_stay_exact(make_engine, tmp_path, monkeypatch):
+    """Through the engine: greedy output equals no speculation with pauses, and they cut the drafted steps against
+    the same run without them (the n-gram proposer keeps offering to continue the prompts' patterns; this random
+    model rarely does)."""
+    from pdcluster.engine import scheduler
+
+    model = make_tiny_model(str(tmp_path / "m"), "llama")
+    prompts = [[5, 6, 7, 8] * 8, [30, 31, 32] * 12, list(range(40, 50)) * 4]
+    want = run_all(make_engine(model), prompts, GREEDY)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    drafted = {}
+    for pause in (scheduler.SPEC_MAX_PAUSE, 0):
+        monkeypatch.setattr(scheduler, "SPEC_MAX_PAUSE", pause)
+        engine = make_engine(model, speculative_config=spec)
+        assert run_all(engine, prompts, GREEDY) == want
+        drafted[pause] = engine.get_stats().spec_num_drafts
+    paused = max(drafted)
+    assert 0 < drafted[paused] < drafted[0], drafted
+
+
 # ---- greedy: the same tokens as without speculation ------------------------------------------------------
 
 def _greedy(make_engine, model, prompts, **kw):
