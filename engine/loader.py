@@ -13,7 +13,7 @@ from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.models import get_model_class
 from pdcluster.engine.parallel import TPGroup
 from pdcluster.engine.quant.scheme import QuantizedWeight
-from pdcluster.engine.tp_shards import expert_parallel, holds, rank_file, shard, shard_parts
+from pdcluster.engine.tp_shards import VOCAB, expert_parallel, holds, rank_file, shard, shard_parts
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -112,14 +112,26 @@ def iter_weights(model_dir: str, config: ModelConfig | None = None,
 
 
 def read_tensors(model_dir: str, wanted: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors whose names `wanted` accepts, reading no others: whole ones, or of a pre-sharded
-    conversion those in rank 0's file (rank 0's shards, and whole what only rank 0 reads: DeepSeek's MTP layers)."""
+    """The checkpoint's tensors whose names `wanted` accepts, whole, reading no others. Of a pre-sharded conversion:
+    the embedding and LM head concatenated over the rank files (they are cut by vocabulary rows), anything else as
+    rank 0's file holds it (its shard; whole what only rank 0 reads: DeepSeek's MTP layers)."""
     converted = _converted_tp(model_dir)
-    for path in checkpoint_files(model_dir, 0, converted):
+    files = checkpoint_files(model_dir, 0, converted)
+    others = [checkpoint_files(model_dir, r, converted)[0] for r in range(1, converted)]
+    for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                if wanted(name):
-                    yield name, f.get_tensor(name)
+                if not wanted(name):
+                    continue
+                tensor = f.get_tensor(name)
+                if others and name.rsplit(".", 2)[-2] in VOCAB:   # (not the MTP layers' copies: rank 0's only)
+                    parts = [tensor]
+                    for other in others:
+                        with safe_open(other, framework="pt", device="cpu") as g:
+                            if name in g.keys():
+                                parts.append(g.get_tensor(name))
+                    tensor = torch.cat(parts)
+                yield name, tensor
 
 
 def assemble_quantized(weights: Iterable[tuple[str, torch.Tensor]], quant, config: ModelConfig | None = None,

@@ -464,3 +464,22 @@ def test_mtp_on_a_presharded_tensor_parallel_conversion(models, make_engine, tmp
     assert run_all(engine, prompts, GREEDY) == want
     assert engine.get_stats().spec_num_accepted_tokens > 0
     engine.shutdown()
+
+
+@pytest.mark.slow
+def test_eagle_on_a_presharded_tensor_parallel_conversion(make_engine, tmp_path):
+    """A conversion for TP = 2 holds vocabulary shards of the embedding and LM head per rank file: the rank-0
+    head reads them whole (concatenated over the files)."""
+    from pdcluster.engine.convert import convert_model
+
+    model = make_tiny_model(str(tmp_path / "tp"), "llama", num_attention_heads=8, num_key_value_heads=4,
+                            hidden_size=64, intermediate_size=128)
+    head = make_eagle_head(str(tmp_path / "echo"), model, "eagle", echo=True)
+    converted = convert_model(model, str(tmp_path / "tp2"), "float32", tensor_parallel_size=2)
+    prompts = prompts_with_repeats()[:4]
+    kw = dict(max_num_batched_tokens=48, num_gpu_blocks_override=40, block_size=8)
+    want = run_all(make_engine(model, **kw), prompts, GREEDY)
+    engine = make_engine(converted, tensor_parallel_size=2, speculative_config=spec("eagle", head), **kw)
+    assert run_all(engine, prompts, GREEDY) == want
+    assert engine.get_stats().spec_num_accepted_tokens > 0
+    engine.shutdown()
