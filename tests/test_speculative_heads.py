@@ -214,13 +214,16 @@ def _reference_mtp(target_dir: str, tokens: list[int], last_hidden, embed, k: in
 
 @pytest.mark.parametrize("method, head", [("eagle", "eagle-2layers"), ("eagle3", "eagle3-llama"), ("mtp", "mtp")])
 def test_drafts_equal_a_from_scratch_reference_of_the_head(method, head, models, make_engine):
-    """The head's KV, written a chunk at a time (prompt chunks, then each step's verified tokens), and its own
-    features for later drafts give the drafts of the head recomputed from scratch over the whole sequence."""
+    """The head's KV, written a chunk at a time (prompt chunks, then each step's verified tokens, drafting or
+    paused), and its own features for later drafts give the drafts of the head recomputed from scratch over the
+    whole sequence."""
     target = models["mtp"] if method == "mtp" else models["llama"]
     engine = make_engine(target, speculative_config=spec(method, "" if method == "mtp" else models[head], 3),
                          max_num_batched_tokens=32)
     seen = record_drafts(engine)
-    run_all(engine, [make_prompts([45], seed=21)[0]], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    # 24 tokens: this random head's drafts fail, so drafting pauses (2, 4, 8 steps); the later drafts check that
+    # the head kept up with the tokens of the paused steps
+    run_all(engine, [make_prompts([45], seed=21)[0]], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert len(seen) >= 5
     for tokens, drafts in seen[:6]:
         assert drafts == _reference_drafts(method, models[head], target, tokens, len(drafts)), len(tokens)
