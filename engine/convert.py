@@ -444,6 +444,12 @@ def _per_expert(mc, tensors: Iterator[tuple[str, str, Any]]) -> Iterator[tuple[s
                 yield file, f"{x}{up}.weight", tensor[e, n:]
 
 
+def _cast(name: str, tensor, mc, dtype):
+    """A tensor in the output's dtype; DeepSeek's router stays fp32 (FusedMoE router_fp32): near-ties between
+    experts decide the routing."""
+    return tensor.float() if mc.mla is not None and _router_tensor(name) else tensor.to(dtype)
+
+
 def _router_tensor(name: str) -> bool:
     return name.endswith((".mlp.gate.weight", ".mlp.gate.e_score_correction_bias"))
 
@@ -498,7 +504,7 @@ def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | No
         if _extra_layer(name, mc):   # DeepSeek-V3's multi-token-prediction layers: whole, in rank 0's file
             if not tensor.is_floating_point():   # (speculative `mtp` reads them there; the model never does)
                 raise ValueError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point one")
-            ranks[0][name] = (tensor.float() if _router_tensor(name) else tensor.to(dtype)).contiguous()
+            ranks[0][name] = _cast(name, tensor, mc, dtype).contiguous()
             continue
         if name not in expected:
             raise ValueError(f"{file}: tensor {name!r} is not a weight of {mc.architecture}")
@@ -507,12 +513,10 @@ def _write_weights(source, mc, dtype, tp: int, out: str, progress: Progress | No
                              f"{source.config_file} implies {expected[name]}")
         if not tensor.is_floating_point():
             raise ValueError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point one")
-        # DeepSeek's router stays fp32 (FusedMoE router_fp32): near-ties between experts decide the routing
-        full = tensor.to(dtype) if mc.mla is None or not _router_tensor(name) else tensor.float()
         seen.add(name)
         if smoothing is not None:
             tensor = smoothing.apply(name, tensor)
-            full = tensor.to(dtype)
+        full = _cast(name, tensor, mc, dtype)
         lm_head = quantize_lm_head and (name == "lm_head.weight" or (
             name == "model.embed_tokens.weight" and mc.tie_word_embeddings))
         if scheme is not None and (_QUANTIZED.match(name) or lm_head):
