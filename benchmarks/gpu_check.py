@@ -71,7 +71,7 @@ PARITY_TESTS = [
 ]
 STAGE_LIMITS = {"device": 60, "parity": 150, "benchmark": 210, "kv_ipc": 90}
 STAGE_KEEP = {"device": 60, "parity": 90, "benchmark": 120, "kv_ipc": 45}   # kept back from install for these
-NEEDED_MODULES = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "msgpack", "psutil", "pytest",
+NEEDED_MODULES = ["torch", "transformers", "tokenizers", "safetensors", "numpy", "msgpack", "zmq", "psutil", "pytest",
                   "pdcluster.engine"]
 
 PROBE = r"""
