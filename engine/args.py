@@ -65,6 +65,14 @@ class EngineArgs:
                                          "sequence and generation past max_model_len (0: off)")
     enable_chunked_prefill: bool = knob(True, help="split long prompts over several steps")
     enable_prefix_caching: bool = knob(True, help="reuse cached full KV blocks of earlier prompts")
+    kv_offload_host_bytes: int = knob(0, parse=parse_bytes,
+                                      help="host-memory KV tier, e.g. 8GiB: prefix-cached blocks are copied there "
+                                           "(LRU) and loaded back on a hit instead of recomputed; 0: off")
+    kv_offload_disk_path: str = knob("", help="directory of the disk KV tier (one file per block; one directory "
+                                              "per node); empty: off")
+    kv_offload_disk_bytes: int = knob(0, parse=parse_bytes,
+                                      help="disk KV tier size, e.g. 100GiB: blocks evicted from the host tier are "
+                                           "written there (LRU); 0: off")
     tensor_parallel_size: int = knob(1, help="devices (processes) one engine spans; heads and intermediate size "
                                              "must split evenly (gloo on CPU, nccl on CUDA, hccl on NPU)")
     enable_expert_parallel: bool = knob(False, help="MoE models: whole experts per tensor-parallel rank (expert "
@@ -105,6 +113,14 @@ class EngineArgs:
         if isinstance(self.max_num_batched_tokens, str):   # a number from a config or flag, or "auto"
             text = self.max_num_batched_tokens.strip().lower()
             self.max_num_batched_tokens = text if text == "auto" else int(text)
+        for name in ("kv_offload_host_bytes", "kv_offload_disk_bytes"):
+            setattr(self, name, parse_bytes(getattr(self, name) or 0))
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        self.kv_offload_disk_path = self.kv_offload_disk_path or ""
+        if bool(self.kv_offload_disk_path) != (self.kv_offload_disk_bytes > 0):
+            raise ValueError("kv_offload_disk_path and kv_offload_disk_bytes: the disk KV tier needs both (got "
+                             f"path {self.kv_offload_disk_path!r}, {self.kv_offload_disk_bytes} bytes)")
         for name in ("tensor_parallel_size", "block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory",
                      "num_gpu_blocks_override", "max_model_len"):
             value = getattr(self, name)

@@ -35,6 +35,7 @@ class BlockManager:
         self.cached_free: OrderedDict[int, None] = OrderedDict()     # ref 0 but hash kept; LRU order
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.published: list[tuple[int, int]] | None = None   # (block, hash) published since `take_published`
 
     @property
     def num_free_blocks(self) -> int:
@@ -147,7 +148,33 @@ class BlockManager:
             if h not in self.hash_to_block and self.block_hash[b] is None:   # else that content is cached already
                 self.block_hash[b] = h
                 self.hash_to_block[h] = b
+                if self.published is not None:
+                    self.published.append((b, h))
         seq.num_cached_blocks = full
+
+    def record_published(self) -> None:
+        """From now on remember the blocks `cache_full_blocks` publishes, for `take_published` (the KV tiers)."""
+        self.published = []
+
+    def take_published(self) -> list[tuple[int, int]]:
+        """(block, hash) of the blocks published since the last call."""
+        if not self.published:
+            return []
+        out, self.published = self.published, []
+        return out
+
+    def pin(self, b: int) -> None:
+        """One more reference to block `b` for a copy in flight (the KV tiers): the allocator cannot hand it out
+        until `unpin`. A cached free block stays published."""
+        if self.ref_counts[b] == 0:
+            if self.block_hash[b] is not None:
+                del self.cached_free[b]
+            else:
+                raise RuntimeError(f"block {b} is free: nothing to pin")
+        self.ref_counts[b] += 1
+
+    def unpin(self, b: int) -> None:
+        self._release(b)
 
     def cached_hashes(self, limit: int) -> list[int]:
         """Hashes of up to `limit` blocks in the prefix cache, most recently used first."""

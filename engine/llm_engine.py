@@ -22,6 +22,7 @@ from pdcluster.engine.device import (
 )
 from pdcluster.engine.kv_cache import make_pool, resolve_kv_dtype
 from pdcluster.engine.kv_connector import KVConnector, PromptInStep
+from pdcluster.engine.kv_tiers import KVTiers, layout_key
 from pdcluster.engine.loader import load_eos_token_ids, load_tokenizer
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GRAMMAR_IDLE_WAIT_S = 0.01   # an idle step waits at most this long for a grammar compile
+TIER_IDLE_WAIT_S = 0.01      # ... or for a copy of the KV tiers
 RATE_INTERVAL_S = 2.0   # EngineStats.tokens_per_s: generated tokens over about the last this many seconds
 
 
@@ -103,6 +105,7 @@ class LLMEngine:
         if args.streaming_window or args.attention_sinks:
             self.scheduler.enable_streaming(args.attention_sinks, args.streaming_window, self.kv_pool, cfg,
                                             self.tp_size)
+        self.tiers = self._make_tiers(kv_dtype)
         self._arrivals = 0
         self._grammars: GrammarCompiler | None = None   # made on the first structured-output request
         self.num_prefill_tokens = 0
@@ -111,6 +114,27 @@ class LLMEngine:
         self.num_steps = 0
         # (monotonic time, generated tokens) after recent steps; the first is the base of tokens_per_s
         self._rate_marks: deque[tuple[float, int]] = deque([(time.monotonic(), 0)])
+
+    def _make_tiers(self, kv_dtype) -> KVTiers | None:
+        """The host / disk KV tiers when a kv_offload knob asks for them (engine/kv_tiers.py)."""
+        a = self.args
+        if not (a.kv_offload_host_bytes or a.kv_offload_disk_bytes):
+            return None
+        if self.tp_size > 1 and self.device.type != "cpu":
+            raise ValueError("kv_offload_*: the KV tiers need the whole pool in one tensor; with "
+                             "tensor_parallel_size > 1 on a device each rank holds its own slice (not supported yet)")
+        if self.proposer is not None and self.proposer.writes_kv:
+            raise ValueError("kv_offload_*: not available with a speculative drafter that keeps its own KV "
+                             "(draft_model): the tiers would restore the target's KV without the drafter's")
+        if not a.enable_prefix_caching or a.streaming_window or a.attention_sinks:
+            raise ValueError("kv_offload_*: the KV tiers hold prefix-cached blocks: they need enable_prefix_caching "
+                             "(and no StreamingLLM)")
+        key = layout_key(a.model, self.model_config, self.kv_pool)
+        tiers = KVTiers(self.kv_pool, a.kv_offload_host_bytes, a.kv_offload_disk_path or None,
+                        a.kv_offload_disk_bytes, key)
+        self.scheduler.tiers = tiers
+        self.scheduler.block_manager.record_published()
+        return tiers
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, kv_connector: KVConnector | None = None) -> "LLMEngine":
@@ -246,7 +270,8 @@ class LLMEngine:
             self.scheduler.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests in any state, or copies of the KV tiers in flight (blocks pinned for them)."""
+        return self.scheduler.has_work() or (self.tiers is not None and self.tiers.busy)
 
     def check_health(self) -> None:
         """Raise if the engine cannot step any more (a tensor-parallel rank died)."""
@@ -260,18 +285,24 @@ class LLMEngine:
             self.runner.workers.close()
         if self._grammars is not None:
             self._grammars.shutdown()
+        if self.tiers is not None:
+            self.tiers.close()
 
     # ---- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         failed = [_request_output(seq) for seq in self.scheduler.admit_compiled()] \
             if self.scheduler.waiting_for_grammar else []
+        if self.tiers is not None:
+            self._finish_tier_copies()
         if self.proposer is not None:
             self._propose()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting_for_grammar:   # nothing runs but a compile: wait for it, do not spin
                 next(iter(self.scheduler.waiting_for_grammar.values())).grammar.wait(GRAMMAR_IDLE_WAIT_S)
+            elif self.tiers is not None and self.tiers.busy:   # ... or a tier's copy
+                self._finish_tier_copies(TIER_IDLE_WAIT_S)
             return failed
         self.num_steps += 1
         for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
@@ -293,12 +324,36 @@ class LLMEngine:
         self._rate_marks.append((time.monotonic(), self.num_generated_tokens))
         self._drop_old_rate_marks()
         done = self.scheduler.update_from_output(batch, sampled, tokens, logprobs)
+        if self.tiers is not None:
+            self._offload_published()
         outputs = [_request_output(seq) for seq in done]
         if isinstance(self.proposer, HeadProposer):   # a prefill node's prompt: its features go with its KV
             for seq, out in zip(done, outputs, strict=True):
                 if seq.stopped and seq.hold_blocks:
                     out.prompt_features = self.proposer.export_prompt_features(seq)
         return failed + outputs
+
+    def _finish_tier_copies(self, timeout: float = 0.0) -> None:
+        """Unpin the blocks the KV tiers finished storing; hand finished loads to the scheduler."""
+        assert self.tiers is not None
+        done = self.tiers.poll(timeout)
+        bm = self.scheduler.block_manager
+        for b in done.stored:
+            bm.unpin(b)
+        for load in done.loaded:
+            self.scheduler.tier_load_done(load.request_id, load.blocks, load.done)
+
+    def _offload_published(self) -> None:
+        """Blocks this step published in the prefix cache go to the host tier (pinned until copied), unless a tier
+        holds them already."""
+        assert self.tiers is not None
+        bm = self.scheduler.block_manager
+        for b, h in bm.take_published():
+            if bm.block_hash[b] != h or self.tiers.holds(h):   # evicted since (a load's blocks), or stored already
+                continue
+            bm.pin(b)
+            if not self.tiers.submit_store(b, h):
+                bm.unpin(b)
 
     def _propose(self) -> None:
         """Drafts for every sequence that decodes next step: at most num_speculative_tokens and the sequence's own
@@ -378,7 +433,8 @@ class LLMEngine:
             spec_method=self.args.speculative.method if self.args.speculative is not None else "",
             spec_num_drafts=sched.spec.num_drafts, spec_num_draft_tokens=sched.spec.num_draft_tokens,
             spec_num_accepted_tokens=sched.spec.num_accepted_tokens,
-            spec_accepted_per_position=tuple(sched.spec.accepted_per_position))
+            spec_accepted_per_position=tuple(sched.spec.accepted_per_position),
+            num_loading_kv=len(sched.loading), **(self.tiers.figures() if self.tiers is not None else {}))
 
 
 def _prompts_finishing(batch: ScheduledBatch) -> list[PromptInStep]:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pdcluster.engine.block_manager import BlockManager
+from pdcluster.engine.kv_tiers import KVTiers
 from pdcluster.engine.sequence import Sequence, SequenceStatus
 
 AUTO_BATCHED_TOKENS = (2048, 4096)   # bounds of max_num_batched_tokens="auto" (docs/benchmarks.md#chunk-size-policy)
@@ -77,6 +78,7 @@ class ScheduledBatch:
 
 
 SPEC_MAX_PAUSE = 32   # steps a sequence whose drafts keep failing goes without (Scheduler._append)
+MAX_TIER_LOADS = 2    # loads from the KV tiers per request (its loaded blocks evicted again before it ran: recompute)
 
 
 class Scheduler:
@@ -96,6 +98,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.waiting_for_kv: dict[str, Sequence] = {}
         self.waiting_for_grammar: dict[str, Sequence] = {}   # structured output whose grammar still compiles
+        self.tiers: KVTiers | None = None                   # host / disk KV tiers (engine/kv_tiers.py)
+        self.loading: dict[str, Sequence] = {}              # LOADING_KV: prefixes being copied back from a tier
         self.num_preemptions = 0
         self.spec = SpecDecodeCounts()
 
@@ -132,7 +136,7 @@ class Scheduler:
         return failed
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_grammar)
+        return bool(self.waiting or self.running or self.waiting_for_grammar or self.loading)
 
     # ---- scheduling -----------------------------------------------------------------------------
 
@@ -165,6 +169,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = [] if seq.needs_prompt_logprobs else bm.match_prefix(seq)   # every prompt position's logits
+            if self.tiers is not None and self._load_from_tiers(seq, hits):
+                self.waiting.popleft()
+                continue
             num_cached = len(hits) * self.block_size
             remaining = seq.num_tokens - num_cached
             n = min(remaining, budget)
@@ -182,6 +189,44 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    def _load_from_tiers(self, seq: Sequence, hits: list[int]) -> bool:
+        """When the blocks after `seq`'s pool hits are in a KV tier: blocks for them (the hits shared), pinned, a
+        load submitted, `seq` LOADING_KV. False, changing nothing, when no tier holds the next block (or the
+        blocks are not free, or it loaded twice already)."""
+        bm = self.block_manager
+        assert self.tiers is not None
+        if seq.num_tier_loads >= MAX_TIER_LOADS or seq.needs_prompt_logprobs or not bm.enable_prefix_caching:
+            return False
+        hashes = seq.block_hashes(self.block_size)[len(hits):(seq.num_tokens - 1) // self.block_size]
+        n = self.tiers.lookup(hashes) if hashes else 0
+        if n == 0 or not bm.allocate(seq, (len(hits) + n) * self.block_size, hits):
+            return False
+        blocks = seq.block_table[len(hits):]
+        for b in blocks:
+            bm.pin(b)
+        self.tiers.submit_load(seq.request_id, blocks, hashes[:n])
+        seq.num_tier_loads += 1
+        seq.move_to(SequenceStatus.LOADING_KV)
+        self.loading[seq.request_id] = seq
+        return True
+
+    def tier_load_done(self, request_id: str, blocks: list[int], done: int) -> None:
+        """A load from the KV tiers finished with its first `done` blocks copied: those are published in the
+        prefix cache and the request waits again at the front, to be admitted with them as prefix hits (the rest
+        of its prompt is computed). An aborted request's blocks are just released."""
+        bm = self.block_manager
+        for b in blocks:
+            bm.unpin(b)
+        seq = self.loading.pop(request_id, None)
+        if seq is None:
+            return
+        seq.num_computed_tokens = (len(seq.block_table) - len(blocks) + done) * self.block_size
+        bm.cache_full_blocks(seq)
+        bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.move_to(SequenceStatus.WAITING)
+        self.waiting.appendleft(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free the blocks; everything (prompt + outputs so far) is recomputed later."""
@@ -364,6 +409,8 @@ class Scheduler:
             del self.waiting_for_kv[request_id]
         elif seq.status is SequenceStatus.WAITING_FOR_GRAMMAR:
             del self.waiting_for_grammar[request_id]
+        elif seq.status is SequenceStatus.LOADING_KV:   # its blocks stay pinned until the load finishes
+            del self.loading[request_id]
         self.block_manager.free(seq)
         if seq.status is not SequenceStatus.FINISHED:
             seq.move_to(SequenceStatus.FINISHED)

@@ -15,6 +15,7 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"   # blocks held; another node writes the prompt's KV
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"       # structured output: its grammar compiles (no blocks yet)
+    LOADING_KV = "loading_kv"                         # blocks held; its prefix is copied back from a KV tier
     FINISHED = "finished"
 
 
@@ -24,9 +25,11 @@ class SequenceStatus(enum.Enum):
 #      └────preempted────────┘
 #   new, remote_kv ──► WAITING_FOR_REMOTE_KV ──landed──► RUNNING;  ──failed──► WAITING;  ──aborted──► FINISHED
 #   new, structured output ──► WAITING_FOR_GRAMMAR ──compiled──► WAITING;  ──compile failed / aborted──► FINISHED
+#   WAITING ──prefix in a KV tier──► LOADING_KV ──loaded (or not)──► WAITING;  ──aborted──► FINISHED
 _NEXT = {
     SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_REMOTE_KV,
-                             SequenceStatus.WAITING_FOR_GRAMMAR, SequenceStatus.FINISHED},
+                             SequenceStatus.WAITING_FOR_GRAMMAR, SequenceStatus.LOADING_KV, SequenceStatus.FINISHED},
+    SequenceStatus.LOADING_KV: {SequenceStatus.WAITING, SequenceStatus.FINISHED},
     SequenceStatus.WAITING_FOR_GRAMMAR: {SequenceStatus.WAITING, SequenceStatus.FINISHED},
     SequenceStatus.RUNNING: {SequenceStatus.WAITING, SequenceStatus.FINISHED},
     SequenceStatus.WAITING_FOR_REMOTE_KV: {SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.FINISHED},
@@ -58,6 +61,7 @@ class Sequence:
         self.num_cached_blocks = 0                  # leading blocks of block_table published in the prefix cache
         self.num_freed_blocks = 0                   # leading entries released (out of the sliding window)
         self.num_evicted_tokens = 0                 # StreamingLLM: tokens dropped between the sinks and the window
+        self.num_tier_loads = 0                     # times its prefix was loaded back from a KV tier (kv_tiers.py)
         self._block_hashes: list[int] = []          # stable hashes of the full blocks of token_ids, grown lazily
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None

@@ -33,6 +33,18 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # KV tiers (engine/kv_tiers.py; all 0 without them): requests whose prefix is being loaded back, blocks each
+    # tier holds, copies since the start
+    num_loading_kv: int = 0
+    kv_tier_host_blocks: int = 0
+    kv_tier_disk_blocks: int = 0
+    kv_tier_stored_blocks: int = 0          # pool -> host
+    kv_tier_disk_writes: int = 0            # host -> disk
+    kv_tier_loaded_host_blocks: int = 0     # prefix blocks served by the host tier instead of recomputed
+    kv_tier_loaded_disk_blocks: int = 0     # ... by the disk tier
+    kv_tier_failed_loads: int = 0           # blocks that could not be read back (missing, corrupt): recomputed
+    kv_tier_dropped_stores: int = 0         # blocks not offloaded (too many copies pending)
+    kv_tier_disk_disabled: bool = False     # a disk write failed (full, I/O error): the disk tier is off
 
     @property
     def spec_acceptance_rate(self) -> float:

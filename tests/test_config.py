@@ -282,7 +282,9 @@ ONLY_DEFAULT: dict[str, str] = {}
 FILE_KNOBS = {"etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file", "api_key_file", "cluster_secret"}
 NEEDS = {"etcd_cert": ("etcd_key", "etcd_ca"), "etcd_key": ("etcd_cert", "etcd_ca"),
          "etcd_user": ("etcd_password_file",), "etcd_password_file": ("etcd_user",),
-         "etcd": ("host",)}   # a remote etcd needs a host that is not loopback
+         "etcd": ("host",),   # a remote etcd needs a host that is not loopback
+         "kv_offload_disk_path": ("kv_offload_disk_bytes",), "kv_offload_disk_bytes": ("kv_offload_disk_path",)}
+NEEDED_VALUES = {"kv_offload_disk_bytes": "1GiB"}   # else "someone"
 
 
 def _a_file(tmp_path: Path, name: str) -> str:
@@ -302,7 +304,8 @@ def test_every_declared_knob_is_settable_from_file_env_and_flags(kind, tmp_path)
     for f in fields:
         value = _a_file(tmp_path, f.name) if f.name in FILE_KNOBS else _sample(f)
         base = {} if kind == "router" or f.name == "model" else {"model": "/m"}
-        base.update({k: _a_file(tmp_path, k) if k in FILE_KNOBS else "someone" for k in NEEDS.get(f.name, ())})
+        base.update({k: _a_file(tmp_path, k) if k in FILE_KNOBS else NEEDED_VALUES.get(k, "someone")
+                     for k in NEEDS.get(f.name, ())})
         flag = "--" + f.name.replace("_", "-")
         argv = [f"{flag}" if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, _text(value)]
         for key, other in base.items():

@@ -197,6 +197,8 @@ class LocalCluster:
                   "metrics_port": metrics_port, "lease_ttl": self.lease_ttl, "log_level": self.log_level,
                   "cluster_secret": self.cluster_secret,
                   **self.node_config, **overrides}
+        if config.get("kv_offload_disk_path"):   # each node its own directory of the disk KV tier
+            config["kv_offload_disk_path"] = str(Path(config["kv_offload_disk_path"]) / node_id)
         index = sum(1 for s in self.services if s.kind != "router")
         shares = self.core_plan()[1]
         if shares and not config.get("cpu_cores"):

@@ -452,6 +452,35 @@ class EngineStatsCollector:
             yield CounterMetricFamily(name, doc, value=value)
         yield from spec_decode_families(s)
         yield from expert_load_families(s)
+        yield from kv_tier_families(s)
+
+
+def kv_tier_families(s: EngineStats):
+    """The KV tiers below the pool (engine/kv_tiers.py), by tier; nothing when the node has none."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    if not (s.kv_tier_stored_blocks or s.kv_tier_host_blocks or s.kv_tier_disk_blocks or s.kv_tier_disk_disabled):
+        return
+    yield GaugeMetricFamily("pdcluster_node_loading_kv_requests", "requests whose prefix is being loaded back from "
+                            "a KV tier", value=s.num_loading_kv)
+    held = GaugeMetricFamily("pdcluster_node_kv_tier_blocks", "KV blocks a tier holds", labels=["tier"])
+    loaded = CounterMetricFamily("pdcluster_node_kv_tier_loaded_blocks", "prefix blocks loaded back from a tier "
+                                 "instead of recomputed", labels=["tier"])
+    for tier, blocks, count in (("host", s.kv_tier_host_blocks, s.kv_tier_loaded_host_blocks),
+                                ("disk", s.kv_tier_disk_blocks, s.kv_tier_loaded_disk_blocks)):
+        held.add_metric([tier], blocks)
+        loaded.add_metric([tier], count)
+    yield held
+    yield loaded
+    for name, doc, value in (("stored_blocks", "blocks copied from the pool to the host tier", s.kv_tier_stored_blocks),
+                             ("disk_writes", "blocks written from the host tier to disk", s.kv_tier_disk_writes),
+                             ("failed_loads", "blocks that could not be read back (missing, corrupt): recomputed",
+                              s.kv_tier_failed_loads),
+                             ("dropped_stores", "blocks not offloaded: too many copies pending",
+                              s.kv_tier_dropped_stores)):
+        yield CounterMetricFamily(f"pdcluster_node_kv_tier_{name}", doc, value=value)
+    yield GaugeMetricFamily("pdcluster_node_kv_tier_disk_disabled", "1: a disk write failed and the disk tier is off",
+                            value=int(s.kv_tier_disk_disabled))
 
 
 def spec_decode_families(s: EngineStats):
