@@ -141,8 +141,7 @@ class DecodeNode(NodeService):
         remote = sum(1 for r in self.requests.values() if r.remote)
         return Load(node_id=self.node_id, role=self.role, running=s.num_running, waiting=s.num_waiting + remote,
                     free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, block_size=self.block_size,
-                    tokens_per_s=s.tokens_per_s, transfer_gbps=self.transfer_gbps(),
-                    cached_block_hashes=self.cached_block_hashes())
+                    tokens_per_s=s.tokens_per_s, transfer_gbps=self.transfer_gbps(), **self.kv_report())
 
     # ---- admission -------------------------------------------------------------------------------
 

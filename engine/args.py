@@ -65,6 +65,9 @@ class EngineArgs:
                                          "sequence and generation past max_model_len (0: off)")
     enable_chunked_prefill: bool = knob(True, help="split long prompts over several steps")
     enable_prefix_caching: bool = knob(True, help="reuse cached full KV blocks of earlier prompts")
+    prefix_cache_salt: str = knob("", help="mixed into every KV block hash (with the model, dtypes and layout), so "
+                                           "engines with different salts never share prefix blocks; a node "
+                                           "uses its cluster's name when empty")
     kv_offload_host_bytes: int = knob(0, parse=parse_bytes,
                                       help="host-memory KV tier, e.g. 8GiB: prefix-cached blocks are copied there "
                                            "(LRU) and loaded back on a hit instead of recomputed; 0: off")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict, deque
 
+from pdcluster.engine.kv_events import EVICTED, POOL, STORED, KVEventLog
 from pdcluster.engine.sequence import Sequence
 
 # What a freed block-table entry holds: a valid id (attention may index it) that is never read, because the
@@ -36,6 +37,7 @@ class BlockManager:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.published: list[tuple[int, int]] | None = None   # (block, hash) published since `take_published`
+        self.events: KVEventLog | None = None                  # stored / evicted hashes, for a cluster index
 
     @property
     def num_free_blocks(self) -> int:
@@ -150,6 +152,8 @@ class BlockManager:
                 self.hash_to_block[h] = b
                 if self.published is not None:
                     self.published.append((b, h))
+                if self.events is not None:
+                    self.events.add(STORED, POOL, h)
         seq.num_cached_blocks = full
 
     def record_published(self) -> None:
@@ -184,4 +188,6 @@ class BlockManager:
         h = self.block_hash[b]
         if h is not None and self.hash_to_block.get(h) == b:
             del self.hash_to_block[h]
+            if self.events is not None:
+                self.events.add(EVICTED, POOL, h)
         self.block_hash[b] = None

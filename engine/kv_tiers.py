@@ -25,6 +25,7 @@ contents. The index of which hashes a tier holds is shared under one lock.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import queue
@@ -37,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.kv_cache import KVCachePool
+from pdcluster.engine.kv_events import DISK, EVICTED, HOST, STORED, KVEventLog
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +50,11 @@ SUFFIX = ".kvblock"
 MAX_PENDING_STORES = 512             # blocks pinned for a store at once; past it new blocks are not offloaded
 
 
-def layout_key(model_dir: str, config: ModelConfig, pool: KVCachePool) -> int:
-    """A 63-bit key of what a stored block means: the checkpoint (its directory's name, its weight files' names,
-    sizes and modification times), the architecture, the pool's dtype and shape but for the block count, and
-    this format's version. Stable across processes (blake2b, not Python's hash)."""
-    root = Path(model_dir)
-    weights = sorted(p for p in root.glob("*") if p.suffix in (".safetensors", ".bin", ".gguf", ".pt"))
-    parts = [FORMAT_VERSION, root.resolve().name, config.architecture, config.num_layers, config.hidden_size,
-             config.vocab_size, pool.dtype, tuple(pool.tensor.shape[:2]), tuple(pool.tensor.shape[3:])]
-    parts += [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in weights]
+def layout_key(seed: int, pool: KVCachePool) -> int:
+    """A 63-bit key of what a stored block's bytes mean: the engine's hash seed (checkpoint, dtypes, block size,
+    salt: `LLMEngine.hash_seed`), the pool's dtype and shape but for the block count, this format's version.
+    Stable across processes (blake2b, not Python's hash)."""
+    parts = (FORMAT_VERSION, seed, pool.dtype, tuple(pool.tensor.shape[:2]), tuple(pool.tensor.shape[3:]))
     text = "|".join(str(p) for p in parts).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
@@ -185,6 +182,7 @@ class KVTiers:
         self.host = HostTier(host_bytes, pin=pool.device.type != "cpu")
         self.disk = DiskTier(disk_path, disk_bytes, key) if disk_path and disk_bytes > 0 else None
         self.stats = TierStats()
+        self.events: KVEventLog | None = None  # what enters and leaves each tier, for a cluster index
         self._lock = threading.Lock()          # guards the tiers' indexes and `_done`
         self._done = _Poll()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -239,6 +237,17 @@ class KVTiers:
         self.pending_loads -= len(done.loaded)
         return done
 
+    def _event(self, op: int, tier: int, h: int) -> None:
+        if self.events is not None:
+            self.events.add(op, tier, h)
+
+    def snapshot(self, limit: int) -> tuple[list[int], list[int]]:
+        """(host, disk) hashes, most recently used first, at most `limit` of each."""
+        with self._lock:
+            host = list(itertools.islice(reversed(self.host.entries), limit))
+            disk = list(itertools.islice(reversed(self.disk.sizes), limit)) if self.disk is not None else []
+        return host, disk
+
     def figures(self) -> dict:
         """The `EngineStats` fields of the tiers."""
         st = self.stats
@@ -284,9 +293,11 @@ class KVTiers:
         evicted = []
         with self._lock:
             self.host.put(h, copy, crc)
+            self._event(STORED, HOST, h)
             self.stats.stored_blocks += 1
             while self.host.nbytes > self.host.capacity and self.host.entries:
                 evicted.append(self.host.pop_oldest())
+                self._event(EVICTED, HOST, evicted[-1][0])
                 self.stats.host_evictions += 1
         for old_h, old_block, old_crc in evicted:
             self._to_disk(old_h, old_block, old_crc)
@@ -302,13 +313,18 @@ class KVTiers:
                 self.stats.disk_errors += 1
                 self.stats.disk_disabled = True
                 self.disk = None
+                for old in disk.sizes:
+                    self._event(EVICTED, DISK, old)
             log.warning("KV disk tier %s turned off: %s (serving goes on with the host tier)", disk.path, e)
             return
         with self._lock:
             disk.add(h, size)
+            self._event(STORED, DISK, h)
             self.stats.disk_writes += 1
             while disk.nbytes > disk.capacity and disk.sizes:
-                disk.delete(next(iter(disk.sizes)))
+                old = next(iter(disk.sizes))
+                disk.delete(old)
+                self._event(EVICTED, DISK, old)
                 self.stats.disk_evictions += 1
 
     def _load(self, job: _Load) -> None:
@@ -330,6 +346,7 @@ class KVTiers:
                                     "layout): recomputed", h)
                         with self._lock:
                             disk.delete(h)
+                            self._event(EVICTED, DISK, h)
                     self.stats.failed_loads += 1
                     return
                 src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.pool.dtype)

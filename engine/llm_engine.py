@@ -9,6 +9,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+from pdcluster.control.block_hash import hash_seed
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.device import bind_thread
 from pdcluster.engine.args import EngineArgs
@@ -23,7 +24,7 @@ from pdcluster.engine.device import (
 from pdcluster.engine.kv_cache import make_pool, resolve_kv_dtype
 from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.engine.kv_tiers import KVTiers, layout_key
-from pdcluster.engine.loader import load_eos_token_ids, load_tokenizer
+from pdcluster.engine.loader import checkpoint_fingerprint, load_eos_token_ids, load_tokenizer
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.engine.parallel import check_tensor_parallel
@@ -105,7 +106,10 @@ class LLMEngine:
         if args.streaming_window or args.attention_sinks:
             self.scheduler.enable_streaming(args.attention_sinks, args.streaming_window, self.kv_pool, cfg,
                                             self.tp_size)
-        self.tiers = self._make_tiers(kv_dtype)
+        # where every block hash chain starts: the checkpoint, dtypes, block size and salt (control/block_hash.py)
+        self.hash_seed = hash_seed(checkpoint_fingerprint(args.model), self.dtype, kv_dtype, self.block_size,
+                                   args.prefix_cache_salt)
+        self.tiers = self._make_tiers()
         self._arrivals = 0
         self._grammars: GrammarCompiler | None = None   # made on the first structured-output request
         self.num_prefill_tokens = 0
@@ -115,7 +119,7 @@ class LLMEngine:
         # (monotonic time, generated tokens) after recent steps; the first is the base of tokens_per_s
         self._rate_marks: deque[tuple[float, int]] = deque([(time.monotonic(), 0)])
 
-    def _make_tiers(self, kv_dtype) -> KVTiers | None:
+    def _make_tiers(self) -> KVTiers | None:
         """The host / disk KV tiers when a kv_offload knob asks for them (engine/kv_tiers.py)."""
         a = self.args
         if not (a.kv_offload_host_bytes or a.kv_offload_disk_bytes):
@@ -129,7 +133,7 @@ class LLMEngine:
         if not a.enable_prefix_caching or a.streaming_window or a.attention_sinks:
             raise ValueError("kv_offload_*: the KV tiers hold prefix-cached blocks: they need enable_prefix_caching "
                              "(and no StreamingLLM)")
-        key = layout_key(a.model, self.model_config, self.kv_pool)
+        key = layout_key(self.hash_seed, self.kv_pool)
         tiers = KVTiers(self.kv_pool, a.kv_offload_host_bytes, a.kv_offload_disk_path or None,
                         a.kv_offload_disk_bytes, key)
         self.scheduler.tiers = tiers
@@ -191,7 +195,7 @@ class LLMEngine:
             raise ValueError("prompt_logprobs: not available with StreamingLLM (streaming_window)")
         self._arrivals += 1
         seq = Sequence(request_id, ids, params, self.model_config.eos_token_ids, self.model_config.max_model_len,
-                       self._arrivals, hold_blocks)
+                       self._arrivals, hold_blocks, self.hash_seed)
         if params.structured_outputs is not None:
             from pdcluster.engine.structured_output import Grammar  # xgrammar: loaded when first needed
             spec = params.structured_outputs
@@ -404,6 +408,28 @@ class LLMEngine:
         """Stable hashes (`pdcluster.control.block_hash`) of blocks in the prefix cache, most recently used
         first: what prefix-aware routing may count on this engine holding."""
         return self.scheduler.block_manager.cached_hashes(limit)
+
+    def kv_events(self, snapshot: bool = False, limit: int = 65536) -> tuple[list[list], bool]:
+        """(block-hash events since the last call, whether they are a snapshot): `[[op, tier, [hash, ...]], ...]`
+        (engine/kv_events.py). The first call, `snapshot`, and a log that overflowed give a snapshot instead: what
+        each tier holds (STORED groups, most recently used first, at most `limit` per tier), after which the events
+        continue from there. Call on the engine thread."""
+        from pdcluster.engine.kv_events import DISK, HOST, POOL, STORED, KVEventLog
+
+        bm = self.scheduler.block_manager
+        if bm.events is None:
+            bm.events = KVEventLog()
+            if self.tiers is not None:
+                self.tiers.events = bm.events
+            snapshot = True
+        events, lost = bm.events.take()
+        if not (snapshot or lost):
+            return events, False
+        groups = [[STORED, POOL, bm.cached_hashes(limit)]]
+        if self.tiers is not None:
+            host, disk = self.tiers.snapshot(limit)
+            groups += [[STORED, HOST, host], [STORED, DISK, disk]]
+        return [g for g in groups if g[2]], True
 
     def tokens_per_s(self) -> float:
         """Generated tokens per second over about the last RATE_INTERVAL_S (0 once the engine idles that long)."""

@@ -50,6 +50,31 @@ def checkpoint_files(model_dir: str, rank: int = 0, tp: int = 1) -> list[str]:
     raise FileNotFoundError(f"model: no weights in {model_dir} (expected {_SINGLE} or {_INDEX} with its shards)")
 
 
+FINGERPRINT_SAMPLE = 64 << 10   # bytes read at the start, middle and end of each weight file
+
+
+def checkpoint_fingerprint(model_dir: str) -> str:
+    """What tells this checkpoint's weights from another's without reading them all: blake2b over config.json and,
+    per weight file (every rank's of a pre-sharded conversion), its name, size and three 64 KiB samples. Two
+    fine-tunes of one base differ in every sample; the same checkpoint copied to another host gives the same value."""
+    import hashlib
+
+    digest = hashlib.blake2b(digest_size=16)
+    with open(os.path.join(model_dir, "config.json"), "rb") as f:
+        digest.update(f.read())
+    converted = _converted_tp(model_dir)
+    files = [os.path.join(model_dir, rank_file(r, converted)) for r in range(converted)] if converted > 1 \
+        else checkpoint_files(model_dir)
+    for path in files:
+        size = os.path.getsize(path)
+        digest.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            for at in sorted({0, max(0, size // 2 - FINGERPRINT_SAMPLE // 2), max(0, size - FINGERPRINT_SAMPLE)}):
+                f.seek(at)
+                digest.update(f.read(FINGERPRINT_SAMPLE))
+    return digest.hexdigest()
+
+
 def _converted_tp(model_dir: str) -> int:
     """tensor_parallel_size a `pdcluster convert` output was sharded for (1 for any other directory)."""
     path = os.path.join(model_dir, "pdcluster_manifest.json")

@@ -39,7 +39,8 @@ _NEXT = {
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 eos_token_ids: list[int], max_model_len: int, arrival: int, hold_blocks: bool = False) -> None:
+                 eos_token_ids: list[int], max_model_len: int, arrival: int, hold_blocks: bool = False,
+                 hash_seed: int = 0) -> None:
         self.request_id = request_id
         self.params = params
         self.eos_token_ids = eos_token_ids
@@ -63,6 +64,7 @@ class Sequence:
         self.num_evicted_tokens = 0                 # StreamingLLM: tokens dropped between the sinks and the window
         self.num_tier_loads = 0                     # times its prefix was loaded back from a KV tier (kv_tiers.py)
         self._block_hashes: list[int] = []          # stable hashes of the full blocks of token_ids, grown lazily
+        self.hash_seed = hash_seed                  # where the hash chain starts (the engine's `hash_seed`)
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         # structured output (engine/structured_output.Grammar): accepts every output token; None without one
@@ -99,7 +101,8 @@ class Sequence:
         hashed once while tokens are only appended (preemption keeps them); `drop_tokens` forgets them."""
         hashes = self._block_hashes
         for i in range(len(hashes), self.num_tokens // block_size):
-            hashes.append(chain_hash(hashes[-1] if hashes else 0, self.token_ids[i * block_size:(i + 1) * block_size]))
+            prev = hashes[-1] if hashes else self.hash_seed
+            hashes.append(chain_hash(prev, self.token_ids[i * block_size:(i + 1) * block_size]))
         return hashes
 
     def drop_tokens(self, start: int, count: int) -> None:

@@ -94,7 +94,7 @@ class PrefillNode(NodeService):
                     free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, block_size=self.block_size,
                     queued_prefill_tokens=queued, tokens_per_s=s.tokens_per_s,
                     prefill_tokens_per_s=self.rate("prefill_tokens", s.num_prefill_tokens),
-                    transfer_gbps=self.transfer_gbps(), cached_block_hashes=self.cached_block_hashes())
+                    transfer_gbps=self.transfer_gbps(), **self.kv_report())
 
     def _spawn(self, coro, name: str) -> None:
         task = asyncio.create_task(coro, name=name)

@@ -18,6 +18,7 @@ from pdcluster.control.keys import ClusterKeys
 from pdcluster.control.protocol import Load
 from pdcluster.control.records import NodeInfo
 from pdcluster.control.transport import LoadSubscriber
+from pdcluster.router.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,11 @@ class NodeState:
     admin: str = ACTIVE
     load: Load | None = None
     load_time: float = 0.0  # time.monotonic() of the last report
-    cached: frozenset[int] = field(default_factory=frozenset)
+    index: PrefixIndex = field(default_factory=PrefixIndex)   # its KV blocks by tier (Load.kv_events)
     # Work this router sent since the node's last report, so a burst between two reports spreads out.
     assigned_since_report: int = 0
     prefill_tokens_since_report: int = 0
+    reports: int = 0   # Load reports received
 
     @property
     def id(self) -> str:
@@ -106,9 +108,10 @@ class NodeState:
     def update(self, load: Load) -> None:
         self.load = load
         self.load_time = time.monotonic()
-        self.cached = frozenset(load.cached_block_hashes)
+        self.index.apply(load.kv_seq, load.kv_events, load.kv_snapshot)
         self.assigned_since_report = 0
         self.prefill_tokens_since_report = 0
+        self.reports += 1
 
 
 class RouterCluster:
@@ -150,7 +153,7 @@ class RouterCluster:
                 if state is None or state.info != info:
                     state = NodeState(info=info, load=state.load if state else None,
                                       load_time=state.load_time if state else 0.0,
-                                      cached=state.cached if state else frozenset())
+                                      index=state.index if state else PrefixIndex())
                     self._nodes[info.node_id] = state
                     if self._subscriber is not None:
                         if old is not None and old.info.load_addr and old.info.load_addr != info.load_addr:

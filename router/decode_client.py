@@ -29,7 +29,7 @@ from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
 from pdcluster.router.cluster import NodeState, RouterCluster
 from pdcluster.router.metrics import RouterMetrics
-from pdcluster.router.policies import Prompt, RoutingPolicy, choose_prefill, note_assignment
+from pdcluster.router.policies import PrefillWork, Prompt, RoutingPolicy, choose_prefill, note_assignment
 from pdcluster.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -171,21 +171,24 @@ class DecodeClient:
         while not self.cluster.candidates("decode", model=model) and (left := until - time.monotonic()) > 0:
             await asyncio.sleep(min(POLL_INTERVAL, left))
 
-    def place(self, token_ids: list[int], max_tokens: int, exclude: set[str],
-              model: str | None = None, remote_prefill: bool = True) -> tuple[NodeState, NodeState | None]:
-        """(decode node, prefill node or None) of `model` (None: any) for a request, or NoCapacity.
+    def place(self, token_ids: list[int], max_tokens: int, exclude: set[str], model: str | None = None,
+              remote_prefill: bool = True) -> tuple[NodeState, NodeState | None, PrefillWork]:
+        """(decode node, prefill node or None, the prefill work counted on it) of `model` (None: any) for a request,
+        or NoCapacity.
         `remote_prefill` False: the decode node prefills it (prompt logprobs are computed where the prompt runs)."""
         decode_nodes = self.cluster.candidates("decode", exclude, model, len(token_ids) + max_tokens)
-        decode = self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens)
-        if decode is None:
+        if not decode_nodes:
             raise NoCapacity(f"no decode node available{f' for model {model!r}' if model else ''}",
                              self.settings.retry_after)
         prompt = Prompt(token_ids)
         prefill = choose_prefill(self.policy, self.cluster.candidates("prefill", model=model,
                                                                       num_tokens=len(token_ids) + 1), prompt,
                                  self.settings.disagg_min_tokens) if remote_prefill else None
-        note_assignment(decode, prefill, len(token_ids))
-        return decode, prefill
+        # a decode node that prefills the prompt itself is picked with its cached prefix in mind
+        decode = self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens, prompt if prefill is None else None)
+        assert decode is not None   # there are candidates
+        work = note_assignment(decode, prefill, round(prompt.work_tokens(prefill)) if prefill else 0)
+        return decode, prefill, work
 
 
 class RequestStream:
@@ -214,6 +217,7 @@ class RequestStream:
         self._attempt_ids = 0  # token ids received from the current attempt (what its next Tokens.pos must be)
         self._first: Tokens | None = None
         self._sent_at = 0.0  # monotonic time of the current attempt's Generate, until its first reply
+        self._prefill_work = PrefillWork(None, 0)   # the current attempt's, taken back at its first token
 
     async def start(self) -> None:
         """Submit (once a decode node of the model is there: `DecodeClient.wait_for_node`) and wait for the
@@ -258,6 +262,7 @@ class RequestStream:
                 self._migrate(f"lost tokens {self._attempt_ids}..{msg.pos - 1} of its stream (reconnect?)")
                 continue
             if self._sent_at:
+                self._prefill_work.done()   # the prompt is prefilled: no longer work queued on its prefill node
                 if self.client.cluster.is_alive(node_id):   # see _count
                     self.client.metrics.backend_first_token.labels(node_id).observe(time.monotonic() - self._sent_at)
                 self._sent_at = 0.0
@@ -313,8 +318,9 @@ class RequestStream:
         exclude = self._rejected | self._failed
         max_tokens = self.sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
         try:
-            decode, prefill = self.client.place(self.prompt_ids + self.output_ids, max_tokens - len(self.output_ids),
-                                                exclude, self.model, self.sampling.get("prompt_logprobs") is None)
+            decode, prefill, self._prefill_work = self.client.place(
+                self.prompt_ids + self.output_ids, max_tokens - len(self.output_ids), exclude, self.model,
+                self.sampling.get("prompt_logprobs") is None)
         except NoCapacity as exc:
             if self._rejected:
                 raise NoCapacity(f"all decode nodes rejected the request ({len(self._rejected)} tried)",

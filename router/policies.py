@@ -7,28 +7,44 @@ from __future__ import annotations
 
 import math
 
-from pdcluster.control.block_hash import block_hashes, cached_prefix_blocks
+from pdcluster.control.block_hash import block_hashes
 from pdcluster.router.cluster import NodeState
+
+# What reusing a cached block costs, as a fraction of computing it, by the tier that holds it (pool, host memory,
+# disk): a pool hit is free, a host block a copy, a disk block a read (docs/benchmarks.md "KV cache tiers").
+TIER_COST = (0.0, 0.1, 0.3)
+DECODE_LOAD_SLACK = 2   # requests a decode node may have over the least loaded one and still win on its prefix
 
 
 class Prompt:
-    """A prompt's token ids and, lazily per block size, its chained block hashes."""
+    """A prompt's token ids and, lazily per (block size, hash seed), its chained block hashes."""
 
     def __init__(self, token_ids: list[int]) -> None:
         self.token_ids = token_ids
-        self._hashes: dict[int, list[int]] = {}
+        self._hashes: dict[tuple[int, int], list[int]] = {}
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def cached_tiers(self, node: NodeState) -> list[int]:
+        """The fastest tier holding each leading prompt block `node` has cached (per its Load reports' KV events;
+        a block hashed with the node's own seed and block size)."""
+        if not len(node.index):
+            return []
+        size, seed = node.block_size, node.info.prefix_hash_seed
+        if (size, seed) not in self._hashes:
+            self._hashes[size, seed] = block_hashes(self.token_ids, size, seed)
+        return node.index.leading_tiers(self._hashes[size, seed])
+
     def cached_tokens(self, node: NodeState) -> int:
-        """Leading prompt tokens already in `node`'s prefix cache (per its last Load report)."""
-        if not node.cached:
-            return 0
-        size = node.block_size
-        if size not in self._hashes:
-            self._hashes[size] = block_hashes(self.token_ids, size)
-        return cached_prefix_blocks(self._hashes[size], node.cached) * size
+        """Leading prompt tokens `node` holds in any tier."""
+        return len(self.cached_tiers(node)) * node.block_size
+
+    def work_tokens(self, node: NodeState) -> float:
+        """Tokens of prefill work this prompt costs on `node`: the uncached part, plus the cached blocks weighted by
+        what loading them from their tier costs (TIER_COST)."""
+        tiers = self.cached_tiers(node)
+        return len(self) - node.block_size * sum(1.0 - TIER_COST[t] for t in tiers)
 
 
 def decode_load(node: NodeState) -> int:
@@ -45,7 +61,8 @@ def has_room(node: NodeState, num_tokens: int) -> bool:
 class RoutingPolicy:
     name = ""
 
-    def pick_decode(self, nodes: list[NodeState], num_tokens: int) -> NodeState | None:
+    def pick_decode(self, nodes: list[NodeState], num_tokens: int, prompt: Prompt | None = None) -> NodeState | None:
+        """`prompt`: given when the decode node will prefill it (no prefill node), for policies that care."""
         raise NotImplementedError
 
     def pick_prefill(self, nodes: list[NodeState], prompt: Prompt) -> NodeState | None:
@@ -66,7 +83,7 @@ class RoundRobinPolicy(RoutingPolicy):
         self._turn[role] += 1
         return node
 
-    def pick_decode(self, nodes: list[NodeState], num_tokens: int) -> NodeState | None:
+    def pick_decode(self, nodes: list[NodeState], num_tokens: int, prompt: Prompt | None = None) -> NodeState | None:
         return self._next("decode", nodes)
 
     def pick_prefill(self, nodes: list[NodeState], prompt: Prompt) -> NodeState | None:
@@ -80,13 +97,13 @@ class LeastLoadedPolicy(RoutingPolicy):
 
     name = "least_loaded"
 
-    def pick_decode(self, nodes: list[NodeState], num_tokens: int) -> NodeState | None:
+    def pick_decode(self, nodes: list[NodeState], num_tokens: int, prompt: Prompt | None = None) -> NodeState | None:
         pool = [n for n in nodes if has_room(n, num_tokens)] or nodes
         if not pool:
             return None
         return min(pool, key=lambda n: (decode_load(n), -(n.load.free_blocks if n.load else 0), n.id))
 
-    def prefill_cost(self, node: NodeState, prompt: Prompt) -> int:
+    def prefill_cost(self, node: NodeState, prompt: Prompt) -> float:
         queued = node.load.queued_prefill_tokens if node.load else 0
         return queued + node.prefill_tokens_since_report
 
@@ -97,13 +114,24 @@ class LeastLoadedPolicy(RoutingPolicy):
 
 
 class PrefixAwarePolicy(LeastLoadedPolicy):
-    """Prefill: the node that finishes this prompt soonest in tokens of work:
-    queued prefill tokens + the part of this prompt it does not have cached."""
+    """Prefill: the node that finishes this prompt soonest in tokens of work: queued prefill tokens + the part of
+    this prompt it does not have cached (cached blocks weighted by their tier's load cost).
+    Decode, when the decode node prefills the prompt itself: among the nodes with room whose load is within
+    DECODE_LOAD_SLACK of the least loaded, the one with the least prefill work for it; else least loaded."""
 
     name = "prefix_aware"
 
-    def prefill_cost(self, node: NodeState, prompt: Prompt) -> int:
-        return super().prefill_cost(node, prompt) + len(prompt) - prompt.cached_tokens(node)
+    def prefill_cost(self, node: NodeState, prompt: Prompt) -> float:
+        return super().prefill_cost(node, prompt) + prompt.work_tokens(node)
+
+    def pick_decode(self, nodes: list[NodeState], num_tokens: int, prompt: Prompt | None = None) -> NodeState | None:
+        pool = [n for n in nodes if has_room(n, num_tokens)] or nodes
+        if prompt is None or not pool:
+            return super().pick_decode(nodes, num_tokens)
+        least = min(decode_load(n) for n in pool)
+        near = [n for n in pool if decode_load(n) <= least + DECODE_LOAD_SLACK]
+        return min(near, key=lambda n: (prompt.work_tokens(n), decode_load(n),
+                                        -(n.load.free_blocks if n.load else 0), n.id))
 
 
 POLICIES: dict[str, type[RoutingPolicy]] = {
@@ -128,7 +156,24 @@ def choose_prefill(policy: RoutingPolicy, nodes: list[NodeState], prompt: Prompt
     return policy.pick_prefill(nodes, prompt)
 
 
-def note_assignment(decode: NodeState, prefill: NodeState | None, num_prompt_tokens: int) -> None:
+class PrefillWork:
+    """Prefill work counted on a node since its last report (`note_assignment`), to take back once the prompt is
+    done (its first token came), unless a report came in between (which no longer counted it as queued)."""
+
+    def __init__(self, node: NodeState | None, tokens: int) -> None:
+        self.node, self.tokens = node, tokens
+        self.reports = node.reports if node is not None else 0
+
+    def done(self) -> None:
+        node, self.node = self.node, None
+        if node is not None and node.reports == self.reports:
+            node.prefill_tokens_since_report = max(0, node.prefill_tokens_since_report - self.tokens)
+
+
+def note_assignment(decode: NodeState, prefill: NodeState | None, prefill_tokens: int) -> PrefillWork:
+    """Count work sent since the nodes' last reports: a request on `decode`, `prefill_tokens` of prefill work (the
+    prompt less what the prefill node has cached, `Prompt.work_tokens`) on `prefill`."""
     decode.assigned_since_report += 1
     if prefill is not None:
-        prefill.prefill_tokens_since_report += num_prompt_tokens
+        prefill.prefill_tokens_since_report += prefill_tokens
+    return PrefillWork(prefill, prefill_tokens)

@@ -19,6 +19,7 @@ from pdcluster.router.errors import APIError, model_not_found
 from pdcluster.router.generation import ChoiceRun, Echo
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policies import RoutingPolicy, make_policy
+from pdcluster.router.prefix_index import PrefixIndexCollector
 from pdcluster.router.settings import RouterSettings
 from pdcluster.router.tokenizer import ServedModel
 from pdcluster.router.validation import Prepared
@@ -43,6 +44,7 @@ class Router:
         self.decode: DecodeClient | None = None
         self.in_flight = 0
         metrics.registry.register(DroppedFramesCollector("pdcluster_router_dropped_frames", self.dropped_frames))
+        metrics.registry.register(PrefixIndexCollector(lambda: cluster.nodes("prefill") + cluster.nodes("decode")))
 
     def dropped_frames(self) -> dict[str, object]:
         """The `DroppedFrames` of the sockets the router receives on: decode nodes' replies, Load reports."""

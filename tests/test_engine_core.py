@@ -275,14 +275,42 @@ def test_cached_hashes_reported_by_the_engine_predict_the_next_requests_hits(tin
     prompt = make_prompts([70], seed=90)[0]
     run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     reported = engine.cached_block_hashes()
-    assert set(block_hashes(prompt, 16)) <= set(reported)   # 4 full prompt blocks (+ one with outputs, maybe)
+    seed = engine.hash_seed
+    assert set(block_hashes(prompt, 16, seed)) <= set(reported)   # 4 full prompt blocks (+ one with outputs, maybe)
+    assert not set(block_hashes(prompt, 16)) & set(reported)       # the bare token chain is not what it caches
     later = prompt[:50] + [7] * 30
-    predicted = cached_prefix_blocks(block_hashes(later, 16), frozenset(reported))
+    predicted = cached_prefix_blocks(block_hashes(later, 16, seed), frozenset(reported))
     assert predicted == 3
     before = engine.get_stats().prefix_cache_hit_tokens
     run_all(engine, [later], SamplingParams(temperature=0, max_tokens=1), "later")
     assert engine.get_stats().prefix_cache_hit_tokens - before == predicted * 16
     assert engine.cached_block_hashes(2) == engine.cached_block_hashes()[:2]
+
+
+def test_hash_seed_covers_model_dtype_block_size_and_salt(tiny_llama, tiny_qwen2, tmp_path):
+    """Block hashes are safe to share across engines: equal seeds exactly for the same checkpoint content (also
+    copied elsewhere), dtypes, block size and salt."""
+    import shutil
+
+    from pdcluster.engine.args import EngineArgs
+    from pdcluster.engine.llm_engine import LLMEngine
+
+    def seed(model=tiny_llama, **kw):
+        engine = LLMEngine(EngineArgs(model=model, num_gpu_blocks_override=8, **{"dtype": "float32", **kw}))
+        engine.shutdown()
+        return engine.hash_seed
+
+    copy = shutil.copytree(tiny_llama, tmp_path / "copy")
+    base = seed()
+    assert seed(str(copy)) == base == seed()
+    others = [seed(tiny_qwen2), seed(dtype="bfloat16"), seed(kv_cache_dtype="int8"), seed(block_size=32),
+              seed(prefix_cache_salt="tenant-a"), seed(prefix_cache_salt="tenant-b")]
+    assert len({base, *others}) == 1 + len(others)
+    weights = copy / "model.safetensors"          # a fine-tune: same config and sizes, other bytes
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    assert seed(str(copy)) != base
 
 
 # ---- KV connector -------------------------------------------------------------------------------

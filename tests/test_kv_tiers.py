@@ -93,19 +93,22 @@ def test_disk_tier_is_bounded(make_engine, tiny_llama, tmp_path):
     assert 0 < used <= cap and engine.tiers.stats.disk_evictions > 0
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "other-layout"])
 def test_unreadable_disk_block_is_recomputed(make_engine, tiny_llama, tmp_path, damage):
     prompts = _prompts()
     engine = _disk_engine(make_engine, tiny_llama, tmp_path)
     first = run_all(engine, prompts[:1], GREEDY, prefix="first")[0]
     run_all(engine, prompts[1:], GREEDY, prefix="other")
-    third = tmp_path / f"{block_hashes(prompts[0], BLOCK)[2]:016x}{SUFFIX}"
+    third = tmp_path / f"{block_hashes(prompts[0], BLOCK, engine.hash_seed)[2]:016x}{SUFFIX}"
     data = bytearray(third.read_bytes())
     if damage == "flip":
         data[HEADER.size + 100] ^= 0x40
         third.write_bytes(bytes(data))
     elif damage == "truncate":
         third.write_bytes(bytes(data[:len(data) // 2]))
+    elif damage == "other-layout":   # a valid file of the same hash written under another layout key
+        magic, version, h, key, size, crc = HEADER.unpack_from(data)
+        third.write_bytes(HEADER.pack(magic, version, h, key ^ 1, size, crc) + bytes(data[HEADER.size:]))
     else:
         third.unlink()
     before = engine.get_stats()
@@ -120,15 +123,17 @@ def test_unreadable_disk_block_is_recomputed(make_engine, tiny_llama, tmp_path, 
     assert zlib.crc32(written[HEADER.size:]) == HEADER.unpack_from(written)[-1]
 
 
-def test_files_of_another_model_are_never_loaded(make_engine, tiny_llama, tiny_qwen2, tmp_path):
+def test_blocks_of_another_model_never_match(make_engine, tiny_llama, tiny_qwen2, tmp_path):
+    """The same tokens hash differently under another model (the engine's hash seed), so another model's files
+    in the directory are never even looked at; a file under another layout key is refused when read (above)."""
     prompts = _prompts()
     run_all(_disk_engine(make_engine, tiny_llama, tmp_path), prompts, GREEDY)
     cold = run_all(_engine(make_engine, tiny_qwen2), prompts[:1], GREEDY)
-    engine = _disk_engine(make_engine, tiny_qwen2, tmp_path)   # indexes llama's files, same token hashes
+    engine = _disk_engine(make_engine, tiny_qwen2, tmp_path)   # indexes llama's files
     assert engine.get_stats().kv_tier_disk_blocks > 0
     assert run_all(engine, prompts[:1], GREEDY) == cold
     stats = engine.get_stats()
-    assert stats.kv_tier_failed_loads == 1 and stats.kv_tier_loaded_disk_blocks == 0
+    assert stats.kv_tier_failed_loads == 0 and stats.kv_tier_loaded_disk_blocks == 0
 
 
 def test_restarted_engine_reuses_its_disk_tier(make_engine, tiny_llama, tmp_path):
@@ -213,3 +218,62 @@ def test_tiers_refuse_a_pool_without_prefix_caching(tiny_llama):
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLMEngine(EngineArgs(model=tiny_llama, num_gpu_blocks_override=32, enable_prefix_caching=False,
                              kv_offload_host_bytes="1MiB"))
+
+
+def _reality(engine) -> list[set[int]]:
+    """The hashes each tier holds right now: pool (published blocks), host, disk."""
+    tiers = engine.tiers
+    return [set(engine.scheduler.block_manager.hash_to_block), set(tiers.host.entries),
+            set(tiers.disk.sizes) if tiers.disk is not None else set()]
+
+
+def _indexed(index) -> list[set[int]]:
+    return [{h for h, held in index.tiers.items() if held >> t & 1} for t in range(3)]
+
+
+def test_kv_events_rebuild_every_tier_exactly(make_engine, tiny_llama, tmp_path):
+    """A router-side index fed only with the engine's events (a snapshot first, then deltas) holds exactly what
+    each tier holds, through publishing, pool evictions, host -> disk moves, disk evictions and loads."""
+    from pdcluster.router.prefix_index import PrefixIndex
+
+    engine = _engine(make_engine, tiny_llama, kv_offload_host_bytes=4 * 49152,
+                     kv_offload_disk_path=str(tmp_path), kv_offload_disk_bytes="64MiB")
+    engine.tiers.disk.capacity = 20 * (HEADER.size + engine.kv_pool.block_bytes)
+    index, seq = PrefixIndex(), 0
+
+    def sync():
+        nonlocal seq
+        while engine.tiers.busy:   # let the tiers' copies land
+            engine.step()
+        events, snapshot = engine.kv_events()
+        seq += 1
+        index.apply(seq, events, snapshot)
+
+    sync()
+    prompts = _prompts() + make_prompts([PROMPT] * 3, seed=5)
+    for round_, batch in enumerate([prompts[:4], prompts[1:5], prompts[2:6], prompts[6:]]):
+        run_all(engine, batch, GREEDY, prefix=f"r{round_}-")
+        sync()
+        assert _indexed(index) == _reality(engine), f"round {round_}"
+    stats = engine.tiers.stats
+    assert stats.disk_evictions > 0 and stats.host_evictions > 0 and stats.loaded_host_blocks > 0
+    assert not index.stale and index.counts == [len(t) for t in _reality(engine)]
+
+
+def test_kv_events_overflow_turns_into_a_snapshot(make_engine, tiny_llama):
+    from pdcluster.engine.kv_events import KVEventLog
+    from pdcluster.router.prefix_index import PrefixIndex
+
+    engine = _engine(make_engine, tiny_llama, kv_offload_host_bytes="64MiB")
+    events, snapshot = engine.kv_events()
+    assert snapshot and events == []                   # the first call: nothing held yet
+    engine.scheduler.block_manager.events = engine.tiers.events = KVEventLog(limit=5)
+    run_all(engine, _prompts(), GREEDY)
+    while engine.tiers.busy:
+        engine.step()
+    events, snapshot = engine.kv_events()
+    assert snapshot, "more than 5 events waited: the reader gets a snapshot"
+    index = PrefixIndex()
+    index.apply(1, events, snapshot)
+    assert _indexed(index)[:2] == _reality(engine)[:2]
+    assert engine.kv_events() == ([], False)         # nothing happened since

@@ -46,7 +46,7 @@ SAMPLES = [
     PrefillDone(rid="r5", first_token=42, logprobs=None, checksum=2**63 - 1, num_cached_tokens=16),
     PrefillDone(rid="r6", error="out of blocks"),
     Load(node_id="decode-a", role="decode", running=3, waiting=1, free_blocks=10, total_blocks=64,
-         tokens_per_s=123.4, state="draining", cached_block_hashes=[1, 2, 3], timestamp=1.5),
+         tokens_per_s=123.4, state="draining", kv_events=[[0, 0, [1, 2, 3]], [1, 2, [4]]], kv_seq=7, timestamp=1.5),
     Ping(nonce=7),
     Pong(nonce=7),
 ]
@@ -103,6 +103,18 @@ def test_int_accepted_where_float_expected():
            timeout_s=float("nan")), "generate.timeout_s: must be finite"),
     (frame(v=PROTOCOL_VERSION - 1, t="generate", rid="x", prompt_ids=[1], sampling={}, prefill_node=None,
            deadline=1.7e9), "protocol version"),  # a release that sent wall-clock deadlines is refused
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode", kv_events=7), "load.kv_events: expected a list"),
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode", kv_events=[[0, 0]]), "each group"),
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode", kv_events=[[2, 0, [1]]]), "each group"),
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode", kv_events=[[0, 3, [1]]]), "each group"),
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode", kv_events=[[True, 0, [1]]]), "each group"),
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode", kv_events=[[0, 0, 5]]), "each group"),
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode", kv_events=[[0, 0, [1, "2"]]]), "hashes must"),
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode", kv_events=[[0, 0, [-1]]]), "hashes must"),
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode", kv_events=[[0, 0, [1 << 63]]]), "hashes must"),
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode",
+           kv_events=[[0, 0, [1] * (1 << 17)], [1, 0, [1] * (1 << 17) + [2]]]), "more than"),
+    (frame(v=PROTOCOL_VERSION, t="load", node_id="n", role="decode", kv_seq=-1), "kv_seq"),
 ])
 def test_bad_frames_raise_protocol_error(data, match):
     with pytest.raises(ProtocolError, match=match):

@@ -77,6 +77,11 @@ def node(node_id: str, role: str = "decode", admin: str = "active", **load) -> N
     return state
 
 
+def held(hashes: list[int], tier: int = 0) -> dict:
+    """Load fields saying a node holds `hashes` in `tier` (a KV snapshot)."""
+    return {"kv_events": [[0, tier, list(hashes)]], "kv_seq": 1, "kv_snapshot": True}
+
+
 def test_round_robin_order() -> None:
     policy = RoundRobinPolicy()
     nodes = [node("b"), node("a"), node("c")]
@@ -111,10 +116,10 @@ def test_prefix_aware_prefill_choice() -> None:
     prompt_ids = list(range(100, 100 + 200))
     hashes = block_hashes(prompt_ids, 16)
     cold = node("p-cold", "prefill", queued_prefill_tokens=0, block_size=16)
-    warm = node("p-warm", "prefill", queued_prefill_tokens=100, block_size=16, cached_block_hashes=hashes[:10])
+    warm = node("p-warm", "prefill", queued_prefill_tokens=100, block_size=16, **held(hashes[:10]))
     # warm: 100 queued + 200 - 160 cached = 140 < cold: 200
     assert policy.pick_prefill([cold, warm], Prompt(prompt_ids)).id == "p-warm"
-    swamped = node("p-warm", "prefill", queued_prefill_tokens=1000, block_size=16, cached_block_hashes=hashes)
+    swamped = node("p-warm", "prefill", queued_prefill_tokens=1000, block_size=16, **held(hashes))
     assert policy.pick_prefill([cold, swamped], Prompt(prompt_ids)).id == "p-cold"
     # least_loaded ignores the cache: fewest queued tokens wins
     assert LeastLoadedPolicy().pick_prefill([cold, warm], Prompt(prompt_ids)).id == "p-cold"
@@ -128,8 +133,78 @@ def test_conditional_disaggregation() -> None:
     assert choose_prefill(policy, [p], Prompt(short), disagg_min_tokens=64) is None  # short, uncached
     assert choose_prefill(policy, [p], Prompt(long), disagg_min_tokens=64).id == "p0"
     assert choose_prefill(policy, [], Prompt(long), disagg_min_tokens=64) is None  # no prefill node
-    cached = node("p1", "prefill", block_size=16, cached_block_hashes=block_hashes(short, 16))
+    cached = node("p1", "prefill", block_size=16, **held(block_hashes(short, 16)))
     assert choose_prefill(policy, [p, cached], Prompt(short), disagg_min_tokens=64).id == "p1"
+
+
+def test_prefix_aware_weights_cached_blocks_by_their_tier() -> None:
+    policy = PrefixAwarePolicy()
+    prompt_ids = list(range(500, 500 + 320))
+    hashes = block_hashes(prompt_ids, 16)
+    pool = node("p-pool", "prefill", block_size=16, queued_prefill_tokens=40, **held(hashes[:16]))
+    host = node("p-host", "prefill", block_size=16, **held(hashes[:16], tier=1))
+    disk = node("p-disk", "prefill", block_size=16, **held(hashes, tier=2))
+    cold = node("p-cold", "prefill", block_size=16)
+    prompt = Prompt(prompt_ids)
+    assert [prompt.cached_tiers(n) for n in (pool, host, cold)] == [[0] * 16, [1] * 16, []]
+    assert prompt.work_tokens(pool) == 320 - 256 and prompt.work_tokens(cold) == 320
+    assert prompt.work_tokens(host) == pytest.approx(320 - 256 * 0.9)
+    # pool: 40 queued + 64; host: 0 + 89.6; disk: 0 + 320 - 320 * 0.7 = 96
+    assert policy.pick_prefill([pool, host, disk, cold], prompt).id == "p-host"
+    assert policy.pick_prefill([pool, disk, cold], prompt).id == "p-disk"
+    assert policy.pick_prefill([pool, cold], prompt).id == "p-pool"
+
+
+def test_prefix_matching_uses_each_nodes_hash_seed() -> None:
+    prompt_ids = list(range(64))
+    seeded = NodeState(info=NodeInfo(node_id="s", role="prefill", prefix_hash_seed=42))
+    seeded.update(Load(node_id="s", role="prefill", block_size=16, **held(block_hashes(prompt_ids, 16, 42))))
+    bare = node("b", "prefill", block_size=16, **held(block_hashes(prompt_ids, 16, 42)))   # seed 0 registered
+    assert Prompt(prompt_ids).cached_tokens(seeded) == 64 and Prompt(prompt_ids).cached_tokens(bare) == 0
+
+
+def test_prefix_aware_decode_pick_when_the_decode_node_prefills() -> None:
+    policy = PrefixAwarePolicy()
+    prompt_ids = list(range(200))
+    warm = node("d-warm", block_size=16, running=3, free_blocks=100, **held(block_hashes(prompt_ids, 16)))
+    idle = node("d-idle", block_size=16, running=1, free_blocks=100)
+    assert policy.pick_decode([idle, warm], 300, Prompt(prompt_ids)).id == "d-warm"   # within the load slack
+    assert policy.pick_decode([idle, warm], 300).id == "d-idle"                        # a prefill node prefills
+    busy = node("d-warm", block_size=16, running=4, free_blocks=100, **held(block_hashes(prompt_ids, 16)))
+    assert policy.pick_decode([idle, busy], 300, Prompt(prompt_ids)).id == "d-idle"   # 3 more requests: too many
+    full = node("d-warm", block_size=16, running=1, free_blocks=2, **held(block_hashes(prompt_ids, 16)))
+    assert policy.pick_decode([idle, full], 300, Prompt(prompt_ids)).id == "d-idle"   # no room for it
+
+
+def test_prefill_work_is_taken_back_when_done_unless_a_report_came() -> None:
+    prefill, decode = node("p", "prefill", block_size=16), node("d", block_size=16)
+    first = note_assignment(decode, prefill, 100)
+    second = note_assignment(decode, prefill, 40)
+    assert prefill.prefill_tokens_since_report == 140 and decode.assigned_since_report == 2
+    first.done()
+    first.done()   # once only
+    assert prefill.prefill_tokens_since_report == 40
+    prefill.update(Load(node_id="p", role="prefill", queued_prefill_tokens=40))   # the report counts it now
+    second.done()
+    assert prefill.prefill_tokens_since_report == 0 and prefill.load.queued_prefill_tokens == 40
+    note_assignment(decode, None, 0).done()   # a local prefill: nothing to take back
+
+
+def test_prefix_index_applies_events_in_order_by_tier() -> None:
+    from pdcluster.router.prefix_index import PrefixIndex
+
+    index = PrefixIndex(max_blocks=5)
+    index.apply(1, [[0, 0, [1, 2, 3]], [0, 1, [1, 2, 3]]], snapshot=True)   # pool and host
+    assert index.leading_tiers([1, 2, 3, 4]) == [0, 0, 0]
+    index.apply(2, [[1, 0, [2]], [0, 2, [2, 9]], [1, 1, [3]]], snapshot=False)   # 2 leaves the pool, reaches disk
+    assert index.leading_tiers([1, 2, 3]) == [0, 1, 0] and index.tiers[2] == 0b110 and index.tiers[9] == 0b100
+    index.apply(3, [[1, 0, [3]], [1, 1, [1, 2]], [1, 2, [2]]], snapshot=False)
+    assert 3 not in index.tiers and 2 not in index.tiers and index.leading_tiers([1]) == [0]
+    assert index.counts == [1, 0, 1] and not index.stale
+    index.apply(5, [[0, 0, [10, 11, 12, 13, 14]]], snapshot=False)   # report 4 was lost; full past 5 blocks
+    assert index.stale and len(index) == 5 and index.dropped == 2
+    index.apply(6, [[0, 0, [7]]], snapshot=True)
+    assert not index.stale and list(index.tiers) == [7] and index.counts == [1, 0, 0]
 
 
 def test_make_policy_and_settings() -> None:

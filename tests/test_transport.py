@@ -25,7 +25,7 @@ SAMPLES = [
             decode_node="d0", timeout_s=1.0, skip_blocks=1),
     PrefillDone(rid="r4", first_token=11, logprobs=None, checksum=99, num_cached_tokens=16),
     Load(node_id="d0", role="decode", running=2, waiting=1, free_blocks=100, total_blocks=128,
-         cached_block_hashes=[1, 2, 3], timestamp=5.0),
+         kv_events=[[0, 1, [1, 2, 3]]], kv_seq=2, kv_snapshot=True, timestamp=5.0),
     Ping(nonce=3),
     Pong(nonce=3),
 ]
@@ -138,14 +138,14 @@ async def test_load_reports_arrive_over_pub_sub() -> None:
     def snapshot() -> Load:
         nonlocal count
         count += 1
-        return Load(node_id="p0", role="prefill", queued_prefill_tokens=count, cached_block_hashes=[5, 6])
+        return Load(node_id="p0", role="prefill", queued_prefill_tokens=count, kv_events=[[0, 0, [5, 6]]])
 
     task = asyncio.create_task(pub.run(snapshot, interval=0.05))
     try:
         first = await sub.recv(timeout=5)
         second = await sub.recv(timeout=5)
         assert first is not None and second is not None
-        assert first.node_id == "p0" and first.cached_block_hashes == [5, 6] and first.timestamp > 0
+        assert first.node_id == "p0" and first.kv_events == [[0, 0, [5, 6]]] and first.timestamp > 0
         assert second.queued_prefill_tokens > first.queued_prefill_tokens
         sub.disconnect(addr)
         await asyncio.sleep(0.2)

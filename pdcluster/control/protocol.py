@@ -14,6 +14,8 @@ from typing import Any, ClassVar, cast
 
 import msgpack
 
+from pdcluster.control.block_hash import EVICTED, STORED, TIER_NAMES
+
 PROTOCOL_VERSION = 2  # 2: Generate/Prefill carry timeout_s (time left), not a wall-clock deadline
 FEATURE_DTYPES = ("float32", "bfloat16", "float16")
 MAX_FRAME_BYTES = 64 * 1024 * 1024  # a prompt of 1M token ids fits; anything bigger is hostile
@@ -243,8 +245,14 @@ class Load(Message):
     prefill_tokens_per_s: float = 0.0  # prompt tokens prefilled per second since the previous report (prefill nodes)
     transfer_gbps: float = 0.0
     state: str = "serving"  # serving | cordoned | draining
-    # Short hashes of the node's cached full blocks (prefix-aware routing); may be truncated.
-    cached_block_hashes: list[int] = field(default_factory=list)
+    # Block-hash events of the node's KV cache since its previous report, per tier (engine/kv_events.py):
+    # [[op (0 stored, 1 evicted), tier (0 pool, 1 host, 2 disk), [hash, ...]], ...], in order. kv_seq numbers
+    # the reports (a gap: some were lost); kv_snapshot: these events are everything the node holds (stored
+    # groups), replacing what a router knew. Routers keep them in router/prefix_index.py.
+    kv_events: list = field(default_factory=list)
+    kv_seq: int = 0
+    kv_snapshot: bool = False
+    cached_block_hashes: list[int] = field(default_factory=list)   # ignored: what nodes before kv_events sent
     timestamp: float = 0.0
     # Routers (role "router", running = requests in flight): open token streams, failed requests since start.
     streams: int = 0
@@ -259,11 +267,34 @@ class Load(Message):
         for name, value in counts.items():
             if value < 0:
                 raise ProtocolError(f"load.{name}: must be >= 0, got {value}")
+        check_kv_events(self.kv_events)
+        if not isinstance(self.kv_seq, int) or self.kv_seq < 0:
+            raise ProtocolError(f"load.kv_seq: must be an integer >= 0, got {self.kv_seq!r}")
         for name, rate in (("tokens_per_s", self.tokens_per_s), ("prefill_tokens_per_s", self.prefill_tokens_per_s),
                             ("transfer_gbps", self.transfer_gbps),
                             ("timestamp", self.timestamp)):
             if not math.isfinite(rate):
                 raise ProtocolError(f"load.{name}: must be finite, got {rate}")
+
+
+MAX_KV_EVENT_HASHES = 1 << 18   # block hashes in one Load report (a snapshot of three full tiers fits)
+
+
+def check_kv_events(events: Any) -> None:
+    """`Load.kv_events`' shape: groups of (op 0/1, tier 0-2, 63-bit hashes), at most MAX_KV_EVENT_HASHES in all."""
+    if not isinstance(events, list):
+        raise ProtocolError("load.kv_events: must be a list")
+    total = 0
+    for group in events:
+        if (not isinstance(group, list) or len(group) != 3 or group[0] not in (STORED, EVICTED)
+                or group[1] not in range(len(TIER_NAMES))
+                or type(group[0]) is not int or type(group[1]) is not int or not isinstance(group[2], list)):
+            raise ProtocolError("load.kv_events: each group must be [op 0|1, tier 0|1|2, [hash, ...]]")
+        total += len(group[2])
+        if total > MAX_KV_EVENT_HASHES:
+            raise ProtocolError(f"load.kv_events: more than {MAX_KV_EVENT_HASHES} hashes")
+        if not all(type(h) is int and 0 <= h < 1 << 63 for h in group[2]):
+            raise ProtocolError("load.kv_events: hashes must be integers in [0, 2**63)")
 
 
 @dataclass

@@ -62,6 +62,7 @@ class NodeInfo:
     version: str = PDCLUSTER_VERSION
     capacity: Capacity = field(default_factory=Capacity)
     speculative: str = ""  # nodes: the engine's speculative_config, canonical JSON ("": none)
+    prefix_hash_seed: int = 0  # nodes: where their block hash chains start (control/block_hash.py `hash_seed`)
     started_at: float = field(default_factory=time.time)  # unix seconds
 
     def to_json(self) -> str:
@@ -98,6 +99,8 @@ class NodeInfo:
                 raise ValueError(f"node record: {f.name} must be a string")
             if f.type == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
                 raise ValueError(f"node record: {f.name} must be a number")
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"node record: {f.name} must be a non-negative integer")
         if not self.node_id:
             raise ValueError("node record: node_id is empty")
         if not isinstance(self.kv_backends, list) or not all(isinstance(b, str) for b in self.kv_backends):

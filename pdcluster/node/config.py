@@ -102,6 +102,7 @@ class NodeConfig(CommonConfig):
     streaming_window: int = engine_knob("streaming_window")
     enable_chunked_prefill: bool = engine_knob("enable_chunked_prefill")
     enable_prefix_caching: bool = engine_knob("enable_prefix_caching")
+    prefix_cache_salt: str = engine_knob("prefix_cache_salt")
     kv_offload_host_bytes: int = engine_knob("kv_offload_host_bytes")
     kv_offload_disk_path: str = engine_knob("kv_offload_disk_path")
     kv_offload_disk_bytes: int = engine_knob("kv_offload_disk_bytes")
@@ -142,7 +143,9 @@ class NodeConfig(CommonConfig):
 def engine_args_from_config(config: Any, **extra: Any) -> EngineArgs:
     """`EngineArgs` for a node config (the engine knobs map one to one); `extra` adds code-only fields
     such as `kv_pool_factory`."""
-    return EngineArgs(**{name: getattr(config, name) for name in ENGINE_KNOBS}, **extra)
+    knobs = {name: getattr(config, name) for name in ENGINE_KNOBS}
+    knobs["prefix_cache_salt"] = knobs["prefix_cache_salt"] or f"cluster:{config.cluster}"
+    return EngineArgs(**knobs, **extra)
 
 
 def use_cpu_cores(config: NodeConfig) -> None:

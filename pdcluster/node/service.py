@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from prometheus_client import Gauge
@@ -22,7 +23,7 @@ from pdcluster.control.cluster_view import ClusterView
 from pdcluster.control.etcd_client import EtcdCredentials
 from pdcluster.control.keys import keys_from_config
 from pdcluster.control.metrics import DroppedFramesCollector, MetricsServer, new_registry, serve_metrics
-from pdcluster.control.protocol import Abort, Load, Message, Ping, Pong
+from pdcluster.control.protocol import MAX_KV_EVENT_HASHES, Abort, Load, Message, Ping, Pong
 from pdcluster.control.records import Capacity, NodeInfo
 from pdcluster.control.registration import NodeIdTaken, Registration
 from pdcluster.control.transport import LoadPublisher, RouterServer
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOAD_INTERVAL = 0.5  # seconds between Load reports (~2 Hz)
-MAX_REPORTED_HASHES = 4096  # prefix-cache block hashes per Load report (most recently used ones)
+KV_SNAPSHOT_HASHES = 65536   # per tier in a Load report's KV snapshot (most recently used first)
+KV_SNAPSHOT_INTERVAL_S = 30.0   # a snapshot this often: a router that joined late or missed reports catches up
 DEADLINE_SWEEP = 0.25  # seconds between deadline checks
 
 
@@ -85,7 +87,9 @@ class NodeService:
         self.exit_code = 0   # of the process; non-zero after a supervised task died
         self._rate_marks: dict[str, tuple[float, float]] = {}
         self.kv_bytes_moved = 0  # KV bytes sent (prefill) or received (decode), counted on the event loop
-        self._cached_hashes: list[int] = []
+        self._kv_batches: deque[tuple[list, bool]] = deque()   # engine thread -> Load reports
+        self._kv_seq = 0
+        self._kv_snapshot_at = 0.0   # monotonic time of the last snapshot asked for (0: ask now)
         # Sockets this node receives on, by metric label; subclasses add theirs as they create them.
         self.frame_sources: dict[str, object] = {"control": self.control.dropped}
         self.registry.register(EngineStatsCollector(self.engine_stats))
@@ -122,14 +126,30 @@ class NodeService:
             return
         self.on_outputs(outputs)
 
-    def cached_block_hashes(self) -> list[int]:
-        """Block hashes in the engine's prefix cache, for `Load.cached_block_hashes`: read on the engine thread,
-        so each report carries the snapshot taken for the previous one (one Load interval old)."""
-        def refresh(engine) -> None:
-            self._cached_hashes = engine.cached_block_hashes(MAX_REPORTED_HASHES)
-
-        self.engine_thread.post(refresh)
-        return self._cached_hashes
+    def kv_report(self) -> dict[str, Any]:
+        """The KV fields of a Load report (`Load.kv_events`, `kv_seq`, `kv_snapshot`): the block-hash events the
+        engine thread collected for the previous reports (collected there, so each report carries what was asked
+        for one interval before), a snapshot every KV_SNAPSHOT_INTERVAL_S. Events that would not fit one report are
+        dropped, the sequence number skips one (the router then knows it missed some) and a snapshot follows."""
+        now = time.monotonic()
+        snapshot = now - self._kv_snapshot_at >= KV_SNAPSHOT_INTERVAL_S
+        if snapshot:
+            self._kv_snapshot_at = now
+        self.engine_thread.post(lambda engine: self._kv_batches.append(
+            engine.kv_events(snapshot=snapshot, limit=KV_SNAPSHOT_HASHES)))
+        events: list = []
+        is_snapshot = False
+        while self._kv_batches:
+            batch, batch_snapshot = self._kv_batches.popleft()
+            if batch_snapshot:   # a snapshot replaces everything before it
+                events, is_snapshot = [], True
+            events += batch
+        self._kv_seq += 1
+        if sum(len(g[2]) for g in events) > MAX_KV_EVENT_HASHES:
+            events, is_snapshot = [], False
+            self._kv_seq += 1
+            self._kv_snapshot_at = 0.0
+        return {"kv_events": events, "kv_seq": self._kv_seq, "kv_snapshot": is_snapshot}
 
     def dropped_frames(self) -> dict[str, object]:
         """The `DroppedFrames` of each socket this node receives on, by label."""
@@ -199,7 +219,8 @@ class NodeService:
         return NodeInfo(node_id=self.node_id, role=self.role, model=self.served_model_name(),
                         host=self.config.host, control_addr=self.control.address, load_addr=self.load_pub.address,
                         metrics_addr=f"http://{self.config.host}:{self.metrics_server.port}/metrics",
-                        capacity=self.capacity(), started_at=self.started_at, speculative=self.speculative())
+                        capacity=self.capacity(), started_at=self.started_at, speculative=self.speculative(),
+                        prefix_hash_seed=self.engine.hash_seed)
 
     def _peer_mismatch(self) -> str:
         """Why this node may not join, or "". KV moves between prefill and decode engines of the same model only
