@@ -47,12 +47,24 @@ def test_conversations_come_back_from_the_tiers_of_the_node_that_holds_them(clus
     others = [[rng.randrange(3, 400) for _ in range(PROMPT)] for _ in range(24)]
     full = (PROMPT - 1) // 16
 
+    def agree():
+        nodes, routed = node_metrics(cluster, "prefill"), router_metrics(cluster)
+        return all(routed.get(f'pdcluster_router_prefix_index_blocks{{node="{n}",tier="{tier}"}}')
+                   == m.get(f'pdcluster_node_kv_tier_blocks{{tier="{tier}"}}')
+                   for n, m in nodes.items() for tier in ("host", "disk"))
+
+    def wait_agree():
+        end = time.monotonic() + 20
+        while not agree():
+            assert time.monotonic() < end, "the router's index does not match the nodes' tiers"
+            time.sleep(0.3)
+
     async def run():
         api = client(cluster)
         cold = await asyncio.gather(*(complete(api, MODEL_NAME, t, OUTPUT) for t in firsts))   # spread over both
         for i in range(0, len(others), 2):   # pairs, so that both prefill nodes' pools overflow
             await asyncio.gather(*(complete(api, MODEL_NAME, t, OUTPUT) for t in others[i:i + 2]))
-        await asyncio.sleep(1.5)   # the nodes' KV events reach the router (Load reports at ~2 Hz)
+        wait_agree()   # the nodes' KV events reached the router (Load reports at ~2 Hz)
         before = node_metrics(cluster, "prefill")
         again = [await complete(api, MODEL_NAME, t, OUTPUT) for t in firsts]
         middle = node_metrics(cluster, "prefill")
@@ -77,14 +89,4 @@ def test_conversations_come_back_from_the_tiers_of_the_node_that_holds_them(clus
     assert total(after, 'pdcluster_node_kv_tier_loaded_blocks_total{tier="disk"}') > 0
     assert total(after, "pdcluster_node_kv_tier_failed_loads_total") == 0
     assert total(after, "pdcluster_node_loading_kv_requests") == 0
-
-    def agree():
-        nodes, routed = node_metrics(cluster, "prefill"), router_metrics(cluster)
-        return all(routed.get(f'pdcluster_router_prefix_index_blocks{{node="{n}",tier="{tier}"}}')
-                   == m.get(f'pdcluster_node_kv_tier_blocks{{tier="{tier}"}}')
-                   for n, m in nodes.items() for tier in ("host", "disk"))
-
-    end = time.monotonic() + 10
-    while not agree():
-        assert time.monotonic() < end, "the router's index does not match the nodes' tiers"
-        time.sleep(0.3)
+    wait_agree()
