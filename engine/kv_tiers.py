@@ -94,17 +94,17 @@ class HostTier:
     def __init__(self, capacity: int, pin: bool) -> None:
         self.capacity = capacity
         self.pin = pin
-        self.entries: OrderedDict[int, tuple[torch.Tensor, int]] = OrderedDict()   # hash -> (block, crc)
+        self.entries: OrderedDict[int, torch.Tensor] = OrderedDict()   # hash -> block
         self.nbytes = 0
 
-    def put(self, h: int, block: torch.Tensor, crc: int) -> None:
-        self.entries[h] = (block, crc)
+    def put(self, h: int, block: torch.Tensor) -> None:
+        self.entries[h] = block
         self.nbytes += block.numel() * block.element_size()
 
-    def pop_oldest(self) -> tuple[int, torch.Tensor, int]:
-        h, (block, crc) = self.entries.popitem(last=False)
+    def pop_oldest(self) -> tuple[int, torch.Tensor]:
+        h, block = self.entries.popitem(last=False)
         self.nbytes -= block.numel() * block.element_size()
-        return h, block, crc
+        return h, block
 
 
 class DiskTier:
@@ -129,13 +129,14 @@ class DiskTier:
     def file(self, h: int) -> Path:
         return self.path / f"{h:016x}{SUFFIX}"
 
-    def write_file(self, h: int, payload: memoryview, crc: int) -> int:
-        """Write atomically (a temporary file renamed) and return the file's size; OSError when the disk refuses."""
+    def write_file(self, h: int, payload: memoryview) -> int:
+        """Write atomically (a temporary file renamed), with the payload's CRC32, and return the file's size;
+        OSError when the disk refuses."""
         target = self.file(h)
         tmp = target.with_suffix(".tmp")
         try:
             with open(tmp, "wb") as f:
-                f.write(HEADER.pack(MAGIC, FORMAT_VERSION, h, self.key, len(payload), crc))
+                f.write(HEADER.pack(MAGIC, FORMAT_VERSION, h, self.key, len(payload), zlib.crc32(payload)))
                 f.write(payload)
             os.replace(tmp, target)
         except OSError:
@@ -289,25 +290,24 @@ class KVTiers:
                 return
         copy = torch.empty(self.pool.block(block).shape, dtype=self.pool.dtype, pin_memory=self.host.pin)
         copy.copy_(self.pool.block(block))
-        crc = zlib.crc32(_bytes(copy))
         evicted = []
         with self._lock:
-            self.host.put(h, copy, crc)
+            self.host.put(h, copy)
             self._event(STORED, HOST, h)
             self.stats.stored_blocks += 1
             while self.host.nbytes > self.host.capacity and self.host.entries:
                 evicted.append(self.host.pop_oldest())
                 self._event(EVICTED, HOST, evicted[-1][0])
                 self.stats.host_evictions += 1
-        for old_h, old_block, old_crc in evicted:
-            self._to_disk(old_h, old_block, old_crc)
+        for old_h, old_block in evicted:
+            self._to_disk(old_h, old_block)
 
-    def _to_disk(self, h: int, block: torch.Tensor, crc: int) -> None:
+    def _to_disk(self, h: int, block: torch.Tensor) -> None:
         disk = self.disk
         if disk is None:
             return
         try:
-            size = disk.write_file(h, _bytes(block), crc)
+            size = disk.write_file(h, _bytes(block))
         except OSError as e:
             with self._lock:
                 self.stats.disk_errors += 1
@@ -336,7 +336,7 @@ class KVTiers:
                 disk = self.disk if entry is None and self.disk is not None and h in self.disk.sizes else None
             dst = self.pool.block(block)
             if entry is not None:
-                dst.copy_(entry[0])
+                dst.copy_(entry)
                 self.stats.loaded_host_blocks += 1
             else:
                 payload = disk.read_file(h, self.block_bytes) if disk is not None else None
