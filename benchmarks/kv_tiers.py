@@ -2,14 +2,17 @@
 
     .venv/bin/python benchmarks/kv_tiers.py [--conversations 8] [--turns 4] [--rounds 2]
 
-A 1P2D cluster (`pdcluster up`'s LocalCluster: real etcd, router, node processes) serving the default model
-(SmolLM2-135M-Instruct) with a small KV pool per node (`--pool`), so that the conversations' histories do not all
-fit; the router sends every prompt to the prefill node (`disagg_min_tokens: 0`). Each turn of each conversation
-is one streamed chat completion (temperature 0, `--output` tokens, ignore_eos) whose prompt is the whole history:
-the earlier turns' user messages and answers, then a new user message of `--user-words` random words. Turns go
-round-robin over the conversations, one request at a time, so a conversation's prefix has been pushed out of the
-pool by the others' by the time its next turn comes. Side "off": the pool only; side "on": plus
-`--host` bytes of host tier and `--disk` bytes of disk tier on every node. Rounds alternate which side runs first.
+A cluster of `--prefill` (1) prefill and 2 decode nodes (`pdcluster up`'s LocalCluster: real etcd, router, node
+processes) serving the default model (SmolLM2-135M-Instruct) with a small KV pool per node (`--pool`), so that the
+conversations' histories do not all fit; the router sends every prompt to a prefill node (`disagg_min_tokens: 0`).
+Each turn of each conversation is one streamed chat completion (temperature 0, `--output` tokens, ignore_eos) whose
+prompt is the whole history: the earlier turns' user messages and answers, then a new user message of `--user-words`
+random words. Turns go round-robin over the conversations, one request at a time, so a conversation's prefix has
+been pushed out of the pool by the others' by the time its next turn comes. Side "off": the pool only; side "on":
+plus `--host` bytes of host tier and `--disk` bytes of disk tier on every node. Rounds alternate which side runs
+first. `--compare routing` keeps the tiers on both sides and compares the router's policy instead: "off" routes by
+turns (`round_robin`, the spread a load balancer gives), "on" by the per-tier prefix index (`prefix_aware`); with
+`--prefill 2` a conversation's next turn then either finds the node that holds its history or not.
 
 Printed per side: TTFT p50 / p99 by turn (from the request to the first streamed token), prompt tokens the prefill
 node computed, blocks loaded per tier, the prefix-cache hit ratio, output tokens/s; then the ratios off / on, with
@@ -76,17 +79,19 @@ def prefill_metrics(cluster) -> dict:
             "hit_ratio": total(m, "pdcluster_node_prefix_cache_hit_ratio")}
 
 
-def one_side(args, tiers: bool, convs, work: Path) -> dict:
+def one_side(args, on: bool, convs, work: Path) -> dict:
     from pdcluster.cli.supervisor import LocalCluster
 
     node = {"kv_cache_memory": args.pool, "max_num_seqs": 8, "block_size": 16}
+    tiers = on or args.compare == "routing"
+    policy = "round_robin" if args.compare == "routing" and not on else "prefix_aware"
     if tiers:
         node.update(kv_offload_host_bytes=args.host)
         if args.disk != "0":
             node.update(kv_offload_disk_path=str(work / "kv-tier"), kv_offload_disk_bytes=args.disk)
-    cluster = LocalCluster(model=args.model, num_prefill=1, num_decode=2, port=0, cluster="bench-tiers",
+    cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=2, port=0, cluster="bench-tiers",
                            node_config=node, work_dir=work,
-                           router_config={"disagg_min_tokens": 0, "routing_policy": "prefix_aware"},
+                           router_config={"disagg_min_tokens": 0, "routing_policy": policy},
                            log_level="WARNING")
     with cluster:
         served = cluster.node_config.get("served_model_name") or Path(cluster.model).name
@@ -112,6 +117,9 @@ def main() -> None:
     p.add_argument("--disk", default="2GiB", help="disk tier per node (side on; 0: none)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefill", type=int, default=1, help="prefill nodes (decode nodes: 2)")
+    p.add_argument("--compare", choices=["tiers", "routing"], default="tiers",
+                   help="tiers: off = no KV tiers; routing: tiers on both sides, off = round_robin routing")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     rows: dict[str, list[dict]] = {"off": [], "on": []}
