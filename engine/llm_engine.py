@@ -23,6 +23,7 @@ from pdcluster.engine.device import (
 )
 from pdcluster.engine.kv_cache import make_pool, resolve_kv_dtype
 from pdcluster.engine.kv_connector import KVConnector, PromptInStep
+from pdcluster.engine.kv_events import DISK, HOST, POOL, STORED, KVEventLog
 from pdcluster.engine.kv_tiers import KVTiers, layout_key
 from pdcluster.engine.loader import checkpoint_fingerprint, load_eos_token_ids, load_tokenizer
 from pdcluster.engine.model_runner import ModelRunner
@@ -414,8 +415,6 @@ class LLMEngine:
         (engine/kv_events.py). The first call, `snapshot`, and a log that overflowed give a snapshot instead: what
         each tier holds (STORED groups, most recently used first, at most `limit` per tier), after which the events
         continue from there. Call on the engine thread."""
-        from pdcluster.engine.kv_events import DISK, HOST, POOL, STORED, KVEventLog
-
         bm = self.scheduler.block_manager
         if bm.events is None:
             bm.events = KVEventLog()

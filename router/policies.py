@@ -22,6 +22,7 @@ class Prompt:
     def __init__(self, token_ids: list[int]) -> None:
         self.token_ids = token_ids
         self._hashes: dict[tuple[int, int], list[int]] = {}
+        self._tiers: dict[str, list[int]] = {}   # per node id: a Prompt lives for one placement (no await inside)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -31,10 +32,13 @@ class Prompt:
         a block hashed with the node's own seed and block size)."""
         if not len(node.index):
             return []
-        size, seed = node.block_size, node.info.prefix_hash_seed
-        if (size, seed) not in self._hashes:
-            self._hashes[size, seed] = block_hashes(self.token_ids, size, seed)
-        return node.index.leading_tiers(self._hashes[size, seed])
+        tiers = self._tiers.get(node.id)
+        if tiers is None:
+            size, seed = node.block_size, node.info.prefix_hash_seed
+            if (size, seed) not in self._hashes:
+                self._hashes[size, seed] = block_hashes(self.token_ids, size, seed)
+            tiers = self._tiers[node.id] = node.index.leading_tiers(self._hashes[size, seed])
+        return tiers
 
     def cached_tokens(self, node: NodeState) -> int:
         """Leading prompt tokens `node` holds in any tier."""

@@ -202,7 +202,10 @@ def test_node_info_json_round_trip_and_validation():
     for bad, match in [("[]", "not a JSON object"), ('{"role": "decode"}', "node_id"),
                        ('{"node_id": "a", "role": "chef"}', "role"),
                        ('{"node_id": "a", "role": "decode", "capacity": {"num_blocks": -1}}', "num_blocks"),
-                       ('{"node_id": "a", "role": "decode", "host": 5}', "host")]:
+                       ('{"node_id": "a", "role": "decode", "host": 5}', "host"),
+                       ('{"node_id": "a", "role": "decode", "prefix_hash_seed": -1}', "prefix_hash_seed"),
+                       ('{"node_id": "a", "role": "decode", "prefix_hash_seed": "7"}', "prefix_hash_seed"),
+                       ('{"node_id": "a", "role": "decode", "prefix_hash_seed": true}', "prefix_hash_seed")]:
         with pytest.raises(ValueError, match=match):
             NodeInfo.from_json(bad)
     assert AdminState.from_json(AdminState("draining", "x", 1.0).to_json()) == AdminState("draining", "x", 1.0)
