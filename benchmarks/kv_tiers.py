@@ -14,8 +14,8 @@ first. `--compare routing` keeps the tiers on both sides and compares the router
 turns (`round_robin`, the spread a load balancer gives), "on" by the per-tier prefix index (`prefix_aware`); with
 `--prefill 2` a conversation's next turn then either finds the node that holds its history or not.
 
-Printed per side: TTFT p50 / p99 by turn (from the request to the first streamed token), prompt tokens the prefill
-node computed, blocks loaded per tier, the prefix-cache hit ratio, output tokens/s; then the ratios off / on, with
+Printed per side: TTFT p50 / p99 by turn (from the request to the first streamed token), prompt tokens computed
+(every node), blocks loaded per tier and fetched from another node, output tokens/s; then the ratios off / on, with
 the spread over rounds.
 """
 
@@ -69,14 +69,16 @@ async def run_side(url: str, model: str, convs: list[list[str]], output: int) ->
 
 
 def prefill_metrics(cluster) -> dict:
-    from cluster_helpers import node_metrics, total
+    """Summed over every node: prompt tokens computed (on prefill nodes and, prefilled locally, decode nodes),
+    blocks loaded from the tiers, blocks fetched from another node."""
+    from cluster_helpers import all_node_metrics, total
 
-    m = node_metrics(cluster, "prefill")
+    m = all_node_metrics(cluster)
     return {"prefill_tokens": total(m, "pdcluster_node_prefill_tokens_total"),
             "host_loaded": total(m, 'pdcluster_node_kv_tier_loaded_blocks_total{tier="host"}'),
             "disk_loaded": total(m, 'pdcluster_node_kv_tier_loaded_blocks_total{tier="disk"}'),
             "failed_loads": total(m, "pdcluster_node_kv_tier_failed_loads_total"),
-            "hit_ratio": total(m, "pdcluster_node_prefix_cache_hit_ratio")}
+            "fetched": total(m, "pdcluster_node_kv_fetched_blocks_total")}
 
 
 def one_side(args, on: bool, convs, work: Path) -> dict:
@@ -132,7 +134,7 @@ def main() -> None:
             late = [t for turn, ts in res["ttft"].items() if turn >= 2 for t in ts]
             print(f"round {r} {side:3}: TTFT p50 turn>=3 {statistics.median(late) * 1000:7.0f} ms, prefill tokens "
                   f"{res['prefill_tokens']:7.0f}, loaded host/disk {res['host_loaded']:.0f}/{res['disk_loaded']:.0f}, "
-                  f"{res['output_tok_s']:.1f} out tok/s", flush=True)
+                  f"fetched {res['fetched']:.0f}, {res['output_tok_s']:.1f} out tok/s", flush=True)
         same = all(a == b for a, b in zip(rows["off"][-1]["answers"], rows["on"][-1]["answers"], strict=True))
         print(f"round {r}: answers identical on and off: {same}", flush=True)
     summary = {"args": vars(args), "rounds": {}}

@@ -26,6 +26,7 @@ from typing import Callable, Mapping
 from pdcluster.control.protocol import (
     Abort,
     Generate,
+    KVFetched,
     Load,
     Message,
     Prefill,
@@ -40,6 +41,7 @@ from pdcluster.control.records import NodeInfo
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
 from pdcluster.decode_node.metrics import DecodeMetrics
+from pdcluster.decode_node.prefix_fetch import PrefixFetches
 from pdcluster.decode_node.request import DecodeRequest, RemoteFailure, State
 from pdcluster.engine.kv_connector import KVConnector
 from pdcluster.engine.llm_engine import LLMEngine
@@ -53,14 +55,21 @@ log = logging.getLogger(__name__)
 
 
 class RemoteKVConnector(KVConnector):
-    """The engine's decode-side hook: a `remote_kv=True` request's reserved blocks, reported on the engine
-    thread, go to `on_reserved` (which hops to the event loop)."""
+    """The engine's decode-side hooks, on the engine thread: a `remote_kv=True` request's reserved blocks go to
+    `on_reserved`, the blocks to fetch from another node to `fetch` (both hop to the event loop)."""
 
-    def __init__(self, on_reserved: Callable[[str, list[int], int], None]) -> None:
+    fetches = True
+
+    def __init__(self, on_reserved: Callable[[str, list[int], int], None],
+                 fetch: Callable[[str, list[int], list[int]], None]) -> None:
         self.on_reserved = on_reserved
+        self.fetch = fetch
 
     def on_remote_reserved(self, request_id: str, block_ids: list[int], num_cached_tokens: int) -> None:
         self.on_reserved(request_id, list(block_ids), num_cached_tokens)
+
+    def on_fetch(self, request_id: str, block_ids: list[int], block_hashes: list[int]) -> None:
+        self.fetch(request_id, list(block_ids), list(block_hashes))
 
 
 class DecodeNode(NodeService):
@@ -72,7 +81,8 @@ class DecodeNode(NodeService):
         self.shm: SharedKVPool | None = None
         args = engine_args_from_config(config, kv_pool_factory=lambda shape, dtype: self._make_shared_pool(
             config.device, shape, dtype))
-        engine = LLMEngine(args, kv_connector=RemoteKVConnector(self._remote_reserved))   # loads the model
+        connector = RemoteKVConnector(self._remote_reserved, self._fetch_asked)
+        engine = LLMEngine(args, kv_connector=connector)   # loads the model
         super().__init__(config, engine)
         self.prefill_timeout = config.prefill_timeout if prefill_timeout is None else prefill_timeout
         self.kv_landing_timeout = config.kv_landing_timeout
@@ -95,6 +105,8 @@ class DecodeNode(NodeService):
         self.vocab_size = engine.model_config.vocab_size
         self.requests: dict[str, DecodeRequest] = {}
         self._remote_tasks: set[asyncio.Task] = set()
+        self.fetches = PrefixFetches(self.node_id, self.receiver, self.peers, self.view, self.engine_thread,
+                                     self.kv_landing_timeout, self.kv_release_timeout, self.registry, self._spawn)
         self._heartbeats: asyncio.Task | None = None
 
     def _make_shared_pool(self, device: str | None, shape: tuple[int, ...], dtype):
@@ -189,7 +201,9 @@ class DecodeNode(NodeService):
             return
         req = DecodeRequest(rid=msg.rid, owner=identity, prompt_ids=prompt, params=params,
                             deadline=time.monotonic() + msg.timeout_s if msg.timeout_s else 0.0,
-                            prefill_node=msg.prefill_node or "")
+                            prefill_node=msg.prefill_node or "",
+                            kv_source=msg.kv_source if msg.kv_source and msg.kv_source != self.node_id else "")
+        fetch = msg.kv_source_blocks if req.kv_source else 0
         self.requests[req.rid] = req
         self._to_router(req, Progress(rids=[req.rid], states=[req.progress]))   # the acknowledgement
         log.info("request %s admitted from router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
@@ -198,21 +212,33 @@ class DecodeNode(NodeService):
         # A resumed structured output rebuilds its grammar's matcher from the tokens so far: prefilled here.
         resumed_ids = list(msg.resume_ids) if params.structured_outputs is not None else []
         if params.prompt_logprobs is not None or resumed_ids:   # prompt logprobs: the prompt's logits are needed here
-            self._prefill_locally(req, resumed_ids)
+            self._prefill_locally(req, resumed_ids, fetch)
         elif peer is not None and peer.role == "prefill":
-            self._prefill_remotely(req, peer)
+            self._prefill_remotely(req, peer, fetch)
         else:
             if msg.prefill_node:
                 self.metrics.remote_failures.labels(RemoteFailure.UNKNOWN_NODE.value).inc()
-            self._prefill_locally(req)
+            self._prefill_locally(req, fetch_blocks=fetch)
 
-    def _prefill_locally(self, req: DecodeRequest, resumed_ids: list[int] | None = None) -> None:
+    def _prefill_locally(self, req: DecodeRequest, resumed_ids: list[int] | None = None, fetch_blocks: int = 0
+                         ) -> None:
         req.move(State.ENGINE)
         req.prefill_path = "local"
         self.metrics.prefills.labels("local").inc()
         rid, prompt, params, resumed = req.rid, req.prompt_ids, req.params, resumed_ids or []
-        self._engine_call(req, lambda e: e.add_request(rid, prompt, params, resumed_output_ids=resumed),
-                          "engine rejected the request")
+        self._engine_call(req, lambda e: e.add_request(rid, prompt, params, resumed_output_ids=resumed,
+                                                       fetch_blocks=fetch_blocks), "engine rejected the request")
+
+    def _fetch_asked(self, rid: str, block_ids: list[int], block_hashes: list[int]) -> None:
+        """The connector's hook, on the engine thread: the engine wants these blocks from the request's holder."""
+        self.loop.call_soon_threadsafe(self._start_fetch, rid, block_ids, block_hashes)
+
+    def _start_fetch(self, rid: str, block_ids: list[int], block_hashes: list[int]) -> None:
+        req = self.requests.get(rid)
+        if req is None or not req.kv_source:   # aborted meanwhile: the fetch ends empty (its blocks unpinned)
+            self.engine_thread.post(lambda e: e.kv_fetch_done(rid, block_ids, 0))
+            return
+        self.fetches.start(rid, block_ids, block_hashes, req.kv_source)
 
     def _engine_call(self, req: DecodeRequest, fn: Callable[[LLMEngine], object], error: str) -> None:
         """`fn` on the engine thread; if it raises, the request fails with `error` (its abort frees the blocks)."""
@@ -224,12 +250,13 @@ class DecodeNode(NodeService):
 
     # ---- remote prefill: message handling --------------------------------------------------------
 
-    def _prefill_remotely(self, req: DecodeRequest, peer: NodeInfo) -> None:
+    def _prefill_remotely(self, req: DecodeRequest, peer: NodeInfo, fetch_blocks: int = 0) -> None:
         req.move(State.RESERVING)
         req.prefill_addr = peer.control_addr
         req.remote_started = time.monotonic()
         rid, prompt, params = req.rid, req.prompt_ids, req.params
-        fut = self.engine_thread.call(lambda e: e.add_request(rid, prompt, params, remote_kv=True))
+        fut = self.engine_thread.call(lambda e: e.add_request(rid, prompt, params, remote_kv=True,
+                                                              fetch_blocks=fetch_blocks))
         fut.add_done_callback(lambda f: self._reserve_answered(req, f))
 
     def _remote_reserved(self, rid: str, block_ids: list[int], num_cached_tokens: int) -> None:
@@ -275,6 +302,9 @@ class DecodeNode(NodeService):
                                 f"no PrefillDone from {req.prefill_node} in {self.prefill_timeout} s")
 
     def _on_peer_message(self, node_id: str, msg: Message) -> None:
+        if isinstance(msg, KVFetched):
+            self.fetches.answered(node_id, msg)
+            return
         if not isinstance(msg, PrefillDone):
             log.warning("decode node: dropped unexpected %s from prefill node %s", msg.TYPE, node_id)
             return
@@ -286,6 +316,7 @@ class DecodeNode(NodeService):
     def on_peer_change(self, event: str, node_id: str) -> None:
         if event != "node_removed":
             return
+        self.fetches.holder_left(node_id)
         self.peers.drop(node_id)
         for req in [r for r in self.requests.values() if r.prefill_node == node_id and r.state is State.PREFILLING]:
             self._prefill_answered(req, PrefillDone(rid=req.rid, error=f"prefill node {node_id} left the cluster"))
@@ -385,6 +416,7 @@ class DecodeNode(NodeService):
         req = self.requests.get(rid)
         if req is None:
             return
+        self.fetches.fail(rid, "the request was aborted")
         if expired:
             log.info("request %s: deadline passed; aborting", rid, extra={"request_id": rid})
             self.control.send(req.owner, Tokens(rid=rid, ids=[], finish="abort", error=reason))

@@ -84,6 +84,7 @@ class DecodeRequest:
     deadline: float  # time.monotonic() seconds (0: none); from the message's timeout_s at receipt
     prefill_node: str  # the prefill node the router chose ("": prefill here)
     prefill_addr: str = ""  # its control address, from the cluster view at admission
+    kv_source: str = ""  # the node holding more of the prompt's prefix (Generate.kv_source): fetched from it
     state: State = State.NEW
     prefill_path: str = "local"  # "local" | "remote:<node id>", reported on the first Tokens
     num_cached_tokens: int = 0

@@ -57,8 +57,12 @@ class BlockManager:
         counts are not touched: pass the result to `allocate`."""
         if not self.enable_prefix_caching:
             return []
+        return self.cached_blocks(seq.block_hashes(self.block_size)[:(seq.num_tokens - 1) // self.block_size])
+
+    def cached_blocks(self, hashes: list[int]) -> list[int]:
+        """The blocks published under the leading `hashes`, up to the first one not cached."""
         hits: list[int] = []
-        for h in seq.block_hashes(self.block_size)[:(seq.num_tokens - 1) // self.block_size]:
+        for h in hashes:
             block = self.hash_to_block.get(h)
             if block is None:
                 break

@@ -30,7 +30,7 @@ from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.engine.parallel import check_tensor_parallel
 from pdcluster.engine.scheduler import ScheduledBatch, Scheduler, resolve_batched_tokens
-from pdcluster.engine.sequence import Sequence
+from pdcluster.engine.sequence import Sequence, SequenceStatus
 from pdcluster.engine.speculative.head_proposer import HeadProposer
 from pdcluster.engine.speculative.proposer import make_proposer
 from pdcluster.engine.stats import EngineStats
@@ -111,12 +111,16 @@ class LLMEngine:
         self.hash_seed = hash_seed(checkpoint_fingerprint(args.model), self.dtype, kv_dtype, self.block_size,
                                    args.prefix_cache_salt)
         self.tiers = self._make_tiers()
+        self.scheduler.on_reserved = self._reserved_later
+        if kv_connector is not None and kv_connector.fetches and self.copies_blocks:
+            self.scheduler.fetch = kv_connector.on_fetch
         self._arrivals = 0
         self._grammars: GrammarCompiler | None = None   # made on the first structured-output request
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self.num_fetched_blocks = self.num_fetch_missed_blocks = self.num_lent_blocks = 0
         # (monotonic time, generated tokens) after recent steps; the first is the base of tokens_per_s
         self._rate_marks: deque[tuple[float, int]] = deque([(time.monotonic(), 0)])
 
@@ -140,6 +144,14 @@ class LLMEngine:
         self.scheduler.tiers = tiers
         self.scheduler.block_manager.record_published()
         return tiers
+
+    @property
+    def copies_blocks(self) -> bool:
+        """Whether a block of the pool is the whole of a prefix's KV, so copying it elsewhere (a tier, another
+        node) and back is exact: not with TP on a device (each rank a slice), a drafter's own KV, or StreamingLLM."""
+        return not (self.tp_size > 1 and self.device.type != "cpu") \
+            and not (self.proposer is not None and self.proposer.writes_kv) \
+            and self.scheduler.block_manager.enable_prefix_caching
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, kv_connector: KVConnector | None = None) -> "LLMEngine":
@@ -214,15 +226,18 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_blocks: bool = False, remote_kv: bool = False,
-                    resumed_output_ids: list[int] | None = None) -> bool:
+                    resumed_output_ids: list[int] | None = None, fetch_blocks: int = 0) -> bool:
         """Queue a request. `hold_blocks`: a finished request keeps its blocks (and reports them in
         `block_ids`) until `abort`. `remote_kv`: another node computes the prompt's KV: blocks for the whole
         prompt are reserved now (leading prefix-cache hits shared), `kv_connector.on_remote_reserved` gets them
         before this returns, and the request waits (never scheduled) for `remote_kv_landed` or
         `remote_kv_failed`; False, adding nothing, when too few blocks are free. True otherwise.
         `resumed_output_ids` (a migrated structured-output request): its outputs so far, the tail of the prompt,
-        which its grammar accepts before it samples."""
+        which its grammar accepts before it samples. `fetch_blocks`: another node holds the prompt's first that
+        many blocks; those this node lacks are fetched (`KVConnector.on_fetch`) before the prompt is computed
+        (or, with `remote_kv`, before its blocks are reserved: `on_remote_reserved` comes later then)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, hold_blocks)
+        seq.fetch_blocks = max(0, int(fetch_blocks))
         if seq.grammar is not None:   # a migrated request's outputs so far (the tail of its prompt) obey the grammar
             if remote_kv and resumed_output_ids:
                 raise ValueError("structured_outputs: a resumed request is prefilled where its grammar runs")
@@ -235,13 +250,44 @@ class LLMEngine:
             return True
         if not self.scheduler.add_remote(seq):
             return False
-        if self.kv_connector is not None:
+        if self.kv_connector is not None and seq.status is SequenceStatus.WAITING_FOR_REMOTE_KV:
             try:
                 self.kv_connector.on_remote_reserved(request_id, list(seq.block_table), seq.num_cached_tokens)
             except BaseException:
                 self.scheduler.abort(request_id)
                 raise
         return True
+
+    def _reserved_later(self, seq: Sequence) -> None:
+        """A `remote_kv` request's blocks, reserved once its prefix was loaded (in `step`)."""
+        if self.kv_connector is not None:
+            self.kv_connector.on_remote_reserved(seq.request_id, list(seq.block_table), seq.num_cached_tokens)
+
+    def kv_fetch_done(self, request_id: str, block_ids: list[int], done: int) -> None:
+        """A fetch started by `KVConnector.on_fetch` ended with its first `done` blocks intact in `block_ids`
+        (0 when it failed): they join the prefix cache and the request is admitted with them as prefix hits; the
+        rest of its prompt is computed. The blocks are unpinned (an aborted request's freed)."""
+        if not 0 <= done <= len(block_ids):
+            raise ValueError(f"done: {done} is not in [0, {len(block_ids)}]")
+        self.num_fetched_blocks += done
+        self.num_fetch_missed_blocks += len(block_ids) - done
+        self.scheduler.prefix_load_done(request_id, list(block_ids), done)
+
+    def pin_cached(self, block_hashes: list[int]) -> list[int]:
+        """Pin the pool blocks published under the leading `block_hashes` (for a copy to another node); returns
+        them in order, up to the first hash not cached. `unpin` each when the copy is done."""
+        bm = self.scheduler.block_manager
+        if not self.copies_blocks:
+            return []
+        blocks = bm.cached_blocks(block_hashes)
+        for b in blocks:
+            bm.pin(b)
+        self.num_lent_blocks += len(blocks)
+        return blocks
+
+    def unpin(self, block_ids: list[int]) -> None:
+        for b in block_ids:
+            self.scheduler.block_manager.unpin(b)
 
     def remote_kv_landed(self, request_id: str, first_token: int, first_logprobs=None,
                          prompt_features: tuple[int, str, bytes] | None = None) -> RequestOutput:
@@ -346,7 +392,7 @@ class LLMEngine:
         for b in done.stored:
             bm.unpin(b)
         for load in done.loaded:
-            self.scheduler.tier_load_done(load.request_id, load.blocks, load.done)
+            self.scheduler.prefix_load_done(load.request_id, load.blocks, load.done)
 
     def _offload_published(self) -> None:
         """Blocks this step published in the prefix cache go to the host tier (pinned until copied), unless a tier
@@ -459,7 +505,9 @@ class LLMEngine:
             spec_num_drafts=sched.spec.num_drafts, spec_num_draft_tokens=sched.spec.num_draft_tokens,
             spec_num_accepted_tokens=sched.spec.num_accepted_tokens,
             spec_accepted_per_position=tuple(sched.spec.accepted_per_position),
-            num_loading_kv=len(sched.loading), **(self.tiers.figures() if self.tiers is not None else {}))
+            num_loading_kv=len(sched.loading) + len(sched.fetching), kv_fetched_blocks=self.num_fetched_blocks,
+            kv_fetch_missed_blocks=self.num_fetch_missed_blocks, kv_lent_blocks=self.num_lent_blocks,
+            **(self.tiers.figures() if self.tiers is not None else {}))
 
 
 def _prompts_finishing(batch: ScheduledBatch) -> list[PromptInStep]:

@@ -7,7 +7,9 @@ to fit the budget when chunked prefill is on. When blocks run out, the newest ru
 preempted (its blocks freed, recomputed later) instead of failing.
 
 Remote prefill (the decode node): `add_remote` reserves blocks for a new request's whole prompt (leading
-prefix-cache hits shared) and parks it WAITING_FOR_REMOTE_KV: it holds its blocks and is never scheduled.
+prefix-cache hits shared) and parks it WAITING_FOR_REMOTE_KV: it holds its blocks and is never scheduled. When a
+KV tier of this node or another node (`fetch`) holds blocks after its hits, those are loaded first (LOADING_KV)
+and the reservation follows, announced by `on_reserved`.
 `remote_kv_landed` moves it to the running set from its first token on; `remote_kv_failed` frees its blocks
 and queues it as an ordinary waiting request (a local prefill). The scheduler owns its `BlockManager` and is
 the one writer of every sequence's status (`Sequence.move_to`, the moves in sequence.py).
@@ -100,6 +102,11 @@ class Scheduler:
         self.waiting_for_grammar: dict[str, Sequence] = {}   # structured output whose grammar still compiles
         self.tiers: KVTiers | None = None                   # host / disk KV tiers (engine/kv_tiers.py)
         self.loading: dict[str, Sequence] = {}              # LOADING_KV: prefixes being copied back from a tier
+        # Another node's copy of a prefix (the node's connector): `fetch(request_id, blocks, hashes)` starts copying
+        # those blocks into pinned `blocks`; the node reports the end with `prefix_load_done`.
+        self.fetch: Callable[[str, list[int], list[int]], None] | None = None
+        self.fetching: dict[str, Sequence] = {}             # LOADING_KV: prefixes being fetched from another node
+        self.on_reserved: Callable[[Sequence], None] | None = None   # a deferred remote-KV reservation was made
         self.num_preemptions = 0
         self.spec = SpecDecodeCounts()
 
@@ -136,6 +143,7 @@ class Scheduler:
         return failed
 
     def has_work(self) -> bool:
+        """Something to step for (a fetch from another node is not: the node's report of its end wakes the engine)."""
         return bool(self.waiting or self.running or self.waiting_for_grammar or self.loading)
 
     # ---- scheduling -----------------------------------------------------------------------------
@@ -169,7 +177,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hits = [] if seq.needs_prompt_logprobs else bm.match_prefix(seq)   # every prompt position's logits
-            if self.tiers is not None and self._load_from_tiers(seq, hits):
+            if (self.tiers is not None and self._load_from_tiers(seq, hits)) or self._fetch_prefix(seq, hits):
+                self.waiting.popleft()
+                continue
+            if seq.remote_kv:   # its prefix loads are done: now its blocks for the remote prefill
+                if not self._reserve_remote(seq, hits):
+                    break
                 self.waiting.popleft()
                 continue
             num_cached = len(hits) * self.block_size
@@ -211,14 +224,35 @@ class Scheduler:
         self.loading[seq.request_id] = seq
         return True
 
-    def tier_load_done(self, request_id: str, blocks: list[int], done: int) -> None:
-        """A load from the KV tiers finished with its first `done` blocks copied: those are published in the
-        prefix cache and the request waits again at the front, to be admitted with them as prefix hits (the rest
-        of its prompt is computed). An aborted request's blocks are just released."""
+    def _fetch_prefix(self, seq: Sequence, hits: list[int]) -> bool:
+        """When another node holds more of `seq`'s leading blocks than this one (`seq.fetch_blocks`, the router's
+        word): blocks for them (the hits shared), pinned, the fetch started, `seq` LOADING_KV. One try per
+        request. False, changing nothing, when there is nothing to fetch or the blocks are not free."""
+        bm = self.block_manager
+        if self.fetch is None or seq.fetch_blocks <= len(hits) or seq.needs_prompt_logprobs \
+                or not bm.enable_prefix_caching:
+            return False
+        end = min(seq.fetch_blocks, (seq.num_tokens - 1) // self.block_size)
+        hashes = seq.block_hashes(self.block_size)[len(hits):end]
+        if not hashes or not bm.allocate(seq, end * self.block_size, hits):
+            return False
+        seq.fetch_blocks = 0
+        blocks = seq.block_table[len(hits):]
+        for b in blocks:
+            bm.pin(b)
+        seq.move_to(SequenceStatus.LOADING_KV)
+        self.fetching[seq.request_id] = seq
+        self.fetch(seq.request_id, list(blocks), hashes)
+        return True
+
+    def prefix_load_done(self, request_id: str, blocks: list[int], done: int) -> None:
+        """A load from the KV tiers or a fetch from another node finished with its first `done` blocks copied:
+        those are published in the prefix cache and the request waits again at the front, to be admitted with them
+        as prefix hits (the rest of its prompt is computed). An aborted request's blocks are just released."""
         bm = self.block_manager
         for b in blocks:
             bm.unpin(b)
-        seq = self.loading.pop(request_id, None)
+        seq = self.loading.pop(request_id, None) or self.fetching.pop(request_id, None)
         if seq is None:
             return
         seq.num_computed_tokens = (len(seq.block_table) - len(blocks) + done) * self.block_size
@@ -347,15 +381,38 @@ class Scheduler:
     def add_remote(self, seq: Sequence) -> bool:
         """Admit a new `seq` whose prompt KV another node writes: blocks for its whole prompt (leading
         prefix-cache hits shared), status WAITING_FOR_REMOTE_KV. False, adding nothing, when too few blocks
-        are free."""
+        are free. When a KV tier or another node holds the blocks after its hits, it waits first (WAITING, then
+        LOADING_KV) and its blocks are reserved once they are loaded (`on_reserved` tells)."""
+        seq.remote_kv = True
         hits = self.block_manager.match_prefix(seq)
+        if self._loadable(seq, hits):
+            self.requests[seq.request_id] = seq
+            self.waiting.append(seq)
+            return True
+        if not self._reserve_remote(seq, hits, deferred=False):
+            return False
+        self.requests[seq.request_id] = seq
+        return True
+
+    def _loadable(self, seq: Sequence, hits: list[int]) -> bool:
+        if not self.block_manager.enable_prefix_caching:
+            return False
+        if self.fetch is not None and seq.fetch_blocks > len(hits):
+            return True
+        if self.tiers is None or seq.num_tier_loads >= MAX_TIER_LOADS:
+            return False
+        hashes = seq.block_hashes(self.block_size)[len(hits):(seq.num_tokens - 1) // self.block_size]
+        return bool(hashes) and self.tiers.lookup(hashes[:1]) == 1
+
+    def _reserve_remote(self, seq: Sequence, hits: list[int], deferred: bool = True) -> bool:
         if not self.block_manager.allocate(seq, seq.num_prompt_tokens, hits):
             return False
         self._count_prefix_hit(seq, len(hits) * self.block_size)
         seq.num_computed_tokens = seq.num_cached_tokens
         seq.move_to(SequenceStatus.WAITING_FOR_REMOTE_KV)
-        self.requests[seq.request_id] = seq
         self.waiting_for_kv[seq.request_id] = seq
+        if deferred and self.on_reserved is not None:
+            self.on_reserved(seq)
         return True
 
     def remote_kv_landed(self, request_id: str, first_token: int, logprob=None) -> Sequence:
@@ -363,6 +420,7 @@ class Scheduler:
         (and may finish on it). ValueError when the request is not waiting for remote KV."""
         seq = self._waiting_for_kv(request_id)
         del self.waiting_for_kv[request_id]
+        seq.remote_kv = False   # preempted later, it is recomputed here
         seq.num_computed_tokens = seq.num_prompt_tokens
         self.block_manager.cache_full_blocks(seq)
         seq.move_to(SequenceStatus.RUNNING)
@@ -380,6 +438,7 @@ class Scheduler:
         del self.waiting_for_kv[request_id]
         self.block_manager.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.remote_kv = False
         seq.move_to(SequenceStatus.WAITING)
         self._queue(seq)
 
@@ -410,7 +469,8 @@ class Scheduler:
         elif seq.status is SequenceStatus.WAITING_FOR_GRAMMAR:
             del self.waiting_for_grammar[request_id]
         elif seq.status is SequenceStatus.LOADING_KV:   # its blocks stay pinned until the load finishes
-            del self.loading[request_id]
+            self.loading.pop(request_id, None)
+            self.fetching.pop(request_id, None)
         self.block_manager.free(seq)
         if seq.status is not SequenceStatus.FINISHED:
             seq.move_to(SequenceStatus.FINISHED)

@@ -15,7 +15,7 @@ class SequenceStatus(enum.Enum):
     RUNNING = "running"
     WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"   # blocks held; another node writes the prompt's KV
     WAITING_FOR_GRAMMAR = "waiting_for_grammar"       # structured output: its grammar compiles (no blocks yet)
-    LOADING_KV = "loading_kv"                         # blocks held; its prefix is copied back from a KV tier
+    LOADING_KV = "loading_kv"                         # blocks held; its prefix is copied from a KV tier / node
     FINISHED = "finished"
 
 
@@ -25,7 +25,8 @@ class SequenceStatus(enum.Enum):
 #      └────preempted────────┘
 #   new, remote_kv ──► WAITING_FOR_REMOTE_KV ──landed──► RUNNING;  ──failed──► WAITING;  ──aborted──► FINISHED
 #   new, structured output ──► WAITING_FOR_GRAMMAR ──compiled──► WAITING;  ──compile failed / aborted──► FINISHED
-#   WAITING ──prefix in a KV tier──► LOADING_KV ──loaded (or not)──► WAITING;  ──aborted──► FINISHED
+#   WAITING ──prefix in a KV tier or on another node──► LOADING_KV ──loaded (or not)──► WAITING;  ──aborted──► FINISHED
+#   new, remote_kv, prefix loadable ──► WAITING ──(loads)──► WAITING_FOR_REMOTE_KV (Scheduler.on_reserved)
 _NEXT = {
     SequenceStatus.WAITING: {SequenceStatus.RUNNING, SequenceStatus.WAITING_FOR_REMOTE_KV,
                              SequenceStatus.WAITING_FOR_GRAMMAR, SequenceStatus.LOADING_KV, SequenceStatus.FINISHED},
@@ -63,6 +64,8 @@ class Sequence:
         self.num_freed_blocks = 0                   # leading entries released (out of the sliding window)
         self.num_evicted_tokens = 0                 # StreamingLLM: tokens dropped between the sinks and the window
         self.num_tier_loads = 0                     # times its prefix was loaded back from a KV tier (kv_tiers.py)
+        self.fetch_blocks = 0                       # leading blocks another node holds: fetched before it runs
+        self.remote_kv = False                      # another node computes its prompt KV (Scheduler.add_remote)
         self._block_hashes: list[int] = []          # stable hashes of the full blocks of token_ids, grown lazily
         self.hash_seed = hash_seed                  # where the hash chain starts (the engine's `hash_seed`)
         self.finish_reason: str | None = None

@@ -43,6 +43,11 @@ class EngineStats:
     kv_tier_loaded_host_blocks: int = 0     # prefix blocks served by the host tier instead of recomputed
     kv_tier_loaded_disk_blocks: int = 0     # ... by the disk tier
     kv_tier_failed_loads: int = 0           # blocks that could not be read back (missing, corrupt): recomputed
+    # prefix blocks copied between nodes (KVConnector.on_fetch): fetched intact, asked for but not arrived (the
+    # holder lacked them, failed, died: recomputed), and this node's blocks lent to another node
+    kv_fetched_blocks: int = 0
+    kv_fetch_missed_blocks: int = 0
+    kv_lent_blocks: int = 0
     kv_tier_dropped_stores: int = 0         # blocks not offloaded (too many copies pending)
     kv_tier_disk_disabled: bool = False     # a disk write failed (full, I/O error): the disk tier is off
 

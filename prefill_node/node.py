@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping
 
 from pdcluster.control.protocol import Load, Message, Prefill, PrefillDone, logprob_to_wire
@@ -26,6 +24,7 @@ from pdcluster.engine.outputs import RequestOutput
 from pdcluster.kv_transfer import Destination, KVSender
 from pdcluster.node.config import NodeConfig, engine_args_from_config
 from pdcluster.node.service import NodeService
+from pdcluster.node.threads import started_pool
 from pdcluster.prefill_node.connector import TransferConnector
 from pdcluster.prefill_node.job import JobState, Outgoing, PrefillJob
 from pdcluster.prefill_node.metrics import PrefillMetrics
@@ -33,15 +32,6 @@ from pdcluster.prefill_node.metrics import PrefillMetrics
 log = logging.getLogger(__name__)
 
 
-
-def started_pool(workers: int, name: str) -> ThreadPoolExecutor:
-    """A thread pool whose threads all exist from the start: an idle node's thread count does not depend on
-    the most concurrent load it ever saw (the soak test checks it comes back to its idle value)."""
-    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
-    ready = threading.Barrier(workers)   # each task holds its thread until all are started
-    for _ in range(workers):
-        pool.submit(ready.wait, 5.0)
-    return pool
 
 class PrefillNode(NodeService):
     role = "prefill"
@@ -72,6 +62,9 @@ class PrefillNode(NodeService):
         if event == "node_removed":
             live = [n.kv_addr for n in self.view.nodes_by_role("decode")]
             self._connects.submit(self.sender.keep_peers, live)
+
+    def kv_sender(self) -> KVSender:
+        return self.sender
 
     async def on_start(self) -> None:
         self.start_engine_thread()

@@ -216,6 +216,13 @@ class RouterCluster:
         fresh = [s for s in nodes if s.load is None or now - s.load_time <= self.load_stale_s]
         return fresh or nodes
 
+    def holders(self, model: str | None = None) -> list[NodeState]:
+        """Nodes (any role, cordoned and draining ones too) of `model` whose Load reports are fresh: the ones a
+        decode node may fetch a prefix from."""
+        now = time.monotonic()
+        return [s for s in self._nodes.values() if (model is None or s.serves(model)) and s.load is not None
+                and now - s.load_time <= self.load_stale_s]
+
     def get(self, node_id: str) -> NodeState | None:
         return self._nodes.get(node_id)
 

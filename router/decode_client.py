@@ -29,7 +29,15 @@ from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
 from pdcluster.router.cluster import NodeState, RouterCluster
 from pdcluster.router.metrics import RouterMetrics
-from pdcluster.router.policies import PrefillWork, Prompt, RoutingPolicy, choose_prefill, note_assignment
+from pdcluster.router.policies import (
+    PrefillWork,
+    Prompt,
+    RoutingPolicy,
+    choose_prefill,
+    fetch_beats_prefill,
+    note_assignment,
+    prefix_holder,
+)
 from pdcluster.router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -172,9 +180,9 @@ class DecodeClient:
             await asyncio.sleep(min(POLL_INTERVAL, left))
 
     def place(self, token_ids: list[int], max_tokens: int, exclude: set[str], model: str | None = None,
-              remote_prefill: bool = True) -> tuple[NodeState, NodeState | None, PrefillWork]:
-        """(decode node, prefill node or None, the prefill work counted on it) of `model` (None: any) for a request,
-        or NoCapacity.
+              remote_prefill: bool = True) -> tuple[NodeState, NodeState | None, PrefillWork, tuple[str, int] | None]:
+        """(decode node, prefill node or None, the prefill work counted on it, (node, blocks) the decode node
+        fetches the prompt's prefix from or None) of `model` (None: any) for a request, or NoCapacity.
         `remote_prefill` False: the decode node prefills it (prompt logprobs are computed where the prompt runs)."""
         decode_nodes = self.cluster.candidates("decode", exclude, model, len(token_ids) + max_tokens)
         if not decode_nodes:
@@ -184,11 +192,18 @@ class DecodeClient:
         prefill = choose_prefill(self.policy, self.cluster.candidates("prefill", model=model,
                                                                       num_tokens=len(token_ids) + 1), prompt,
                                  self.settings.disagg_min_tokens) if remote_prefill else None
+        # nodes a decode node may fetch the prompt's prefix from (the prefix-aware policy: the others do not look)
+        holders = [n for n in self.cluster.holders(model) if n.id not in exclude] \
+            if self.policy.name == "prefix_aware" and self.settings.prefix_fetch else []
+        if prefill is not None and fetch_beats_prefill(prompt, prefill, holders, self.settings.disagg_min_tokens):
+            prefill = None
         # a decode node that prefills the prompt itself is picked with its cached prefix in mind
         decode = self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens, prompt if prefill is None else None)
         assert decode is not None   # there are candidates
         work = note_assignment(decode, prefill, round(prompt.work_tokens(prefill)) if prefill else 0)
-        return decode, prefill, work
+        holder = prefix_holder(prompt, holders, decode, exclude=decode.id) if prefill is None and remote_prefill \
+            else None
+        return decode, prefill, work, (holder[0].id, holder[1]) if holder is not None else None
 
 
 class RequestStream:
@@ -318,7 +333,7 @@ class RequestStream:
         exclude = self._rejected | self._failed
         max_tokens = self.sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
         try:
-            decode, prefill, self._prefill_work = self.client.place(
+            decode, prefill, self._prefill_work, source = self.client.place(
                 self.prompt_ids + self.output_ids, max_tokens - len(self.output_ids), exclude, self.model,
                 self.sampling.get("prompt_logprobs") is None)
         except NoCapacity as exc:
@@ -339,7 +354,8 @@ class RequestStream:
         sent = self.client.dealers.send(decode.id, decode.info.control_addr, Generate(
             rid=self._rid, prompt_ids=self.prompt_ids, sampling=self.sampling,
             prefill_node=prefill.id if prefill else None, timeout_s=self.deadline - time.monotonic(),
-            router=self.client.settings.node_id, resume_ids=list(self.output_ids)))
+            router=self.client.settings.node_id, resume_ids=list(self.output_ids),
+            kv_source=source[0] if source else None, kv_source_blocks=source[1] if source else 0))
         if not sent:
             self._queue.put_nowait(None)  # treated like a dead node: try the next one
         return decode.id

@@ -14,6 +14,7 @@ from pdcluster.router.cluster import NodeState
 # disk): a pool hit is free, a host block a copy, a disk block a read (docs/benchmarks.md "KV cache tiers").
 TIER_COST = (0.0, 0.1, 0.3)
 DECODE_LOAD_SLACK = 2   # requests a decode node may have over the least loaded one and still win on its prefix
+FETCH_MIN_BLOCKS = 2    # blocks a holder must have over the node that would compute, for a fetch from it to pay
 
 
 class Prompt:
@@ -39,6 +40,11 @@ class Prompt:
                 self._hashes[size, seed] = block_hashes(self.token_ids, size, seed)
             tiers = self._tiers[node.id] = node.index.leading_tiers(self._hashes[size, seed])
         return tiers
+
+    def pool_blocks(self, node: NodeState) -> int:
+        """Leading prompt blocks in `node`'s pool (what it lends to another node: pdcluster/node/kv_lender.py)."""
+        tiers = self.cached_tiers(node)
+        return next((i for i, t in enumerate(tiers) if t != 0), len(tiers))
 
     def cached_tokens(self, node: NodeState) -> int:
         """Leading prompt tokens `node` holds in any tier."""
@@ -158,6 +164,33 @@ def choose_prefill(policy: RoutingPolicy, nodes: list[NodeState], prompt: Prompt
     if len(prompt) < disagg_min_tokens and not any(prompt.cached_tokens(n) for n in nodes):
         return None
     return policy.pick_prefill(nodes, prompt)
+
+
+def prefix_holder(prompt: Prompt, nodes: list[NodeState], computing: NodeState | None = None,
+                  exclude: str = "") -> tuple[NodeState, int] | None:
+    """(node, blocks): the node of `nodes` (not `exclude`) whose pool holds the longest run of the prompt's leading
+    blocks, when that is at least FETCH_MIN_BLOCKS more than `computing` holds in any tier and the node hashes
+    blocks as `computing` does (so the hashes it is asked for are its own). None otherwise."""
+    own = len(prompt.cached_tiers(computing)) if computing is not None else 0
+    best: tuple[NodeState, int] | None = None
+    for node in nodes:
+        if node.id == exclude or (computing is not None and (
+                node.block_size != computing.block_size
+                or node.info.prefix_hash_seed != computing.info.prefix_hash_seed)):
+            continue
+        n = prompt.pool_blocks(node)
+        if n >= own + FETCH_MIN_BLOCKS and (best is None or n > best[1]):
+            best = (node, n)
+    return best
+
+
+def fetch_beats_prefill(prompt: Prompt, prefill: NodeState, holders: list[NodeState], disagg_min_tokens: int) -> bool:
+    """Whether the decode node should fetch the prompt's prefix from a holder and prefill the rest itself instead of
+    sending it to `prefill`: some pool holds FETCH_MIN_BLOCKS more of it than `prefill` has, and what is left after
+    it is shorter than `disagg_min_tokens` (conditional disaggregation on the uncached part: a conversation's next
+    turn whose history, generated answers included, a decode node holds)."""
+    best = prefix_holder(prompt, holders, prefill)
+    return best is not None and len(prompt) - best[1] * best[0].block_size < disagg_min_tokens
 
 
 class PrefillWork:

@@ -40,6 +40,8 @@ class RouterSettings:
     routing_policy: str = knob("prefix_aware", "how a decode (and prefill) node is picked (docs/router.md)",
                                choices=ROUTING_POLICIES)
     disagg_min_tokens: int = knob(64, "shorter prompts with no cached prefix are prefilled on the decode node")
+    prefix_fetch: bool = knob(True, "prefix_aware: a decode node fetches a prompt's prefix from the node whose pool "
+                                    "holds more of it (FetchKV) instead of computing it")
     request_timeout: float = knob(600.0, "seconds from arrival to the last token")
     queue_timeout: float = knob(5.0, "seconds a request waits for a decode node of its model to appear (a router "
                                      "started before its nodes) before it gets 503; 0 = at once")

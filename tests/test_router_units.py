@@ -20,8 +20,10 @@ from pdcluster.router.policies import (
     Prompt,
     RoundRobinPolicy,
     choose_prefill,
+    fetch_beats_prefill,
     make_policy,
     note_assignment,
+    prefix_holder,
 )
 from pdcluster.router.settings import RouterSettings
 from pdcluster.router.tokenizer import read_model_info
@@ -174,6 +176,40 @@ def test_prefix_aware_decode_pick_when_the_decode_node_prefills() -> None:
     assert policy.pick_decode([idle, busy], 300, Prompt(prompt_ids)).id == "d-idle"   # 3 more requests: too many
     full = node("d-warm", block_size=16, running=1, free_blocks=2, **held(block_hashes(prompt_ids, 16)))
     assert policy.pick_decode([idle, full], 300, Prompt(prompt_ids)).id == "d-idle"   # no room for it
+
+
+def test_prefix_holder_is_the_longest_pool_run_worth_a_fetch() -> None:
+    prompt_ids = list(range(300, 300 + 200))   # 12 full blocks
+    hashes = block_hashes(prompt_ids, 16)
+    prompt = Prompt(prompt_ids)
+    d = node("d", block_size=16, **held(hashes[:3]))
+    near = node("d-near", block_size=16, **held(hashes[:4]))                      # only 1 block more than d
+    far = node("d-far", block_size=16, **held(hashes[:10]))
+    host = node("p-host", "prefill", block_size=16, **held(hashes, tier=1))       # host tier: not lent
+    mixed = NodeState(info=NodeInfo(node_id="p-mixed", role="prefill"))
+    mixed.update(Load(node_id="p-mixed", role="prefill", block_size=16, kv_seq=1, kv_snapshot=True,
+                      kv_events=[[0, 0, hashes[:5]], [0, 1, hashes[5:]]]))
+    assert prompt.pool_blocks(mixed) == 5 and prompt.pool_blocks(host) == 0
+    assert prefix_holder(prompt, [d, near, far, host, mixed], d, exclude="d") == (far, 10)
+    assert prefix_holder(prompt, [d, near, host], d, exclude="d") is None
+    assert prefix_holder(prompt, [far], far, exclude="d-far") is None            # the decode node itself
+    other_seed = NodeState(info=NodeInfo(node_id="s", role="decode", prefix_hash_seed=7))
+    other_seed.update(Load(node_id="s", role="decode", block_size=16, **held(block_hashes(prompt_ids, 16, 7))))
+    assert prefix_holder(prompt, [other_seed], d) is None   # its hashes are not d's: nothing d could ask for
+
+
+def test_fetch_beats_prefill_for_a_short_uncached_tail() -> None:
+    history = list(range(1000, 1000 + 190))               # a decode node holds the conversation so far
+    turn = history + list(range(5000, 5030))               # + 30 new tokens
+    hashes = block_hashes(turn, 16)
+    prefill = node("p", "prefill", block_size=16, **held(hashes[:6]))    # the first turn's prompt only
+    holder = node("d1", block_size=16, **held(hashes[:11]))             # history, answers included
+    prompt = Prompt(turn)
+    assert fetch_beats_prefill(prompt, prefill, [prefill, holder], disagg_min_tokens=64)   # 220 - 176 = 44 left
+    assert not fetch_beats_prefill(prompt, prefill, [prefill, holder], disagg_min_tokens=40)
+    assert not fetch_beats_prefill(prompt, prefill, [prefill], disagg_min_tokens=64)       # nobody holds more
+    warm = node("p", "prefill", block_size=16, **held(hashes[:10]))
+    assert not fetch_beats_prefill(Prompt(turn), warm, [warm, holder], disagg_min_tokens=64)   # 1 more: not worth
 
 
 def test_prefill_work_is_taken_back_when_done_unless_a_report_came() -> None:

@@ -53,9 +53,15 @@ class Generate(Message):
     router: str = ""
     # Tokens already streamed to the client (request migration): the new decode node resumes after them.
     resume_ids: list[int] = field(default_factory=list)
+    # The router's prefix index: node `kv_source` holds the prompt's first `kv_source_blocks` blocks in its pool,
+    # more than the decode node has; the decode node fetches what it lacks (FetchKV) before it prefills the rest.
+    kv_source: str | None = None
+    kv_source_blocks: int = 0
 
     def check(self) -> None:
         check_timeout("generate", self.timeout_s)
+        if self.kv_source_blocks < 0:
+            raise ProtocolError(f"generate.kv_source_blocks: must be >= 0, got {self.kv_source_blocks}")
 
 
 @dataclass
@@ -226,6 +232,45 @@ class PrefillDone(Message):
                                 f"got {self.features_dtype!r}")
 
 
+MAX_FETCH_BLOCKS = 1 << 16   # blocks one FetchKV may ask for (a 1M-token prompt of 16-token blocks fits)
+
+
+@dataclass
+class FetchKV(Message):
+    """node -> a node holding a prefix: write the pool blocks published under the leading `block_hashes` (as many
+    as it has, in order) into the first reserved blocks of the kv_transfer destination `dst`; answer KVFetched."""
+
+    TYPE: ClassVar[str] = "fetch_kv"
+    rid: str
+    block_hashes: list[int]
+    dst: dict[str, Any]
+    timeout_s: float
+
+    def check(self) -> None:
+        check_timeout("fetch_kv", self.timeout_s)
+        if len(self.block_hashes) > MAX_FETCH_BLOCKS:
+            raise ProtocolError(f"fetch_kv.block_hashes: more than {MAX_FETCH_BLOCKS}")
+        if not all(0 <= h < 1 << 63 for h in self.block_hashes):
+            raise ProtocolError("fetch_kv.block_hashes: hashes must be integers in [0, 2**63)")
+
+
+@dataclass
+class KVFetched(Message):
+    """holder -> fetching node: its first `num_blocks` reserved blocks were written, acknowledged with `checksum`
+    by its receiver (0 blocks: the holder had none, nothing was sent); `error` when the copy failed."""
+
+    TYPE: ClassVar[str] = "kv_fetched"
+    rid: str
+    num_blocks: int = 0
+    checksum: int = 0
+    kv_backend: str = ""
+    error: str | None = None
+
+    def check(self) -> None:
+        if self.num_blocks < 0:
+            raise ProtocolError(f"kv_fetched.num_blocks: must be >= 0, got {self.num_blocks}")
+
+
 @dataclass
 class Load(Message):
     """node -> routers at ~2 Hz (PUB/SUB): what routing policies need."""
@@ -310,8 +355,8 @@ class Pong(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Generate, Tokens, TokenBatch, Progress, Reject, Abort, Prefill, PrefillDone, Load,
-                              Ping, Pong)
+    cls.TYPE: cls for cls in (Generate, Tokens, TokenBatch, Progress, Reject, Abort, Prefill, PrefillDone, FetchKV,
+                              KVFetched, Load, Ping, Pong)
 }
 _TOKENS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Tokens) if f.default is not dataclasses.MISSING}
 

@@ -23,14 +23,16 @@ from pdcluster.control.cluster_view import ClusterView
 from pdcluster.control.etcd_client import EtcdCredentials
 from pdcluster.control.keys import keys_from_config
 from pdcluster.control.metrics import DroppedFramesCollector, MetricsServer, new_registry, serve_metrics
-from pdcluster.control.protocol import MAX_KV_EVENT_HASHES, Abort, Load, Message, Ping, Pong
+from pdcluster.control.protocol import MAX_KV_EVENT_HASHES, Abort, FetchKV, Load, Message, Ping, Pong
 from pdcluster.control.records import Capacity, NodeInfo
 from pdcluster.control.registration import NodeIdTaken, Registration
 from pdcluster.control.transport import LoadPublisher, RouterServer
 from pdcluster.engine.engine_thread import EngineThread
 from pdcluster.engine.stats import EngineStats
+from pdcluster.kv_transfer import KVSender
 from pdcluster.monitor import DeviceUsageCollector
 from pdcluster.node.config import NodeConfig, check_host_is_here
+from pdcluster.node.kv_lender import KVLender
 
 if TYPE_CHECKING:
     from pdcluster.engine.llm_engine import LLMEngine
@@ -79,6 +81,8 @@ class NodeService:
         self.metrics_server: MetricsServer | None = None
         # Built here, started by the subclass's on_start; each step's outputs hop to the event loop.
         self.engine_thread = EngineThread(engine, self._from_engine_thread)
+        self.lender = KVLender(self.engine_thread, self.kv_sender, self.control.send)   # answers FetchKV
+        self._lend_sender: KVSender | None = None
         self._engine_started = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -150,6 +154,15 @@ class NodeService:
             self._kv_seq += 1
             self._kv_snapshot_at = 0.0
         return {"kv_events": events, "kv_seq": self._kv_seq, "kv_snapshot": is_snapshot}
+
+    def kv_sender(self) -> KVSender:
+        """The KVSender that writes this node's pool blocks into other nodes' (made on first use; a prefill node
+        has its own)."""
+        if self._lend_sender is None:
+            cfg = self.config
+            self._lend_sender = KVSender(self.engine.kv_pool.tensor, backend=cfg.kv_backend,
+                                         connect_timeout=cfg.kv_connect_timeout, auth_key=self.kv_key)
+        return self._lend_sender
 
     def dropped_frames(self) -> dict[str, object]:
         """The `DroppedFrames` of each socket this node receives on, by label."""
@@ -351,7 +364,10 @@ class NodeService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.view.stop()
+        await self.lender.close()
         await self.on_stop()
+        if self._lend_sender is not None:
+            self._lend_sender.close()
         if self._engine_started:
             self.engine_thread.stop()
         self.control.close()
@@ -370,6 +386,8 @@ class NodeService:
                     self.control.send(identity, Pong(nonce=msg.nonce))
                 elif isinstance(msg, Abort):
                     self._on_abort(identity, msg.rid)
+                elif isinstance(msg, FetchKV):
+                    self.lender.handle(identity, msg)
                 else:
                     self.handle(identity, msg)
             except Exception:  # one bad message must not stop the node
@@ -474,6 +492,21 @@ class EngineStatsCollector:
         yield from spec_decode_families(s)
         yield from expert_load_families(s)
         yield from kv_tier_families(s)
+        yield from kv_fetch_families(s)
+
+
+def kv_fetch_families(s: EngineStats):
+    """Prefix blocks copied between nodes (FetchKV): what this node fetched, missed and lent."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    yield GaugeMetricFamily("pdcluster_node_loading_kv_requests", "requests whose prefix is being loaded back from "
+                            "a KV tier or fetched from another node", value=s.num_loading_kv)
+    for name, doc, value in (("fetched_blocks", "prefix blocks fetched from another node instead of recomputed",
+                              s.kv_fetched_blocks),
+                             ("fetch_missed_blocks", "prefix blocks asked of another node that did not arrive (it "
+                              "lacked them, failed or died): recomputed", s.kv_fetch_missed_blocks),
+                             ("lent_blocks", "prefix blocks this node copied to another node", s.kv_lent_blocks)):
+        yield CounterMetricFamily(f"pdcluster_node_kv_{name}", doc, value=value)
 
 
 def kv_tier_families(s: EngineStats):
@@ -482,8 +515,6 @@ def kv_tier_families(s: EngineStats):
 
     if not (s.kv_tier_stored_blocks or s.kv_tier_host_blocks or s.kv_tier_disk_blocks or s.kv_tier_disk_disabled):
         return
-    yield GaugeMetricFamily("pdcluster_node_loading_kv_requests", "requests whose prefix is being loaded back from "
-                            "a KV tier", value=s.num_loading_kv)
     held = GaugeMetricFamily("pdcluster_node_kv_tier_blocks", "KV blocks a tier holds", labels=["tier"])
     loaded = CounterMetricFamily("pdcluster_node_kv_tier_loaded_blocks", "prefix blocks loaded back from a tier "
                                  "instead of recomputed", labels=["tier"])
