@@ -4,7 +4,9 @@
 
 A cluster of `--prefill` (1) prefill and 2 decode nodes (`pdcluster up`'s LocalCluster: real etcd, router, node
 processes) serving the default model (SmolLM2-135M-Instruct) with a small KV pool per node (`--pool`), so that the
-conversations' histories do not all fit; the router sends every prompt to a prefill node (`disagg_min_tokens: 0`).
+conversations' histories do not all fit; the router sends every prompt to a prefill node (`--disagg-min-tokens 0`,
+the default) or, above 0, prompts whose uncached part is shorter to the decode node that holds (or can fetch) the
+rest.
 Each turn of each conversation is one streamed chat completion (temperature 0, `--output` tokens, ignore_eos) whose
 prompt is the whole history: the earlier turns' user messages and answers, then a new user message of `--user-words`
 random words. Turns go round-robin over the conversations, one request at a time, so a conversation's prefix has
@@ -12,7 +14,8 @@ been pushed out of the pool by the others' by the time its next turn comes. Side
 plus `--host` bytes of host tier and `--disk` bytes of disk tier on every node. Rounds alternate which side runs
 first. `--compare routing` keeps the tiers on both sides and compares the router's policy instead: "off" routes by
 turns (`round_robin`, the spread a load balancer gives), "on" by the per-tier prefix index (`prefix_aware`); with
-`--prefill 2` a conversation's next turn then either finds the node that holds its history or not.
+`--prefill 2` a conversation's next turn then either finds the node that holds its history or not. `--compare all`
+turns both off on side "off": no tiers and `least_loaded` routing (the router does not consult the prefix index).
 
 Printed per side: TTFT p50 / p99 by turn (from the request to the first streamed token), prompt tokens computed
 (every node), blocks loaded per tier and fetched from another node, output tokens/s; then the ratios off / on, with
@@ -84,16 +87,17 @@ def prefill_metrics(cluster) -> dict:
 def one_side(args, on: bool, convs, work: Path) -> dict:
     from pdcluster.cli.supervisor import LocalCluster
 
-    node = {"kv_cache_memory": args.pool, "max_num_seqs": 8, "block_size": 16}
+    node = {"kv_cache_memory": args.pool, "max_num_seqs": 8, "block_size": 16, "dtype": args.dtype}
     tiers = on or args.compare == "routing"
-    policy = "round_robin" if args.compare == "routing" and not on else "prefix_aware"
+    policy = "prefix_aware" if on or args.compare == "tiers" else \
+        "round_robin" if args.compare == "routing" else "least_loaded"
     if tiers:
         node.update(kv_offload_host_bytes=args.host)
         if args.disk != "0":
             node.update(kv_offload_disk_path=str(work / "kv-tier"), kv_offload_disk_bytes=args.disk)
     cluster = LocalCluster(model=args.model, num_prefill=args.prefill, num_decode=2, port=0, cluster="bench-tiers",
                            node_config=node, work_dir=work,
-                           router_config={"disagg_min_tokens": 0, "routing_policy": policy},
+                           router_config={"disagg_min_tokens": args.disagg_min_tokens, "routing_policy": policy},
                            log_level="WARNING")
     with cluster:
         served = cluster.node_config.get("served_model_name") or Path(cluster.model).name
@@ -120,8 +124,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill", type=int, default=1, help="prefill nodes (decode nodes: 2)")
-    p.add_argument("--compare", choices=["tiers", "routing"], default="tiers",
-                   help="tiers: off = no KV tiers; routing: tiers on both sides, off = round_robin routing")
+    p.add_argument("--disagg-min-tokens", type=int, default=0,
+                   help="the router's disagg_min_tokens (both sides): 0 sends every prompt to a prefill node; "
+                        "above a turn's new tokens, a decode node holding the history computes the tail itself")
+    p.add_argument("--compare", choices=["tiers", "routing", "all"], default="tiers",
+                   help="tiers: off = no KV tiers; routing: tiers on both sides, off = round_robin routing; all: "
+                        "off = neither tiers nor the prefix index (least_loaded routing)")
+    p.add_argument("--dtype", default="auto", help="the nodes' dtype (float32: answers compare token for token; "
+                                                   "bf16 rounding differs with each node's thread count)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     rows: dict[str, list[dict]] = {"off": [], "on": []}

@@ -33,9 +33,10 @@ from pdcluster.router.policies import (
     PrefillWork,
     Prompt,
     RoutingPolicy,
+    best_cover,
     choose_prefill,
-    fetch_beats_prefill,
     note_assignment,
+    prefill_locally_pays,
     prefix_holder,
 )
 from pdcluster.router.settings import RouterSettings
@@ -192,17 +193,26 @@ class DecodeClient:
         prefill = choose_prefill(self.policy, self.cluster.candidates("prefill", model=model,
                                                                       num_tokens=len(token_ids) + 1), prompt,
                                  self.settings.disagg_min_tokens) if remote_prefill else None
+        prefix_aware = self.policy.name == "prefix_aware"
         # nodes a decode node may fetch the prompt's prefix from (the prefix-aware policy: the others do not look)
         holders = [n for n in self.cluster.holders(model) if n.id not in exclude] \
-            if self.policy.name == "prefix_aware" and self.settings.prefix_fetch else []
-        if prefill is not None and fetch_beats_prefill(prompt, prefill, holders, self.settings.disagg_min_tokens):
-            prefill = None
+            if prefix_aware and self.settings.prefix_fetch else []
+        disagg = self.settings.disagg_min_tokens
+        maybe_local = prefix_aware and prefill is not None and prefill_locally_pays(
+            prompt, prefill, best_cover(prompt, decode_nodes, holders), prefill.block_size, disagg)
+        local = prefill is None or maybe_local
         # a decode node that prefills the prompt itself is picked with its cached prefix in mind
-        decode = self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens, prompt if prefill is None else None)
+        decode = self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens, prompt if local else None)
         assert decode is not None   # there are candidates
+        holder = prefix_holder(prompt, holders, decode, exclude=decode.id) if local and remote_prefill else None
+        if maybe_local:
+            assert prefill is not None
+            covered = max(len(prompt.cached_tiers(decode)), holder[1] if holder else 0)
+            if prefill_locally_pays(prompt, prefill, covered, decode.block_size, disagg):
+                prefill = None
+            else:   # the node picked holds less than the best one: the prefill node computes it after all
+                holder = None
         work = note_assignment(decode, prefill, round(prompt.work_tokens(prefill)) if prefill else 0)
-        holder = prefix_holder(prompt, holders, decode, exclude=decode.id) if prefill is None and remote_prefill \
-            else None
         return decode, prefill, work, (holder[0].id, holder[1]) if holder is not None else None
 
 

@@ -184,13 +184,20 @@ def prefix_holder(prompt: Prompt, nodes: list[NodeState], computing: NodeState |
     return best
 
 
-def fetch_beats_prefill(prompt: Prompt, prefill: NodeState, holders: list[NodeState], disagg_min_tokens: int) -> bool:
-    """Whether the decode node should fetch the prompt's prefix from a holder and prefill the rest itself instead of
-    sending it to `prefill`: some pool holds FETCH_MIN_BLOCKS more of it than `prefill` has, and what is left after
-    it is shorter than `disagg_min_tokens` (conditional disaggregation on the uncached part: a conversation's next
-    turn whose history, generated answers included, a decode node holds)."""
-    best = prefix_holder(prompt, holders, prefill)
-    return best is not None and len(prompt) - best[1] * best[0].block_size < disagg_min_tokens
+def prefill_locally_pays(prompt: Prompt, prefill: NodeState, covered: int, block_size: int,
+                         disagg_min_tokens: int) -> bool:
+    """Conditional disaggregation on the uncached part: with `covered` leading blocks on the decode node (its own, in
+    any tier, or fetched), is what is left shorter than `disagg_min_tokens` while `prefill` holds FETCH_MIN_BLOCKS
+    fewer? Then the decode node prefills the tail itself (a conversation's next turn, whose history with the answers
+    generated so far a decode node holds) instead of a round trip to the prefill node."""
+    return covered >= len(prompt.cached_tiers(prefill)) + FETCH_MIN_BLOCKS \
+        and len(prompt) - covered * block_size < disagg_min_tokens
+
+
+def best_cover(prompt: Prompt, decode_nodes: list[NodeState], holders: list[NodeState]) -> int:
+    """The most leading prompt blocks any decode node holds (any tier) or any holder could lend (its pool)."""
+    return max([len(prompt.cached_tiers(n)) for n in decode_nodes] + [prompt.pool_blocks(n) for n in holders],
+               default=0)
 
 
 class PrefillWork:

@@ -19,10 +19,11 @@ from pdcluster.router.policies import (
     PrefixAwarePolicy,
     Prompt,
     RoundRobinPolicy,
+    best_cover,
     choose_prefill,
-    fetch_beats_prefill,
     make_policy,
     note_assignment,
+    prefill_locally_pays,
     prefix_holder,
 )
 from pdcluster.router.settings import RouterSettings
@@ -198,18 +199,66 @@ def test_prefix_holder_is_the_longest_pool_run_worth_a_fetch() -> None:
     assert prefix_holder(prompt, [other_seed], d) is None   # its hashes are not d's: nothing d could ask for
 
 
-def test_fetch_beats_prefill_for_a_short_uncached_tail() -> None:
+def test_a_short_uncached_tail_is_prefilled_on_the_decode_node() -> None:
     history = list(range(1000, 1000 + 190))               # a decode node holds the conversation so far
     turn = history + list(range(5000, 5030))               # + 30 new tokens
     hashes = block_hashes(turn, 16)
     prefill = node("p", "prefill", block_size=16, **held(hashes[:6]))    # the first turn's prompt only
-    holder = node("d1", block_size=16, **held(hashes[:11]))             # history, answers included
+    holder = node("d1", block_size=16, **held(hashes[:11], tier=1))     # history, answers included (host tier)
+    lender = node("d2", block_size=16, **held(hashes[:11]))             # the same in a pool
+    cold = node("d3", block_size=16)
     prompt = Prompt(turn)
-    assert fetch_beats_prefill(prompt, prefill, [prefill, holder], disagg_min_tokens=64)   # 220 - 176 = 44 left
-    assert not fetch_beats_prefill(prompt, prefill, [prefill, holder], disagg_min_tokens=40)
-    assert not fetch_beats_prefill(prompt, prefill, [prefill], disagg_min_tokens=64)       # nobody holds more
-    warm = node("p", "prefill", block_size=16, **held(hashes[:10]))
-    assert not fetch_beats_prefill(Prompt(turn), warm, [warm, holder], disagg_min_tokens=64)   # 1 more: not worth
+    assert best_cover(prompt, [holder, cold], []) == 11 and best_cover(prompt, [cold], [holder]) == 0
+    assert best_cover(prompt, [cold], [lender]) == 11
+    assert prefill_locally_pays(prompt, prefill, 11, 16, disagg_min_tokens=64)        # 220 - 176 = 44 left
+    assert not prefill_locally_pays(prompt, prefill, 11, 16, disagg_min_tokens=40)
+    assert not prefill_locally_pays(prompt, prefill, 7, 16, disagg_min_tokens=200)    # 1 block over p's: not worth
+    assert not prefill_locally_pays(prompt, prefill, 0, 16, disagg_min_tokens=64)
+
+
+def _placement(loads: dict[str, dict], **settings):
+    """A DecodeClient over nodes reporting `loads` (node id -> Load fields; "p..." ids are prefill nodes)."""
+    from pdcluster.router.decode_client import DecodeClient
+    from pdcluster.router.metrics import RouterMetrics
+
+    infos = [NodeInfo(node_id=i, role="prefill" if i.startswith("p") else "decode") for i in loads]
+    cluster = RouterCluster(StaticNodeSource(infos))
+    cluster.sync()
+    for i, fields in loads.items():
+        cluster.get(i).update(Load(node_id=i, role=cluster.get(i).info.role, block_size=16, free_blocks=1000,
+                                   **fields))
+    return DecodeClient(cluster, make_policy("prefix_aware"), RouterSettings(node_id="r", **settings),
+                        RouterMetrics())
+
+
+def test_placement_of_a_conversations_next_turn() -> None:
+    turn = list(range(1000, 1000 + 190)) + list(range(5000, 5030))   # history (11 full blocks) + 30 new tokens
+    hashes = block_hashes(turn, 16)
+    cases = [
+        # the decode node holding the history (host tier) computes the tail itself: no prefill node, no fetch
+        ({"p0": held(hashes[:6]), "d1": held(hashes[:11], tier=1), "d2": {}}, ("d1", None, None)),
+        # ... too busy: the other decode node cannot lend from a host tier, so the prefill node computes it
+        ({"p0": held(hashes[:6]), "d1": {"running": 9, **held(hashes[:11], tier=1)}, "d2": {}}, ("d2", "p0", None)),
+        # ... its pool holds it: the other decode node fetches 11 blocks from it and computes the tail
+        ({"p0": held(hashes[:6]), "d1": {"running": 9, **held(hashes[:11])}, "d2": {}}, ("d2", None, ("d1", 11))),
+        # the prefill node holds as much: it computes the tail and pushes the KV as usual
+        ({"p0": held(hashes[:11]), "d1": held(hashes[:11], tier=1), "d2": {}}, (None, "p0", None)),
+        # no prefill node: the least loaded decode node fetches from the busy one's pool
+        ({"d1": {"running": 9, **held(hashes[:11])}, "d2": {}}, ("d2", None, ("d1", 11))),
+    ]
+    for loads, (decode, prefill, source) in cases:
+        client = _placement(loads)
+        try:
+            d, p, _, src = client.place(turn, 16, set())
+        finally:
+            client.close()
+        assert (decode in (None, d.id), p.id if p else None, src) == (True, prefill, source), loads
+    client = _placement(cases[2][0], prefix_fetch=False)   # fetching off: the prefill node computes it
+    try:
+        d, p, _, src = client.place(turn, 16, set())
+    finally:
+        client.close()
+    assert (p.id, src) == ("p0", None)
 
 
 def test_prefill_work_is_taken_back_when_done_unless_a_report_came() -> None:
