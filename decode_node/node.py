@@ -208,6 +208,24 @@ class DecodeNode(NodeService):
         self._to_router(req, Progress(rids=[req.rid], states=[req.progress]))   # the acknowledgement
         log.info("request %s admitted from router %s: %d prompt tokens (%d resumed), prefill on %s", req.rid,
                  msg.router, len(prompt), resumed, msg.prefill_node or "this node", extra={"request_id": req.rid})
+        if msg.lora_name:   # the adapter first (loaded now if this node does not hold it yet)
+            req.lora = self.loras.request(msg.lora_name, msg.lora_path)
+            self._spawn(self._load_lora(req, msg, fetch), f"lora:{req.rid}")
+        else:
+            self._dispatch(req, msg, fetch)
+
+    async def _load_lora(self, req: DecodeRequest, msg: Generate, fetch: int) -> None:
+        try:
+            req.lora_hash = await self.loras.load(msg.lora_name, msg.lora_path)
+        except Exception as exc:
+            self._fail(req, f"LoRA adapter {msg.lora_name!r}: {exc}")
+            return
+        if self.requests.get(req.rid) is req and req.state is State.NEW:   # not aborted meanwhile
+            self._dispatch(req, msg, fetch)
+
+    def _dispatch(self, req: DecodeRequest, msg: Generate, fetch: int) -> None:
+        """Where the prompt is computed: here, or on the prefill node the router chose."""
+        params = req.params
         peer = self.view.nodes.get(msg.prefill_node) if msg.prefill_node else None
         # A resumed structured output rebuilds its grammar's matcher from the tokens so far: prefilled here.
         resumed_ids = list(msg.resume_ids) if params.structured_outputs is not None else []
@@ -225,9 +243,10 @@ class DecodeNode(NodeService):
         req.move(State.ENGINE)
         req.prefill_path = "local"
         self.metrics.prefills.labels("local").inc()
-        rid, prompt, params, resumed = req.rid, req.prompt_ids, req.params, resumed_ids or []
+        rid, prompt, params, resumed, lora = req.rid, req.prompt_ids, req.params, resumed_ids or [], req.lora
         self._engine_call(req, lambda e: e.add_request(rid, prompt, params, resumed_output_ids=resumed,
-                                                       fetch_blocks=fetch_blocks), "engine rejected the request")
+                                                       fetch_blocks=fetch_blocks, lora=lora),
+                          "engine rejected the request")
 
     def _fetch_asked(self, rid: str, block_ids: list[int], block_hashes: list[int]) -> None:
         """The connector's hook, on the engine thread: the engine wants these blocks from the request's holder."""
@@ -254,9 +273,9 @@ class DecodeNode(NodeService):
         req.move(State.RESERVING)
         req.prefill_addr = peer.control_addr
         req.remote_started = time.monotonic()
-        rid, prompt, params = req.rid, req.prompt_ids, req.params
+        rid, prompt, params, lora = req.rid, req.prompt_ids, req.params, req.lora
         fut = self.engine_thread.call(lambda e: e.add_request(rid, prompt, params, remote_kv=True,
-                                                              fetch_blocks=fetch_blocks))
+                                                              fetch_blocks=fetch_blocks, lora=lora))
         fut.add_done_callback(lambda f: self._reserve_answered(req, f))
 
     def _remote_reserved(self, rid: str, block_ids: list[int], num_cached_tokens: int) -> None:
@@ -278,7 +297,9 @@ class DecodeNode(NodeService):
             return
         sent = self.peers.send(req.prefill_node, req.prefill_addr, Prefill(
             rid=rid, prompt_ids=req.prompt_ids, sampling=req.params.to_dict(), dst=dst.to_dict(),
-            decode_node=self.node_id, timeout_s=dst.timeout_s, skip_blocks=skip))
+            decode_node=self.node_id, timeout_s=dst.timeout_s, skip_blocks=skip,
+            lora_name=req.lora.lora_name if req.lora else "", lora_path=req.lora.lora_path if req.lora else "",
+            lora_hash=req.lora_hash))
         if not sent:
             self._remote_failed(req, RemoteFailure.SEND_FAILED, f"could not queue Prefill to {req.prefill_node}")
             return

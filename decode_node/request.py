@@ -85,6 +85,8 @@ class DecodeRequest:
     prefill_node: str  # the prefill node the router chose ("": prefill here)
     prefill_addr: str = ""  # its control address, from the cluster view at admission
     kv_source: str = ""  # the node holding more of the prompt's prefix (Generate.kv_source): fetched from it
+    lora: Any = None  # the engine's LoRARequest of the request's adapter (Generate.lora_name); None: the base model
+    lora_hash: str = ""  # that adapter's content hash on this node (Prefill.lora_hash)
     state: State = State.NEW
     prefill_path: str = "local"  # "local" | "remote:<node id>", reported on the first Tokens
     num_cached_tokens: int = 0

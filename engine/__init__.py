@@ -16,6 +16,7 @@ _EXPORTS = {
     "RequestOutput": "pdcluster.engine.outputs",
     "CompletionOutput": "pdcluster.engine.outputs",
     "SharedWeightPool": "pdcluster.engine.weight_pool",
+    "LoRARequest": "pdcluster.engine.lora.request",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from pdcluster.control.config import knob, parse_bytes
+from pdcluster.engine.lora.request import LoRAConfig
 from pdcluster.engine.speculative.config import SpeculativeConfig, as_text
 from pdcluster.engine.weight_pool import SharedWeightPool, parse_spec
 
@@ -97,11 +98,42 @@ class EngineArgs:
     weight_pool: str | SharedWeightPool | None = knob(
         None, help="share read-only weights with the engines on this host naming the same pool: NAME[:SIZE] "
                    "(e.g. models:8GiB; no SIZE: what /dev/shm holds; CPU only); unset: private weights")
+    # LoRA (engine/lora/, vLLM's names; docs/engine.md "Multi-LoRA").
+    enable_lora: bool = knob(False, help="serve LoRA adapters on this base model (PEFT checkpoints)")
+    max_loras: int = knob(1, help="LoRA adapters resident in the device slot table at once (one step mixes at most "
+                                  "this many)")
+    max_lora_rank: int = knob(16, help="the slot table's rank: every adapter's r must fit")
+    max_cpu_loras: int | None = knob(None, help="loaded adapters kept in host memory (LRU); unset: max_loras")
+    # in code also {name: path}
+    lora_modules: dict[str, str] | list[str] | str | None = knob(
+        None, help="adapters loaded at start: name=path (comma-separated); needs enable_lora")
     # Only code passes these two: an externally allocated pool tensor (e.g. shm-backed, layer-major), or a
     # factory (shape, torch dtype) -> tensor, or None for the engine's own pool (engine/kv_cache.py `make_pool`;
     # tensor-parallel ranks on CPU map the tensor: torch shared memory or a shared mapping of a file).
     kv_pool_tensor: Any = knob(None, setting=False)
     kv_pool_factory: Callable[[tuple[int, ...], Any], Any] | None = knob(None, setting=False)
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The LoRA knobs as one config; None without enable_lora."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras or self.max_loras)
+
+    def lora_paths(self) -> dict[str, str]:
+        """`lora_modules` as {name: path}."""
+        modules = self.lora_modules
+        if not modules:
+            return {}
+        if isinstance(modules, dict):
+            return {str(k): str(v) for k, v in modules.items()}
+        items = modules.split(",") if isinstance(modules, str) else modules
+        paths: dict[str, str] = {}
+        for item in items:
+            name, eq, path = str(item).strip().partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise ValueError(f"lora_modules: expected name=path, got {item!r}")
+            paths[name.strip()] = path.strip()
+        return paths
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -140,6 +172,10 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPE_CHOICES:
             raise ValueError(f"kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPE_CHOICES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules: needs enable_lora")
+        self.lora_config()   # checks max_loras, max_lora_rank, max_cpu_loras
+        self.lora_paths()
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative_config is not None and (self.streaming_window or self.attention_sinks):
             raise ValueError("speculative_config: not available with StreamingLLM (streaming_window, attention_sinks)")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import AsyncEngineArgs, EngineArgs
 from pdcluster.engine.engine_thread import EngineThread
+from pdcluster.engine.lora.request import LoRARequest
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.engine.prompts import PromptType, resolve_prompt
 from pdcluster.engine.stats import EngineStats
@@ -73,10 +74,11 @@ class AsyncLLMEngine:
 
     # ---- public API -----------------------------------------------------------------------------
 
-    async def generate_stream(self, prompt: PromptType, params: SamplingParams,
-                              request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate_stream(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                              lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Yields a RequestOutput per engine step that produced tokens (`new_token_ids`, `logprobs`: that step's);
-        the last one has finished=True and the whole completion in `outputs[0]`, its text decoded."""
+        the last one has finished=True and the whole completion in `outputs[0]`, its text decoded. `lora_request`:
+        run under that LoRA adapter (enable_lora)."""
         if self._thread.stopped:
             raise RuntimeError("engine is shut down")
         ids, text = resolve_prompt(prompt, self.tokenizer)
@@ -89,7 +91,7 @@ class AsyncLLMEngine:
         self._streams[rid] = stream
         finished = False
         try:
-            await self._thread.call(lambda engine: engine.add_request(rid, ids, params))
+            await self._thread.call(lambda engine: engine.add_request(rid, ids, params, lora=lora_request))
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -109,11 +111,11 @@ class AsyncLLMEngine:
                 self._streams.pop(rid, None)
                 self._thread.post(lambda engine: engine.abort(rid))
 
-    async def generate(self, prompt: PromptType, params: SamplingParams,
-                       request_id: str | None = None) -> RequestOutput:
+    async def generate(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> RequestOutput:
         """The final RequestOutput of one request."""
         last = None
-        async for out in self.generate_stream(prompt, params, request_id):
+        async for out in self.generate_stream(prompt, params, request_id, lora_request):
             last = out
         assert last is not None
         return last

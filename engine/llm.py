@@ -8,6 +8,7 @@ from typing import cast
 
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.args import EngineArgs
+from pdcluster.engine.lora.request import LoRARequest
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.engine.prompts import PromptType, is_single_prompt, resolve_prompt
 from pdcluster.engine.stats import EngineStats
@@ -43,9 +44,11 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (text, token ids, `{"prompt": ...}` or `{"prompt_token_ids": [...]}`, as
-        vLLM takes them; one or a list of them, mixed); results in prompt order."""
+        vLLM takes them; one or a list of them, mixed); results in prompt order. `lora_request`: the adapter of
+        every prompt, or one per prompt (None: the base model); needs enable_lora."""
         if self._shut_down:
             raise RuntimeError("LLM: shut down")
         prompt_list = [cast(PromptType, prompts)] if is_single_prompt(prompts) else list(cast(Seq[PromptType], prompts))
@@ -57,12 +60,18 @@ class LLM:
             params = [sampling_params] * len(prompt_list)
         if len(params) != len(prompt_list):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompt_list)} prompts")
+        loras: list[LoRARequest | None] = [lora_request] * len(prompt_list) \
+            if lora_request is None or isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(loras) != len(prompt_list):
+            raise ValueError(f"lora_request: {len(loras)} given for {len(prompt_list)} prompts")
+        for adapter in dict.fromkeys(x for x in loras if x is not None):   # every adapter checked before any runs
+            self.engine.add_lora(adapter)
         resolved = [resolve_prompt(prompt, self.tokenizer) for prompt in prompt_list]   # all checked before any runs
         order: dict[str, int] = {}
         texts = [text for _, text in resolved]
-        for i, ((ids, _), sp) in enumerate(zip(resolved, params, strict=True)):
+        for i, ((ids, _), sp, lora) in enumerate(zip(resolved, params, loras, strict=True)):
             rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, ids, sp)
+            self.engine.add_request(rid, ids, sp, lora=lora)
             order[rid] = i
         results: list[RequestOutput | None] = [None] * len(prompt_list)
         try:

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
-from pdcluster.control.block_hash import hash_seed
+from pdcluster.control.block_hash import hash_seed, lora_hash_seed
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.device import bind_thread
 from pdcluster.engine.args import EngineArgs
@@ -26,6 +26,7 @@ from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.engine.kv_events import DISK, HOST, POOL, STORED, KVEventLog
 from pdcluster.engine.kv_tiers import KVTiers, layout_key
 from pdcluster.engine.loader import checkpoint_fingerprint, load_eos_token_ids, load_tokenizer
+from pdcluster.engine.lora.request import LoRARequest
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.engine.parallel import check_tensor_parallel
@@ -69,13 +70,16 @@ class LLMEngine:
         pool = args.weight_pool
         self.weight_pool = SharedWeightPool.from_spec(pool) if isinstance(pool, str) else pool
         workers = None
+        lora = args.lora_config()
         if self.tp_size > 1:
             workers = TPWorkers(args.model, cfg, self.dtype, self.device, args.attention_backend, self.tp_size,
-                                args.collective_timeout)
+                                args.collective_timeout, lora)
         try:
             self.runner = ModelRunner(args.model, cfg, self.dtype, self.device, args.attention_backend, args.seed,
                                       self.weight_pool, tp=workers.group if workers else None, workers=workers,
-                                      enforce_eager=args.enforce_eager)
+                                      enforce_eager=args.enforce_eager, lora=lora)
+            for i, (name, path) in enumerate(args.lora_paths().items(), start=1):   # lora_modules: loaded at start
+                self.add_lora(LoRARequest(name, i, path))
             if workers is not None:
                 workers.wait_ready()
             kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
@@ -110,6 +114,8 @@ class LLMEngine:
         # where every block hash chain starts: the checkpoint, dtypes, block size and salt (control/block_hash.py)
         self.hash_seed = hash_seed(checkpoint_fingerprint(args.model), self.dtype, kv_dtype, self.block_size,
                                    args.prefix_cache_salt)
+        if lora is not None:
+            self.scheduler.max_loras = lora.max_loras
         self.tiers = self._make_tiers()
         self.scheduler.on_reserved = self._reserved_later
         if kv_connector is not None and kv_connector.fetches and self.copies_blocks:
@@ -183,7 +189,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      hold_blocks: bool = False) -> Sequence:
+                      hold_blocks: bool = False, lora: LoRARequest | None = None) -> Sequence:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError("request_id must be a non-empty string")
         if request_id in self.scheduler.requests:
@@ -206,9 +212,13 @@ class LLMEngine:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab}), got {outside[:5]}")
         if params.prompt_logprobs is not None and self.scheduler.streaming_window:
             raise ValueError("prompt_logprobs: not available with StreamingLLM (streaming_window)")
+        seed = self.hash_seed
+        if lora is not None:   # its KV differs from the base model's and every other adapter's: its own hash chain
+            seed = lora_hash_seed(seed, lora.lora_name, self.add_lora(lora))
         self._arrivals += 1
         seq = Sequence(request_id, ids, params, self.model_config.eos_token_ids, self.model_config.max_model_len,
-                       self._arrivals, hold_blocks, self.hash_seed)
+                       self._arrivals, hold_blocks, seed)
+        seq.lora = lora
         if params.structured_outputs is not None:
             from pdcluster.engine.structured_output import Grammar  # xgrammar: loaded when first needed
             spec = params.structured_outputs
@@ -226,7 +236,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     hold_blocks: bool = False, remote_kv: bool = False,
-                    resumed_output_ids: list[int] | None = None, fetch_blocks: int = 0) -> bool:
+                    resumed_output_ids: list[int] | None = None, fetch_blocks: int = 0,
+                    lora: LoRARequest | None = None) -> bool:
         """Queue a request. `hold_blocks`: a finished request keeps its blocks (and reports them in
         `block_ids`) until `abort`. `remote_kv`: another node computes the prompt's KV: blocks for the whole
         prompt are reserved now (leading prefix-cache hits shared), `kv_connector.on_remote_reserved` gets them
@@ -235,8 +246,9 @@ class LLMEngine:
         `resumed_output_ids` (a migrated structured-output request): its outputs so far, the tail of the prompt,
         which its grammar accepts before it samples. `fetch_blocks`: another node holds the prompt's first that
         many blocks; those this node lacks are fetched (`KVConnector.on_fetch`) before the prompt is computed
-        (or, with `remote_kv`, before its blocks are reserved: `on_remote_reserved` comes later then)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, hold_blocks)
+        (or, with `remote_kv`, before its blocks are reserved: `on_remote_reserved` comes later then).
+        `lora`: run under that adapter (loaded first if the engine does not hold it yet; `enable_lora`)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, hold_blocks, lora)
         seq.fetch_blocks = max(0, int(fetch_blocks))
         if seq.grammar is not None:   # a migrated request's outputs so far (the tail of its prompt) obey the grammar
             if remote_kv and resumed_output_ids:
@@ -257,6 +269,29 @@ class LLMEngine:
                 self.scheduler.abort(request_id)
                 raise
         return True
+
+    # ---- LoRA adapters (engine/lora/) ----------------------------------------------------------------
+
+    def add_lora(self, lora: LoRARequest) -> str:
+        """Load and check an adapter (once per name; ValueError naming what cannot be served); its content
+        hash. Requests name it by `LoRARequest` (`add_request(lora=...)`)."""
+        if self.runner.lora is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: the engine runs without enable_lora")
+        return self.runner.lora.add(lora)
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Forget an adapter (False if unknown); ValueError while a request still runs under it."""
+        if self.runner.lora is None:
+            return False
+        busy = [s.request_id for s in self.scheduler.requests.values() if s.lora and s.lora.lora_name == lora_name]
+        if busy:
+            raise ValueError(f"LoRA adapter {lora_name!r} is in use by {len(busy)} request(s), e.g. {busy[0]!r}")
+        return self.runner.lora.remove(lora_name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters this engine holds, by name."""
+        known = self.runner.lora.known if self.runner.lora is not None else {}
+        return [known[name][0] for name in sorted(known)]
 
     def _reserved_later(self, seq: Sequence) -> None:
         """A `remote_kv` request's blocks, reserved once its prefix was loaded (in `step`)."""

@@ -19,6 +19,8 @@ from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.expert_load import ExpertLoadCounter
 from pdcluster.engine.kv_cache import KVCachePool
 from pdcluster.engine.loader import load_model
+from pdcluster.engine.lora.request import LoRAConfig
+from pdcluster.engine.lora.slots import LoRASlots
 from pdcluster.engine.parallel import TPGroup
 from pdcluster.engine.sampler import Sampler, SampleRequest, gather_logprobs
 from pdcluster.engine.scheduler import ScheduledBatch
@@ -32,10 +34,10 @@ log = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  attention_backend: str | None = None, seed: int = 0, weight_pool=None, tp: TPGroup | None = None,
-                 workers=None, enforce_eager: bool = True) -> None:
+                 workers=None, enforce_eager: bool = True, lora: LoRAConfig | None = None) -> None:
         """`tp`: this process's tensor-parallel rank; `workers` (rank 0 of a group: a `TPWorkers`): the other
         ranks, which get every step's inputs from here. `enforce_eager` False: the model body runs compiled
-        (engine/compiled.py) on a single rank."""
+        (engine/compiled.py) on a single rank. `lora`: serve LoRA adapters (engine/lora/), eagerly."""
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -49,10 +51,12 @@ class ModelRunner:
                                             config.head_dim)
         self.model = load_model(model_dir, config, dtype, device, self.attn_backend, weight_pool, self.tp)
         self.expert_load = ExpertLoadCounter(self.model, enabled=self.tp.rank == 0)
+        self.lora = LoRASlots(self.model, config, lora, dtype, device, self.tp) if lora is not None else None
         self.compiled: CompiledBody | None = None
         # the compiled body's opaque attention op is the regular backend's; MLA runs eagerly
         # tp > 1 all-reduces in Python; quantized layers call their kernels eagerly
-        if not enforce_eager and self.tp.size == 1 and config.mla is None and config.quantization is None:
+        if not enforce_eager and self.tp.size == 1 and config.mla is None and config.quantization is None \
+                and lora is None:
             body = self.model.model
             self.compiled = CompiledBody(lambda ids, positions: body(ids, positions, None),
                                          self.model.attention_layers())
@@ -75,13 +79,18 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = pool.layer_views(i, rank)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
-        return prepare_step(batch, self.block_size)
+        inputs, sample_seqs = prepare_step(batch, self.block_size)
+        if self.lora is not None:
+            self.lora.assign(inputs)
+        return inputs, sample_seqs
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs,
                 layer_done_callback: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """One forward pass; the logits of `inputs.sample_rows` (None if there are none). Every rank runs it
         with the same inputs."""
+        if self.lora is not None:
+            self.lora.begin_step(inputs.lora_slots, inputs.lora_loads)
         inputs = inputs.to(self.device)
         meta = self.attn_backend.prepare(inputs.meta)
         hidden = None

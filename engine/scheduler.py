@@ -108,6 +108,7 @@ class Scheduler:
         self.fetching: dict[str, Sequence] = {}             # LOADING_KV: prefixes being fetched from another node
         self.on_reserved: Callable[[Sequence], None] | None = None   # a deferred remote-KV reservation was made
         self.num_preemptions = 0
+        self.max_loras = 0   # LoRA: most distinct adapters among the running (0: no limit; engine/lora/)
         self.spec = SpecDecodeCounts()
 
     def add(self, seq: Sequence) -> None:
@@ -176,6 +177,10 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.max_loras and seq.lora is not None:   # its adapter needs a device slot (LoRASlots)
+                loras = {r.lora.lora_name for r in self.running if r.lora is not None}
+                if seq.lora.lora_name not in loras and len(loras) >= self.max_loras:
+                    break
             hits = [] if seq.needs_prompt_logprobs else bm.match_prefix(seq)   # every prompt position's logits
             if (self.tiers is not None and self._load_from_tiers(seq, hits)) or self._fetch_prefix(seq, hits):
                 self.waiting.popleft()

@@ -8,6 +8,7 @@ from typing import Any
 from pdcluster.control.block_hash import chain_hash
 from pdcluster.control.lifecycle import check_move
 from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.lora.request import LoRARequest
 
 
 class SequenceStatus(enum.Enum):
@@ -68,6 +69,7 @@ class Sequence:
         self.remote_kv = False                      # another node computes its prompt KV (Scheduler.add_remote)
         self._block_hashes: list[int] = []          # stable hashes of the full blocks of token_ids, grown lazily
         self.hash_seed = hash_seed                  # where the hash chain starts (the engine's `hash_seed`)
+        self.lora: LoRARequest | None = None        # the adapter it runs under (None: the base model)
         self.finish_reason: str | None = None
         self.stop_reason: int | None = None
         # structured output (engine/structured_output.Grammar): accepts every output token; None without one

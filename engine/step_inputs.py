@@ -23,6 +23,10 @@ class StepInputs:
     prompt_spans: list[tuple[Any, int, int]] = field(default_factory=list)
     # Rank 0 only: per sequence (sequence, its first row, its row count), in row order
     seq_rows: list[tuple[Any, int, int]] = field(default_factory=list)
+    # LoRA (engine/lora/slots.py): each row's adapter slot (-1: the base model), None when no row has one; the
+    # slots to fill before the step, as (slot, adapter name, path, content hash)
+    lora_slots: torch.Tensor | None = None
+    lora_loads: list[tuple[int, str, str, str]] = field(default_factory=list)
 
     def to(self, device: torch.device) -> "StepInputs":
         if device.type == "cpu":
@@ -65,6 +69,7 @@ def encode(inputs: StepInputs) -> bytes:
         "nd": m.num_decode_tokens,
         "pf": [[p.start, p.end, p.num_cached, _pack(p.block_table)] for p in m.prefills],
         "rows": inputs.sample_rows,
+        "lora": [_pack(inputs.lora_slots), [list(load) for load in inputs.lora_loads]],
     })
 
 
@@ -75,4 +80,6 @@ def decode(data: bytes) -> StepInputs:
     meta = AttentionMetadata(slot_mapping=slot_mapping, num_decode_tokens=d["nd"],
                              decode_block_tables=tables, decode_context_lens=lens,
                              prefills=[PrefillChunk(s, e, c, _unpack(t)) for s, e, c, t in d["pf"]])
-    return StepInputs(ids, positions, meta, d["rows"])
+    lora_slots, loads = d["lora"]
+    return StepInputs(ids, positions, meta, d["rows"], lora_slots=_unpack_optional(lora_slots),
+                      lora_loads=[tuple(load) for load in loads])

@@ -22,6 +22,7 @@ import torch
 from pdcluster.control.cpus import share_cpus
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.kv_cache import RankPools
+from pdcluster.engine.lora.request import LoRAConfig
 from pdcluster.engine.parallel import TPGroup, init_group, leave_group
 from pdcluster.engine.shm_collectives import ShmCollectives, supported
 from pdcluster.engine.shm_ring import BroadcastRing
@@ -42,7 +43,7 @@ class TPWorkerError(RuntimeError):
 
 class TPWorkers:
     def __init__(self, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 attention_backend: str | None, size: int, timeout_s: float) -> None:
+                 attention_backend: str | None, size: int, timeout_s: float, lora: LoRAConfig | None = None) -> None:
         """Starts the workers and joins the group (returns once every rank joined). `self.group` is rank 0's."""
         self.size, self.timeout_s = size, timeout_s
         self.dead: TPWorkerError | None = None
@@ -54,7 +55,7 @@ class TPWorkers:
         self.ring = BroadcastRing.create(size - 1)
         self.shm = _shm_collectives(device, size)
         try:
-            self._start(model_dir, config, dtype, device, attention_backend, store)
+            self._start(model_dir, config, dtype, device, attention_backend, store, lora)
         except BaseException as exc:
             self.close()
             if isinstance(exc, Exception) and not isinstance(exc, TPWorkerError):
@@ -65,7 +66,7 @@ class TPWorkers:
         atexit.register(self.close)
 
     def _start(self, model_dir: str, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-               attention_backend: str | None, store: torch.distributed.TCPStore) -> None:
+               attention_backend: str | None, store: torch.distributed.TCPStore, lora: LoRAConfig | None) -> None:
         size, timeout_s = self.size, self.timeout_s
         threads = max(1, torch.get_num_threads() // size) if device.type == "cpu" else torch.get_num_threads()
         cores = sorted(os.sched_getaffinity(0))
@@ -79,7 +80,7 @@ class TPWorkers:
             parent_end, child_end = ctx.Pipe()
             spec = WorkerSpec(model_dir, config, str(dtype).removeprefix("torch."), device.type, attention_backend,
                               rank, size, store.port, self.ring.attach_args(), threads, slices[rank], timeout_s,
-                              self.shm.attach_args(rank) if self.shm else None)
+                              self.shm.attach_args(rank) if self.shm else None, lora)
             proc = ctx.Process(target=run, args=(spec, child_end), name=f"pdcluster-tp-rank{rank}", daemon=True)
             proc.start()
             child_end.close()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from pdcluster.engine.config import ModelConfig
+from pdcluster.engine.lora.request import LoRAConfig
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 1.0   # how often an idle worker checks that rank 0 is still there
@@ -34,6 +35,7 @@ class WorkerSpec:
     cpus: list[int]            # the cores they run on ([]: the parent's)
     timeout_s: float           # every collective's
     collectives: tuple | None  # ShmCollectives.attach arguments (CPU ranks), or None: gloo
+    lora: LoRAConfig | None = None   # serve LoRA adapters (engine/lora/)
 
 
 def reply(conn: Connection, *message) -> None:
@@ -72,7 +74,7 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
         tp = init_group(spec.rank, spec.size, device, store, spec.timeout_s, shm)
         ring = BroadcastRing.attach(*spec.ring)
         runner = ModelRunner(spec.model_dir, spec.config, getattr(torch, spec.dtype), device,
-                             spec.attention_backend, tp=tp)
+                             spec.attention_backend, tp=tp, lora=spec.lora)
     except BaseException:
         reply(conn, "error", f"rank {spec.rank}: {traceback.format_exc()}")
         return 1

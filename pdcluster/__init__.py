@@ -11,7 +11,7 @@ from pdcluster.control.lazy import lazy_exports
 
 # The engine package knows which of its modules defines each of these (engine/__init__.py).
 _FROM_ENGINE = ("LLM", "SamplingParams", "EngineArgs", "AsyncEngineArgs", "AsyncLLMEngine", "RequestOutput",
-                "CompletionOutput", "SharedWeightPool")
+                "CompletionOutput", "SharedWeightPool", "LoRARequest")
 _EXPORTS = {**dict.fromkeys(_FROM_ENGINE, "pdcluster.engine"), "convert_model": "pdcluster.engine.convert"}
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
@@ -23,6 +23,7 @@ if TYPE_CHECKING:   # what type checkers and IDEs see (tests/test_imports.py che
     from pdcluster.engine.async_engine import AsyncLLMEngine as AsyncLLMEngine
     from pdcluster.engine.convert import convert_model as convert_model
     from pdcluster.engine.llm import LLM as LLM
+    from pdcluster.engine.lora.request import LoRARequest as LoRARequest
     from pdcluster.engine.outputs import CompletionOutput as CompletionOutput
     from pdcluster.engine.outputs import RequestOutput as RequestOutput
     from pdcluster.engine.weight_pool import SharedWeightPool as SharedWeightPool

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
 from pdcluster.control.lifecycle import check_move
 from pdcluster.kv_transfer import Destination, Transfer
@@ -67,6 +68,8 @@ class PrefillJob:
     state: JobState = JobState.CONNECTING
     outgoing: Outgoing | None = None  # handed over by the connector once the prompt is done
     outcome: str = ""  # ok | error | aborted: set when answered
+    lora: Any = None  # the engine's LoRARequest of Prefill.lora_name (None: the base model)
+    lora_hash: str = ""  # the decode node's content hash of that adapter: ours must equal it
 
     def move(self, state: JobState) -> None:
         self.state = check_move(_NEXT, self.state, state, f"prefill job {self.rid!r}")

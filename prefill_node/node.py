@@ -130,14 +130,27 @@ class PrefillNode(NodeService):
             self._reply_error(identity, msg.rid, f"bad Prefill: {exc}", "error")
             return
         job = PrefillJob(rid=msg.rid, owner=identity, prompt_ids=list(msg.prompt_ids), dst=dst,
-                         skip_blocks=msg.skip_blocks, deadline=time.monotonic() + msg.timeout_s)
+                         skip_blocks=msg.skip_blocks, deadline=time.monotonic() + msg.timeout_s,
+                         lora=self.loras.request(msg.lora_name, msg.lora_path) if msg.lora_name else None,
+                         lora_hash=msg.lora_hash)
         self.jobs[job.rid] = job
         log.info("prefill %s queued: %d prompt tokens (%d blocks cached on the decode node) for %s",
                  job.rid, len(job.prompt_ids), job.skip_blocks, msg.decode_node, extra={"request_id": job.rid})
         self._spawn(self._admit(job, params, num_blocks), f"admit:{job.rid}")
 
     async def _admit(self, job: PrefillJob, params: SamplingParams, num_blocks: int) -> None:
-        """Connect to the job's KV receiver (off the engine thread), then hand the prompt to the engine."""
+        """Connect to the job's KV receiver (off the engine thread), then hand the prompt to the engine (under its
+        LoRA adapter, loaded first if need be; one whose content differs from the decode node's is refused)."""
+        if job.lora is not None:
+            name = job.lora.lora_name
+            try:
+                digest = await self.loras.load(name, job.lora.lora_path)
+                if job.lora_hash and digest != job.lora_hash:
+                    raise ValueError(f"this node's adapter of that name differs ({digest[:12]} != "
+                                     f"{job.lora_hash[:12]})")
+            except Exception as exc:
+                self._answer(job, error=f"LoRA adapter {name!r}: {exc}")
+                return
         try:
             await asyncio.wait_for(asyncio.shield(self._connect(job.dst)), self.kv_connect_timeout)
         except Exception as exc:
@@ -149,11 +162,11 @@ class PrefillNode(NodeService):
             return
         job.move(JobState.QUEUED)
         self._held[job.rid] = job
-        rid, prompt = job.rid, job.prompt_ids
+        rid, prompt, lora = job.rid, job.prompt_ids, job.lora
         outgoing = Outgoing(rid, job.dst, first_block=job.skip_blocks, num_blocks=num_blocks)   # the engine's now
 
         def add(engine: LLMEngine) -> None:
-            engine.add_request(rid, prompt, params, hold_blocks=True)
+            engine.add_request(rid, prompt, params, hold_blocks=True, lora=lora)
             self.connector.add(outgoing)
 
         try:

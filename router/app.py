@@ -28,7 +28,9 @@ from pdcluster.router.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     openapi_components,
     parse_body,
     request_body,
@@ -90,6 +92,10 @@ class RouterAPI:
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"],
                           openapi_extra=request_body("DetokenizeRequest"))
         app.add_api_route("/version", utility.version, methods=["GET"])
+        app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"],
+                          openapi_extra=request_body("LoadLoRAAdapterRequest"))
+        app.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"],
+                          openapi_extra=request_body("UnloadLoRAAdapterRequest"))
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -134,13 +140,43 @@ class RouterAPI:
         return Response(render(self.router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self, request: Request) -> dict[str, Any]:
-        """The served models that some decode node serves now (a request for another still waits for one)."""
+        """The served models that some decode node serves now (a request for another still waits for one), then
+        the LoRA adapters of those, with their `parent` (vLLM's listing)."""
         check_auth(self.settings, request)
-        cluster = self.router.cluster
-        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": 0, "owned_by": "pdcluster",
-                                            "root": m.info.path, "max_model_len": self.router.context_limit(m)}
-                                           for m in self.router.models.values()
-                                           if cluster.candidates("decode", model=m.name)]}
+        router, cluster = self.router, self.router.cluster
+        data = [{"id": m.name, "object": "model", "created": 0, "owned_by": "pdcluster", "root": m.info.path,
+                 "parent": None, "max_model_len": router.context_limit(m)}
+                for m in router.models.values() if cluster.candidates("decode", model=m.name)]
+        listed = {d["id"] for d in data}
+        for a in router.loras.listed():
+            if a.parent in listed:
+                data.append({"id": a.name, "object": "model", "created": 0, "owned_by": "pdcluster",
+                             "root": a.path or a.name, "parent": a.parent,
+                             "max_model_len": router.context_limit(router.models[a.parent])})
+        return {"object": "list", "data": data}
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """Place a LoRA adapter on every node of its base model that runs with enable_lora (vLLM's endpoint)."""
+        check_auth(self.settings, request)
+        body: LoadLoRAAdapterRequest = await parse_body(request, LoadLoRAAdapterRequest, self.settings.max_body_bytes)
+        router = self.router
+        parent = body.base_model or (next(iter(router.models)) if len(router.models) == 1 else None)
+        if parent is None:
+            raise APIError(400, "base_model: name the served model the adapter adapts (this router serves "
+                                f"{', '.join(map(repr, router.models))})", param="base_model")
+        router.model(parent)   # 404 if not served
+        assert router.decode is not None, "router not started"
+        await router.loras.load(router.decode.dealers, router.decode.replies, body.lora_name, body.lora_path, parent)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        check_auth(self.settings, request)
+        body: UnloadLoRAAdapterRequest = await parse_body(request, UnloadLoRAAdapterRequest,
+                                                          self.settings.max_body_bytes)
+        router = self.router
+        assert router.decode is not None, "router not started"
+        await router.loras.unload(router.decode.dealers, router.decode.replies, body.lora_name)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     async def completions(self, request: Request) -> Response:
         check_auth(self.settings, request)

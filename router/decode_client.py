@@ -24,10 +24,11 @@ import uuid
 from collections import deque
 from typing import Any
 
-from pdcluster.control.protocol import Abort, Generate, Message, Progress, Reject, TokenBatch, Tokens
+from pdcluster.control.protocol import Abort, Generate, LoraDone, Message, Progress, Reject, TokenBatch, Tokens
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
 from pdcluster.router.cluster import NodeState, RouterCluster
+from pdcluster.router.lora import Adapter, lora_nodes
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policies import (
     PrefillWork,
@@ -116,6 +117,7 @@ class DecodeClient:
         self.settings = settings
         self.metrics = metrics
         self.queues: dict[str, Mailbox] = {}   # per attempt rid: late replies to a left node are dropped
+        self.replies: dict[str, asyncio.Future] = {}   # LoraAdapter ops in flight, by rid
         self.tokens_received = 0   # generated token ids accepted from decode nodes (all streams, since start)
         self.dealers = PeerDealers(self._on_message, keys=cluster.keys, owner=settings.node_id)
         cluster.on_removed.append(self.dealers.drop)
@@ -123,10 +125,10 @@ class DecodeClient:
         self._ticker: asyncio.Task | None = None
 
     def stream(self, prompt_ids: list[int], sampling: dict[str, Any], deadline: float,
-               model: str | None = None) -> RequestStream:
-        """A stream for one engine request (one choice) on nodes serving `model`, to be finished by `deadline`
-        (`time.monotonic()` seconds); call `start()` then `next()`."""
-        return RequestStream(self, prompt_ids, sampling, deadline, model)
+               model: str | None = None, adapter: Adapter | None = None) -> RequestStream:
+        """A stream for one engine request (one choice) on nodes serving `model` (under LoRA `adapter`), to be
+        finished by `deadline` (`time.monotonic()` seconds); call `start()` then `next()`."""
+        return RequestStream(self, prompt_ids, sampling, deadline, model, adapter)
 
     def _on_message(self, node_id: str, msg: Message) -> None:
         if isinstance(msg, TokenBatch):   # one engine step of a node: fan the items out to their streams
@@ -141,6 +143,11 @@ class DecodeClient:
                 queue = self.queues.get(rid)
                 if queue is not None:
                     queue.put_nowait(msg)
+            return
+        if isinstance(msg, LoraDone):   # a node's answer to an adapter load / unload (router/lora.py)
+            reply = self.replies.pop(msg.rid, None)
+            if reply is not None and not reply.done():
+                reply.set_result(msg)
             return
         msg_rid = getattr(msg, "rid", None)
         queue = self.queues.get(msg_rid) if isinstance(msg_rid, str) else None
@@ -181,19 +188,24 @@ class DecodeClient:
             await asyncio.sleep(min(POLL_INTERVAL, left))
 
     def place(self, token_ids: list[int], max_tokens: int, exclude: set[str], model: str | None = None,
-              remote_prefill: bool = True) -> tuple[NodeState, NodeState | None, PrefillWork, tuple[str, int] | None]:
+              remote_prefill: bool = True, adapter: Adapter | None = None
+              ) -> tuple[NodeState, NodeState | None, PrefillWork, tuple[str, int] | None]:
         """(decode node, prefill node or None, the prefill work counted on it, (node, blocks) the decode node
         fetches the prompt's prefix from or None) of `model` (None: any) for a request, or NoCapacity.
-        `remote_prefill` False: the decode node prefills it (prompt logprobs are computed where the prompt runs)."""
+        `remote_prefill` False: the decode node prefills it (prompt logprobs are computed where the prompt runs).
+        `adapter`: only nodes holding that LoRA adapter (or, if none does, able to load it); its KV hashes are its
+        own, so no prefix fetch or local-tail choice is made from the index (base-model hashes) for it."""
         decode_nodes = self.cluster.candidates("decode", exclude, model, len(token_ids) + max_tokens)
+        prefill_nodes = self.cluster.candidates("prefill", model=model, num_tokens=len(token_ids) + 1)
+        if adapter is not None:
+            decode_nodes, prefill_nodes = lora_nodes(decode_nodes, adapter), lora_nodes(prefill_nodes, adapter)
         if not decode_nodes:
-            raise NoCapacity(f"no decode node available{f' for model {model!r}' if model else ''}",
-                             self.settings.retry_after)
+            raise NoCapacity(f"no decode node available{f' for model {model!r}' if model else ''}"
+                             f"{f' with LoRA adapter {adapter.name!r}' if adapter else ''}", self.settings.retry_after)
         prompt = Prompt(token_ids)
-        prefill = choose_prefill(self.policy, self.cluster.candidates("prefill", model=model,
-                                                                      num_tokens=len(token_ids) + 1), prompt,
-                                 self.settings.disagg_min_tokens) if remote_prefill else None
-        prefix_aware = self.policy.name == "prefix_aware"
+        prefill = choose_prefill(self.policy, prefill_nodes, prompt, self.settings.disagg_min_tokens) \
+            if remote_prefill else None
+        prefix_aware = self.policy.name == "prefix_aware" and adapter is None
         # nodes a decode node may fetch the prompt's prefix from (the prefix-aware policy: the others do not look)
         holders = [n for n in self.cluster.holders(model) if n.id not in exclude] \
             if prefix_aware and self.settings.prefix_fetch else []
@@ -218,9 +230,10 @@ class DecodeClient:
 
 class RequestStream:
     def __init__(self, client: DecodeClient, prompt_ids: list[int], sampling: dict[str, Any],
-                 deadline: float, model: str | None = None) -> None:
+                 deadline: float, model: str | None = None, adapter: Adapter | None = None) -> None:
         self.client = client
         self.model = model  # served name: only nodes of this model run it
+        self.adapter = adapter  # a LoRA adapter of that model: only nodes holding it (or able to load it) run it
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.deadline = deadline  # time.monotonic() seconds: a wall-clock step moves no deadline
@@ -345,7 +358,7 @@ class RequestStream:
         try:
             decode, prefill, self._prefill_work, source = self.client.place(
                 self.prompt_ids + self.output_ids, max_tokens - len(self.output_ids), exclude, self.model,
-                self.sampling.get("prompt_logprobs") is None)
+                self.sampling.get("prompt_logprobs") is None, self.adapter)
         except NoCapacity as exc:
             if self._rejected:
                 raise NoCapacity(f"all decode nodes rejected the request ({len(self._rejected)} tried)",
@@ -365,7 +378,8 @@ class RequestStream:
             rid=self._rid, prompt_ids=self.prompt_ids, sampling=self.sampling,
             prefill_node=prefill.id if prefill else None, timeout_s=self.deadline - time.monotonic(),
             router=self.client.settings.node_id, resume_ids=list(self.output_ids),
-            kv_source=source[0] if source else None, kv_source_blocks=source[1] if source else 0))
+            kv_source=source[0] if source else None, kv_source_blocks=source[1] if source else 0,
+            lora_name=self.adapter.name if self.adapter else "", lora_path=self.adapter.path if self.adapter else ""))
         if not sent:
             self._queue.put_nowait(None)  # treated like a dead node: try the next one
         return decode.id

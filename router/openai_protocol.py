@@ -150,6 +150,22 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/load_lora_adapter; `base_model`: ours, which served model it adapts (needed only when the router
+    serves several)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+    base_model: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """vLLM's /v1/unload_lora_adapter (`lora_int_id` accepted and ignored: names identify adapters here)."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
+
+
 def openapi_components(served: list[str]) -> dict[str, Any]:
     """OpenAPI component schemas of the request bodies, `model` limited to the `served` names."""
     out: dict[str, Any] = {}
@@ -164,6 +180,8 @@ def openapi_components(served: list[str]) -> dict[str, Any]:
         else:
             model["enum"] = list(served)
         out[body.__name__] = schema
+    for lora_body in (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest):
+        out[lora_body.__name__] = lora_body.model_json_schema(ref_template="#/components/schemas/{model}")
     return out
 
 

@@ -17,6 +17,7 @@ from pdcluster.router.cluster import NodeSource, RouterCluster
 from pdcluster.router.decode_client import DecodeClient, InvalidRequest, NoCapacity, RequestStream, StreamFailed
 from pdcluster.router.errors import APIError, model_not_found
 from pdcluster.router.generation import ChoiceRun, Echo
+from pdcluster.router.lora import LoraRegistry
 from pdcluster.router.metrics import RouterMetrics
 from pdcluster.router.policies import RoutingPolicy, make_policy
 from pdcluster.router.prefix_index import PrefixIndexCollector
@@ -42,6 +43,7 @@ class Router:
         # Tokenizing and templating run here, off the event loop (tokenizers releases the GIL).
         self.pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
         self.decode: DecodeClient | None = None
+        self.loras = LoraRegistry(cluster, models)
         self.in_flight = 0
         metrics.registry.register(DroppedFramesCollector("pdcluster_router_dropped_frames", self.dropped_frames))
         metrics.registry.register(PrefixIndexCollector(lambda: cluster.nodes("prefill") + cluster.nodes("decode")))
@@ -84,14 +86,15 @@ class Router:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     def model(self, name: str) -> ServedModel:
-        model = self.models.get(name)
+        """A served model, or a LoRA adapter as a view of its base model (router/lora.py); 404 otherwise."""
+        model = self.models.get(name) or self.loras.view(name)
         if model is None:
-            raise model_not_found(name, list(self.models))
+            raise model_not_found(name, list(self.models) + [a.name for a in self.loras.listed()])
         return model
 
     def context_limit(self, model: ServedModel) -> int:
         """The model's limit, lowered to the largest max_model_len of its serving decode nodes when all say."""
-        held = [n.info.capacity.max_model_len for n in self.cluster.candidates("decode", model=model.name)]
+        held = [n.info.capacity.max_model_len for n in self.cluster.candidates("decode", model=model.node_model)]
         return min(model.info.max_model_len, max(held)) if held and all(held) else model.info.max_model_len
 
     def admit(self) -> None:
@@ -109,7 +112,7 @@ class Router:
     async def start_streams(self, prep: Prepared) -> list[RequestStream]:
         assert self.decode is not None, "router not started"
         deadline = time.monotonic() + self.settings.request_timeout
-        streams = [self.decode.stream(prep.prompt_ids, sampling, deadline, prep.model.name)
+        streams = [self.decode.stream(prep.prompt_ids, sampling, deadline, prep.model.node_model, prep.model.adapter)
                    for sampling in prep.sampling]
         for s in streams:
             log.info("request %s admitted: %d prompt tokens, max_tokens %s", s.request_id, len(prep.prompt_ids),

@@ -47,14 +47,21 @@ def read_model_info(path: str, name: str | None = None, max_model_len: int | Non
 
 @dataclass
 class ServedModel:
-    """One model a router serves: its limits and tokenizer; nodes register with its name (`NodeInfo.model`)."""
+    """One model a router serves: its limits and tokenizer; nodes register with its name (`NodeInfo.model`). A
+    LoRA adapter is served as a view of its base model (`adapter` set, `name` the adapter's: router/lora.py)."""
 
     info: ModelInfo
     tokenizer: Tokenizer
+    adapter: Any = None   # router.lora.Adapter
 
     @property
     def name(self) -> str:
         return self.info.name
+
+    @property
+    def node_model(self) -> str:
+        """The name nodes serving it registered with: the base model's for an adapter."""
+        return self.adapter.parent if self.adapter is not None else self.info.name
 
     @classmethod
     def load(cls, name: str, path: str, max_model_len: int | None = None) -> "ServedModel":

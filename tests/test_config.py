@@ -275,7 +275,8 @@ def _flags(kind: str, argv: list[str]) -> dict:
 # Knobs whose text form is a keyword, not free text (`str | int`: a number or "auto"), or a CPU list.
 SAMPLES = {"max_num_batched_tokens": "auto", "cpu_cores": str(min(os.sched_getaffinity(0))),
            "tool_call_parser": ["hermes", "big=mistral"], "reasoning_parser": ["qwen3", "big=deepseek_r1"],
-           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}'}
+           "speculative_config": '{"method": "ngram", "num_speculative_tokens": 3}',
+           "lora_modules": ["a=/adapters/a", "b=/adapters/b"]}
 # Knobs whose only valid value is the default: setting another must fail with this (and not "unknown key").
 ONLY_DEFAULT: dict[str, str] = {}
 # Knobs naming a file that must exist when the config is validated, and knobs valid only with others set.
@@ -283,8 +284,9 @@ FILE_KNOBS = {"etcd_ca", "etcd_cert", "etcd_key", "etcd_password_file", "api_key
 NEEDS = {"etcd_cert": ("etcd_key", "etcd_ca"), "etcd_key": ("etcd_cert", "etcd_ca"),
          "etcd_user": ("etcd_password_file",), "etcd_password_file": ("etcd_user",),
          "etcd": ("host",),   # a remote etcd needs a host that is not loopback
-         "kv_offload_disk_path": ("kv_offload_disk_bytes",), "kv_offload_disk_bytes": ("kv_offload_disk_path",)}
-NEEDED_VALUES = {"kv_offload_disk_bytes": "1GiB"}   # else "someone"
+         "kv_offload_disk_path": ("kv_offload_disk_bytes",), "kv_offload_disk_bytes": ("kv_offload_disk_path",),
+         "lora_modules": ("enable_lora",)}
+NEEDED_VALUES = {"kv_offload_disk_bytes": "1GiB", "enable_lora": True}   # else "someone"
 
 
 def _a_file(tmp_path: Path, name: str) -> str:
@@ -309,7 +311,7 @@ def test_every_declared_knob_is_settable_from_file_env_and_flags(kind, tmp_path)
         flag = "--" + f.name.replace("_", "-")
         argv = [f"{flag}" if value else f"--no-{flag[2:]}"] if isinstance(value, bool) else [flag, _text(value)]
         for key, other in base.items():
-            argv += ["--" + key.replace("_", "-"), other]
+            argv += ["--" + key.replace("_", "-")] + ([] if other is True else [other])
         path = tmp_path / f"{f.name}.yaml"
         path.write_text(yaml.safe_dump({**base, f.name: value}))
         env = {env_name(k): _text(v) for k, v in {**base, f.name: value}.items()}

@@ -18,6 +18,7 @@ from torch import nn
 from pdcluster.engine.parallel import TPGroup
 
 if TYPE_CHECKING:
+    from pdcluster.engine.lora.layers import LoRALayer
     from pdcluster.engine.quant.kernels import PackedWeight
     from pdcluster.engine.quant.scheme import QuantizedWeight
 
@@ -62,6 +63,7 @@ class Linear(nn.Module):
         self.packable = True                       # False when the owner multiplies by slices of the weight
         self.quantized: dict[str, QuantizedWeight] = {}   # a quantized checkpoint's weights, per shard, until packed
         self.quant: PackedWeight | None = None     # ... packed for the kernel (engine/quant/kernels.py)
+        self.lora: LoRALayer | None = None         # adapters' deltas added to the output (engine/lora/layers.py)
 
     def load_quantized(self, weight: QuantizedWeight, shard: str = "") -> None:
         """A quantized checkpoint's weight (of one shard of a MergedLinear) in place of the float one."""
@@ -101,8 +103,12 @@ class Linear(nn.Module):
         if self.quant is not None:
             from pdcluster.engine.quant.kernels import quant_linear
 
-            return quant_linear(x, self.quant, self.bias)
-        return linear(x, self.weight, self.bias, self.packed)
+            out = quant_linear(x, self.quant, self.bias)
+        else:
+            out = linear(x, self.weight, self.bias, self.packed)
+        if self.lora is not None:   # (a row-parallel layer's partial delta: before its all-reduce)
+            self.lora.add_(x, out)
+        return out
 
 
 class MergedLinear(Linear):

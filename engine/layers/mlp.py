@@ -46,8 +46,13 @@ class GatedMLP(nn.Module):
         if is_npu(x.device):
             import torch_npu
 
-            return self.down_proj(torch_npu.npu_swiglu(F.linear(x, w, b), dim=-1))
+            gate_up = F.linear(x, w, b)
+            if self.gate_up_proj.lora is not None:
+                self.gate_up_proj.lora.add_(x, gate_up)
+            return self.down_proj(torch_npu.npu_swiglu(gate_up, dim=-1))
         packed = self.packed_halves or (None, None)
         gate = linear(x, w[:n], None if b is None else b[:n], packed[0])
         up = linear(x, w[n:], None if b is None else b[n:], packed[1])
+        if self.gate_up_proj.lora is not None:
+            self.gate_up_proj.lora.add_(x, [gate, up])
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))

@@ -7,8 +7,9 @@ A pure function of (seed, token ids, block size), stable across processes and ho
 
 The chain starts from a seed (`hash_seed`) that covers what else decides a block's content: the model, the KV
 dtype and layout, the block size, and a per-cluster salt. Two models, two KV layouts or two clusters never
-share a hash, so a block index spanning nodes (and, later, LoRA adapters) cannot mix them up. Seed 0 is the
-bare token chain (tests and tools that compare against it).
+share a hash, so a block index spanning nodes cannot mix them up; a LoRA adapter's requests chain from
+`lora_hash_seed` (the adapter's name and weights on top). Seed 0 is the bare token chain (tests and tools that
+compare against it).
 """
 
 from __future__ import annotations
@@ -33,6 +34,13 @@ def hash_seed(*parts: object) -> int:
     processes and hosts."""
     text = "|".join(str(p) for p in (KV_LAYOUT_VERSION, *parts)).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & _MASK63
+
+
+def lora_hash_seed(seed: int, lora_name: str, content_hash: str) -> int:
+    """The chain seed of a request under a LoRA adapter: the engine's `seed` and the adapter's identity (its name
+    and a hash of its weights), so KV computed under one adapter is never a prefix hit for another or for the
+    base model."""
+    return hash_seed(seed, "lora", lora_name, content_hash)
 
 
 def block_hashes(token_ids: list[int], block_size: int, seed: int = 0) -> list[int]:

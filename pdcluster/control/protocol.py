@@ -57,9 +57,14 @@ class Generate(Message):
     # more than the decode node has; the decode node fetches what it lacks (FetchKV) before it prefills the rest.
     kv_source: str | None = None
     kv_source_blocks: int = 0
+    # Multi-LoRA: run under this adapter (its name on the nodes); `lora_path`: where a node that does not hold it
+    # yet loads it from ("": it must hold it already).
+    lora_name: str = ""
+    lora_path: str = ""
 
     def check(self) -> None:
         check_timeout("generate", self.timeout_s)
+        check_lora("generate", self.lora_name, self.lora_path)
         if self.kv_source_blocks < 0:
             raise ProtocolError(f"generate.kv_source_blocks: must be >= 0, got {self.kv_source_blocks}")
 
@@ -201,9 +206,15 @@ class Prefill(Message):
     timeout_s: float  # seconds left when sent (<= 0: already late); the receiver counts on its monotonic clock
     # Leading prompt blocks the decode node already holds from its own prefix cache: not sent.
     skip_blocks: int = 0
+    # The request's LoRA adapter (Generate's), and its content hash on the decode node: a prefill node whose
+    # adapter of that name differs refuses (its KV would be another adapter's).
+    lora_name: str = ""
+    lora_path: str = ""
+    lora_hash: str = ""
 
     def check(self) -> None:
         check_timeout("prefill", self.timeout_s)
+        check_lora("prefill", self.lora_name, self.lora_path)
 
 
 @dataclass
@@ -230,6 +241,42 @@ class PrefillDone(Message):
         if self.features and self.features_dtype not in FEATURE_DTYPES:
             raise ProtocolError(f"prefill_done.features_dtype: one of {', '.join(FEATURE_DTYPES)}, "
                                 f"got {self.features_dtype!r}")
+
+
+MAX_LORA_NAME = 256
+MAX_LORAS_LISTED = 4096   # adapters one Load report lists
+MAX_LORA_PATH = 4096
+
+
+def check_lora(kind: str, name: str, path: str) -> None:
+    if len(name) > MAX_LORA_NAME or len(path) > MAX_LORA_PATH:
+        raise ProtocolError(f"{kind}.lora_name / lora_path: at most {MAX_LORA_NAME} / {MAX_LORA_PATH} characters")
+    if path and not name:
+        raise ProtocolError(f"{kind}.lora_path: given without lora_name")
+
+
+@dataclass
+class LoraAdapter(Message):
+    """router -> node: load (`path` given) or unload (`path` "") the LoRA adapter `name`; answered by LoraDone."""
+
+    TYPE: ClassVar[str] = "lora_adapter"
+    rid: str
+    name: str
+    path: str = ""
+
+    def check(self) -> None:
+        if not self.name:
+            raise ProtocolError("lora_adapter.name: must not be empty")
+        check_lora("lora_adapter", self.name, self.path)
+
+
+@dataclass
+class LoraDone(Message):
+    """node -> router: the LoraAdapter `rid` is done (`error`: why not)."""
+
+    TYPE: ClassVar[str] = "lora_done"
+    rid: str
+    error: str | None = None
 
 
 MAX_FETCH_BLOCKS = 1 << 16   # blocks one FetchKV may ask for (a 1M-token prompt of 16-token blocks fits)
@@ -298,6 +345,10 @@ class Load(Message):
     kv_seq: int = 0
     kv_snapshot: bool = False
     cached_block_hashes: list[int] = field(default_factory=list)   # ignored: what nodes before kv_events sent
+    # Multi-LoRA: the adapters the node holds (loaded, ready to serve), and how many it may hold on its device at
+    # once (0: it runs without enable_lora).
+    loras: list[str] = field(default_factory=list)
+    max_loras: int = 0
     timestamp: float = 0.0
     # Routers (role "router", running = requests in flight): open token streams, failed requests since start.
     streams: int = 0
@@ -308,11 +359,15 @@ class Load(Message):
             raise ProtocolError(f"load.block_size: must be >= 1, got {self.block_size}")
         counts: dict[str, int] = {"running": self.running, "waiting": self.waiting, "free_blocks": self.free_blocks,
                   "total_blocks": self.total_blocks, "queued_prefill_tokens": self.queued_prefill_tokens,
-                  "streams": self.streams, "errors": self.errors}
+                  "streams": self.streams, "errors": self.errors, "max_loras": self.max_loras}
         for name, value in counts.items():
             if value < 0:
                 raise ProtocolError(f"load.{name}: must be >= 0, got {value}")
         check_kv_events(self.kv_events)
+        if len(self.loras) > MAX_LORAS_LISTED or not all(type(n) is str and 0 < len(n) <= MAX_LORA_NAME
+                                                          for n in self.loras):
+            raise ProtocolError(f"load.loras: at most {MAX_LORAS_LISTED} non-empty names of <= {MAX_LORA_NAME} "
+                                "characters")
         if not isinstance(self.kv_seq, int) or self.kv_seq < 0:
             raise ProtocolError(f"load.kv_seq: must be an integer >= 0, got {self.kv_seq!r}")
         for name, rate in (("tokens_per_s", self.tokens_per_s), ("prefill_tokens_per_s", self.prefill_tokens_per_s),
@@ -356,7 +411,7 @@ class Pong(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (Generate, Tokens, TokenBatch, Progress, Reject, Abort, Prefill, PrefillDone, FetchKV,
-                              KVFetched, Load, Ping, Pong)
+                              KVFetched, LoraAdapter, LoraDone, Load, Ping, Pong)
 }
 _TOKENS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Tokens) if f.default is not dataclasses.MISSING}
 

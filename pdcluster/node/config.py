@@ -114,6 +114,11 @@ class NodeConfig(CommonConfig):
     seed: int = engine_knob("seed")
     speculative_config: str | dict | SpeculativeConfig | None = engine_knob("speculative_config")
     weight_pool: str | SharedWeightPool | None = engine_knob("weight_pool")
+    enable_lora: bool = engine_knob("enable_lora")
+    max_loras: int = engine_knob("max_loras")
+    max_lora_rank: int = engine_knob("max_lora_rank")
+    max_cpu_loras: int | None = engine_knob("max_cpu_loras")
+    lora_modules: dict[str, str] | list[str] | str | None = engine_knob("lora_modules")
 
     def finish(self, kind: str) -> None:
         super().finish(kind)

@@ -23,7 +23,7 @@ from pdcluster.control.cluster_view import ClusterView
 from pdcluster.control.etcd_client import EtcdCredentials
 from pdcluster.control.keys import keys_from_config
 from pdcluster.control.metrics import DroppedFramesCollector, MetricsServer, new_registry, serve_metrics
-from pdcluster.control.protocol import MAX_KV_EVENT_HASHES, Abort, FetchKV, Load, Message, Ping, Pong
+from pdcluster.control.protocol import MAX_KV_EVENT_HASHES, Abort, FetchKV, Load, LoraAdapter, Message, Ping, Pong
 from pdcluster.control.records import Capacity, NodeInfo
 from pdcluster.control.registration import NodeIdTaken, Registration
 from pdcluster.control.transport import LoadPublisher, RouterServer
@@ -33,6 +33,7 @@ from pdcluster.kv_transfer import KVSender
 from pdcluster.monitor import DeviceUsageCollector
 from pdcluster.node.config import NodeConfig, check_host_is_here
 from pdcluster.node.kv_lender import KVLender
+from pdcluster.node.lora import NodeLoras
 
 if TYPE_CHECKING:
     from pdcluster.engine.llm_engine import LLMEngine
@@ -83,6 +84,7 @@ class NodeService:
         self.engine_thread = EngineThread(engine, self._from_engine_thread)
         self.lender = KVLender(self.engine_thread, self.kv_sender, self.control.send)   # answers FetchKV
         self._lend_sender: KVSender | None = None
+        self.loras = NodeLoras(engine, self.engine_thread, self.control.send)   # answers LoraAdapter
         self._engine_started = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -365,6 +367,7 @@ class NodeService:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.view.stop()
         await self.lender.close()
+        await self.loras.close()
         await self.on_stop()
         if self._lend_sender is not None:
             self._lend_sender.close()
@@ -388,6 +391,8 @@ class NodeService:
                     self._on_abort(identity, msg.rid)
                 elif isinstance(msg, FetchKV):
                     self.lender.handle(identity, msg)
+                elif isinstance(msg, LoraAdapter):
+                    self.loras.handle(identity, msg)
                 else:
                     self.handle(identity, msg)
             except Exception:  # one bad message must not stop the node
@@ -411,6 +416,7 @@ class NodeService:
         load = self.load()
         load.state = self.state
         load.timestamp = time.time()
+        load.loras, load.max_loras = list(self.loras.names), self.loras.max_loras
         return load
 
     def _on_view_change(self, event: str, node_id: str | None) -> None:
