@@ -8,6 +8,7 @@ with B requests of a P-token prompt spread over its adapters; once every request
 
     .venv/bin/python benchmarks/lora_step.py                     # SmolLM2-135M bf16, B=32, 1 thread
     .venv/bin/python benchmarks/lora_step.py --dtype float32 --json
+    .venv/bin/python benchmarks/lora_step.py --model llama2048   # random Llama, hidden 2048 (quantized.py)
 """
 from __future__ import annotations
 
@@ -76,6 +77,7 @@ def build(model: str, dtype: str, batch: int, prompt: int, adapters: list[str]):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-dir", default=None)
+    ap.add_argument("--model", choices=["smollm2", "llama2048"], default="smollm2", help="without --model-dir")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64)
@@ -88,9 +90,16 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    model = args.model_dir or default_model(args.dtype)
     counts = [int(c) for c in args.adapters.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
+        if args.model_dir:
+            model = args.model_dir
+        elif args.model == "llama2048":
+            from quantized import llama2048  # benchmarks/ is on sys.path when run as a script
+
+            model = llama2048(os.path.join(tmp, "llama2048"))
+        else:
+            model = default_model(args.dtype)
         paths = [write_adapter(os.path.join(tmp, f"a{i}"), model, 16, i) for i in range(max(counts))]
         engines = {n: build(model, args.dtype, args.batch, args.prompt, paths[:n]) for n in counts}
         times: dict[int, list[float]] = {n: [] for n in counts}

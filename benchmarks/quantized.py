@@ -34,13 +34,18 @@ from pdcluster.engine.testing import make_tiny_model
 SCHEMES = ["w8a16", "w8a8", "w4a16"]
 
 
+def llama2048(path: str) -> str:
+    """A random Llama with hidden 2048 (4 layers, intermediate 5632, vocab 32000): weights dominate a step."""
+    return make_tiny_model(path, "llama", hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                           num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                           max_position_embeddings=2048, tokenizer_vocab_size=400)
+
+
 def checkpoints(model: str, root: str, schemes: list[str]) -> dict[str, str]:
     if model == "smollm2":
         src = default_model_source()
     else:
-        src = make_tiny_model(f"{root}/llama2048-src", "llama", hidden_size=2048, intermediate_size=5632,
-                              num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
-                              max_position_embeddings=2048, tokenizer_vocab_size=400)
+        src = llama2048(f"{root}/llama2048-src")
     return {s: convert_model(src, f"{root}/{model}-{s}", "bfloat16",
                              quantization=None if s == "bf16" else s.removesuffix("+lm_head"),
                              quantize_lm_head=s.endswith("+lm_head"))

@@ -2,7 +2,9 @@
 adapters by `model`, mixed with base-model requests; every prompt is prefilled on the prefill node under the
 request's adapter (Prefill carries it) and the answers equal the offline engine's with that adapter (itself exact
 against PEFT's merged model: tests/test_lora.py). /v1/models lists the adapters with their parent; an adapter
-loaded and unloaded at run time through the router's endpoints serves in between and is gone after."""
+loaded and unloaded at run time through the router's endpoints, while other requests keep flowing, serves in
+between and is gone after; a prefill node whose adapter of the same name has other weights refuses the prefill and
+the decode node computes it (same answer)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 from cluster_helpers import client, node_metrics, total, wait_idle
 from lora_helpers import ALL_TARGETS, make_adapter
 
+from pdcluster.cli.admin import set_state
 from pdcluster.cli.supervisor import LocalCluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -83,9 +86,21 @@ async def test_adapters_and_base_model_mixed_through_p_d(setup, reference):
     wait_idle(cluster)
 
 
+async def traffic(api, reference, stop: asyncio.Event, served: list[int]) -> None:
+    """Base-model and adapter-a requests back to back until `stop`, each answer checked."""
+    i = 0
+    while not stop.is_set():
+        model, j = (MODEL_NAME, "a")[i % 2], i % len(PROMPTS)
+        assert await ask(api, model, j) == reference[None if model == MODEL_NAME else model, j]
+        served[0] += 1
+        i += 1
+
+
 async def test_an_adapter_loaded_and_unloaded_at_run_time(setup, reference):
     cluster, _, adapters = setup
     api = client(cluster)
+    stop, served = asyncio.Event(), [0]
+    background = asyncio.create_task(traffic(api, reference, stop, served))
     async with httpx.AsyncClient(base_url=cluster.url, timeout=60) as http:
         with pytest.raises(Exception, match="does not exist"):
             await ask(api, "c", 0)
@@ -110,4 +125,33 @@ async def test_an_adapter_loaded_and_unloaded_at_run_time(setup, reference):
             await ask(api, "c", 0)
         gone = await http.post("/v1/unload_lora_adapter", json={"lora_name": "c"})
         assert gone.status_code == 404
+    stop.set()
+    await asyncio.wait_for(background, 60)   # re-raises a wrong answer or a failed request
+    assert served[0] >= 4
+    wait_idle(cluster)
+
+
+async def test_a_prefill_node_with_another_adapter_of_that_name_refuses(setup, reference):
+    cluster, _, adapters = setup
+    impostor = cluster.start_node("prefill", "prefill-1", lora_modules=[f"a={adapters['b']}"])   # "a", b's weights
+    try:
+        await set_state([cluster.etcd], "lora", "prefill-0", "cordoned")
+        for _ in range(300):   # the router sees prefill-1 (holding "a") and prefill-0 cordoned
+            health = cluster.health() or {}
+            if health.get("prefill_nodes") == ["prefill-1"]:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail(f"prefill-1 did not take over: {cluster.health()}")
+        await asyncio.sleep(1.0)   # its first Load reports (the adapters it holds)
+        before = total(node_metrics(cluster, "decode"), "pdcluster_node_remote_prefill_failures_total{")
+        api = client(cluster)
+        assert [await ask(api, "a", j) for j in range(len(PROMPTS))] == [reference["a", j] for j in range(3)]
+        after = total(node_metrics(cluster, "decode"), "pdcluster_node_remote_prefill_failures_total{")
+        assert after - before == len(PROMPTS)   # every prefill refused there, computed on the decode node
+        assert "differs" in impostor.log_tail(200)
+    finally:
+        await set_state([cluster.etcd], "lora", "prefill-0", "active")
+        impostor.proc.terminate()
+        impostor.proc.wait(30)
     wait_idle(cluster)
