@@ -6,6 +6,9 @@
         import torch_npu
         ...
 
+The directory also holds an emulated `vllm_ascend.vllm_ascend_C` (vLLM-Ascend's LoRA custom ops, registered in
+torch.ops._C_ascend on import, as the real library does): engine/lora/npu_ops.py loads it as on an Ascend host.
+
 `npu_emulator` binds the test's thread to device 0 (as an engine's thread would) and yields the `torch_npu`
 module; `torch_npu._emulator` sets the device count, memory figures and the per-thread context check, and counts
 each operator's calls. Child processes see it too when started with `subprocess_env()` in their environment.
@@ -27,7 +30,14 @@ FAKE_TORCH_NPU_DIR = Path(__file__).resolve().parent / "fake_torch_npu"
 
 
 def _drop_modules() -> None:
-    for name in [n for n in sys.modules if n == "torch_npu" or n.startswith("torch_npu.")]:
+    """torch_npu and the emulated vLLM-Ascend op library, whose ops leave torch.ops._C_ascend with it."""
+    emulated = ["torch_npu"]
+    if getattr(sys.modules.get("vllm_ascend"), "EMULATED", False):
+        emulated.append("vllm_ascend")
+        ops = sys.modules.get("vllm_ascend.vllm_ascend_C")
+        if ops is not None:
+            ops.unregister()
+    for name in [n for n in sys.modules if n.split(".")[0] in emulated]:
         del sys.modules[name]
 
 

@@ -3,8 +3,8 @@ cache of loaded adapters (`max_cpu_loras`, LRU; an adapter that left it is read 
 rank 0, the adapters the engine knows (name -> request and content hash).
 
 Rank 0 decides each step which adapter sits in which slot (`assign`, from the step's sequences); every rank then
-fills the slots that changed and sets the per-token mask (`begin_step`, from the step inputs), so tensor-parallel
-ranks fill their own parts from their own host cache or the adapter's files."""
+fills the slots that changed and sets the step's token -> slot map (`begin_step`, from the step inputs), so
+tensor-parallel ranks fill their own parts from their own host cache or the adapter's files."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.layers.attention import SelfAttention
 from pdcluster.engine.layers.mlp import GatedMLP
 from pdcluster.engine.lora.adapter import LoRAAdapter, load_adapter
-from pdcluster.engine.lora.layers import LoRALayer, LoRAStep
+from pdcluster.engine.lora.layers import LoRALayer
 from pdcluster.engine.lora.request import LoRAConfig, LoRARequest
+from pdcluster.engine.lora.step import LoRAStep
 from pdcluster.engine.parallel import TPGroup
 from pdcluster.engine.step_inputs import StepInputs
 
@@ -37,6 +38,7 @@ class LoRASlots:
         self.targets: dict[tuple[int, str], tuple[LoRALayer, int]] = {}
         self._attach(model)
         self.layers = list({id(layer): layer for layer, _ in self.targets.values()}.values())
+        self.kinds = {layer.kind for layer in self.layers}   # the compute paths the step's slots are built for
         self.known: dict[str, tuple[LoRARequest, str]] = {}
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.slot_of: OrderedDict[str, int] = OrderedDict()   # resident adapters, least recently used first
@@ -141,7 +143,7 @@ class LoRASlots:
         inputs.lora_slots, inputs.lora_loads = slots, loads
 
     def begin_step(self, slots: torch.Tensor | None, loads: list[SlotLoad]) -> None:
-        """Every rank: fill the slots rank 0 assigned, then the step's per-token mask (`slots` on the host)."""
+        """Every rank: fill the slots rank 0 assigned, then the step's token -> slot map (`slots` on the host)."""
         for slot, name, path, content_hash in loads:
             adapter = self._adapter(name, path, content_hash)
             for layer in self.layers:
@@ -150,11 +152,5 @@ class LoRASlots:
                 a, b = adapter.weights.get(key, (None, None))
                 layer.set_slot(slot, shard, a, b)
             self.num_slot_loads += 1
-        step = self.step
-        if slots is None:   # (`assign` sets slots only when some row has an adapter)
-            step.mask = None
-            return
-        used = slots[slots >= 0]
-        step.lo, step.hi = int(used.min()), int(used.max()) + 1
-        onehot = slots.to(torch.long).unsqueeze(1) == torch.arange(step.lo, step.hi)
-        step.mask = onehot.to(self.dtype).repeat_interleave(self.lora.max_lora_rank, dim=1).to(self.device)
+        # (`assign` sets slots only when some row has an adapter)
+        self.step.begin(slots, self.kinds, self.lora.max_lora_rank, self.dtype, self.device)

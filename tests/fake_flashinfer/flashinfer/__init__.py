@@ -18,6 +18,7 @@ Emulated:
 - append_paged_kv_cache, get_batch_indices_positions, get_seq_lens (page.py)
 - fused_moe.cutlass_fused_moe (fused_moe.py)
 - mla.BatchMLAPagedAttentionWrapper (mla.py)
+- gemm.SegmentGEMMWrapper (gemm.py; flashinfer/gemm/gemm_base.py, https://docs.flashinfer.ai/api/gemm.html)
 
 Install it with tests/flashinfer_emulator.py (the `flashinfer_emulator` fixture, or `emulated_flashinfer()`).
 """
@@ -27,6 +28,7 @@ from __future__ import annotations
 from flashinfer import _emulator
 from flashinfer.decode import BatchDecodeWithPagedKVCacheWrapper
 from flashinfer.fused_moe import ActivationType, cutlass_fused_moe
+from flashinfer.gemm import SegmentGEMMWrapper
 from flashinfer.mla import BatchMLAPagedAttentionWrapper
 from flashinfer.page import append_paged_kv_cache, get_batch_indices_positions, get_seq_lens
 from flashinfer.prefill import BatchPrefillWithPagedKVCacheWrapper
@@ -36,6 +38,6 @@ EMULATED = True
 
 __all__ = [
     "EMULATED", "ActivationType", "BatchDecodeWithPagedKVCacheWrapper", "BatchMLAPagedAttentionWrapper",
-    "BatchPrefillWithPagedKVCacheWrapper", "_emulator", "append_paged_kv_cache", "cutlass_fused_moe",
-    "get_batch_indices_positions", "get_seq_lens",
+    "BatchPrefillWithPagedKVCacheWrapper", "SegmentGEMMWrapper", "_emulator", "append_paged_kv_cache",
+    "cutlass_fused_moe", "get_batch_indices_positions", "get_seq_lens",
 ]

@@ -26,6 +26,8 @@ Emulated operators:
 - npu_rms_norm, npu_add_rms_norm, npu_rotary_mul, npu_swiglu (layers.py)
 - npu_moe_gating_top_k, npu_moe_init_routing_v2, npu_grouped_matmul, npu_moe_finalize_routing (moe.py)
 - _npu_paged_attention_mla (mla.py)
+Next to this package, vllm_ascend/vllm_ascend_C.py emulates vLLM-Ascend's LoRA custom ops (bgmv_shrink, bgmv_expand,
+sgmv_shrink, sgmv_expand in torch.ops._C_ascend), registered when engine/lora/npu_ops.py imports it.
 Not emulated: HCCL (`torch_npu._C._distributed_c10d`), NZ formats (npu_format_cast), graph mode.
 
 Install it with tests/npu_emulator.py (the `npu_emulator` fixture, or `emulated_torch_npu()`), which puts this
