@@ -450,6 +450,25 @@ class DecodeNode(NodeService):
             self.engine_thread.post(lambda e: e.abort(rid))   # queued behind any add: it frees what that took
             self._forget(req, "abort")
 
+    def migrate_away(self) -> bool:
+        """Draining with migration: each request the engine runs (its tokens all delivered) ends here with
+        finish "migrate"; its router resumes it on another decode node after the tokens it has, naming this node
+        as the holder of its KV (kept in the prefix cache by the abort), which that node fetches (FetchKV)."""
+        others = [n for n in self.view.nodes_by_role("decode") if n.node_id != self.node_id
+                  and self.view.admin_state(n.node_id) == "active"]
+        if not others:
+            return False   # nowhere to go: they finish here
+        moved: list[str] = []
+        for req in [r for r in self.requests.values() if r.state is State.ENGINE and r.backlog is None]:
+            if not self._send_to(req.owner, Tokens(rid=req.rid, ids=[], finish="migrate",
+                                                   error=f"node {self.node_id} is draining", pos=req.sent)):
+                continue   # its router is away: it finishes here
+            self._forget(req, "migrated")
+            moved.append(req.rid)
+        if moved:
+            self.engine_thread.post(lambda e: _abort_each(e, moved))
+        return bool(moved)
+
     def _fail(self, req: DecodeRequest, error: str, finish: str = "error") -> None:
         """finish "error": this node failed it (the router tries another); "invalid": the request itself is
         (a grammar only the engine's compiler refuses), which the router answers with a 400."""
@@ -544,6 +563,11 @@ class DecodeNode(NodeService):
             self.abort(req.rid, "router unreachable")
         for router in gone:
             del self._unreachable[router]
+
+
+def _abort_each(engine: LLMEngine, rids: list[str]) -> None:
+    for rid in rids:
+        engine.abort(rid)
 
 
 def main(config: NodeConfig) -> int:

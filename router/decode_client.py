@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from typing import Any
+from typing import Any, Collection
 
 from pdcluster.control.protocol import Abort, Generate, LoraDone, Message, Progress, Reject, TokenBatch, Tokens
 from pdcluster.control.sampling_params import SamplingParams
@@ -172,29 +172,33 @@ class DecodeClient:
             for queue in self.queues.values():   # wake() only schedules: the dict cannot change under us
                 queue.wake()
 
-    async def wait_for_node(self, model: str | None, deadline: float, request_id: str = "") -> None:
-        """Return once some decode node of `model` (None: any) takes new work, or after `queue_timeout` (at most
-        until `deadline`): a request that arrives before the first decode node registered, or while every one
-        restarts, waits for one instead of failing. Nodes that exist but are full answer Reject: no wait."""
+    async def wait_for_node(self, model: str | None, deadline: float, request_id: str = "",
+                            exclude: Collection[str] = frozenset()) -> None:
+        """Return once some decode node of `model` (None: any; not in `exclude`) takes new work, or after
+        `queue_timeout` (at most until `deadline`): a request that arrives before the first decode node registered,
+        or while every one restarts, or one handed back by a draining node, waits for one instead of failing. Nodes
+        that exist but are full answer Reject: no wait."""
         timeout = self.settings.queue_timeout
-        if timeout <= 0 or self.cluster.candidates("decode", model=model):
+        if timeout <= 0 or self.cluster.candidates("decode", exclude, model):
             return
         self.metrics.queued.inc()
         log.info("request %s: no decode node serves %s yet; waiting up to %g s", request_id,
                  repr(model) if model else "any model", timeout, extra={"request_id": request_id})
         until = min(time.monotonic() + timeout, deadline)
         # Polled: a node shows up through the view's sync or its Load reports, and neither says so.
-        while not self.cluster.candidates("decode", model=model) and (left := until - time.monotonic()) > 0:
+        while not self.cluster.candidates("decode", exclude, model) and (left := until - time.monotonic()) > 0:
             await asyncio.sleep(min(POLL_INTERVAL, left))
 
     def place(self, token_ids: list[int], max_tokens: int, exclude: set[str], model: str | None = None,
-              remote_prefill: bool = True, adapter: Adapter | None = None
+              remote_prefill: bool = True, adapter: Adapter | None = None, kv_holder: str | None = None
               ) -> tuple[NodeState, NodeState | None, PrefillWork, tuple[str, int] | None]:
         """(decode node, prefill node or None, the prefill work counted on it, (node, blocks) the decode node
         fetches the prompt's prefix from or None) of `model` (None: any) for a request, or NoCapacity.
         `remote_prefill` False: the decode node prefills it (prompt logprobs are computed where the prompt runs).
         `adapter`: only nodes holding that LoRA adapter (or, if none does, able to load it); its KV hashes are its
-        own, so no prefix fetch or local-tail choice is made from the index (base-model hashes) for it."""
+        own, so no prefix fetch or local-tail choice is made from the index (base-model hashes) for it.
+        `kv_holder`: a node that holds the KV of all of `token_ids` (it handed the request back, draining): the
+        decode node fetches it from there and computes only the last partial block."""
         decode_nodes = self.cluster.candidates("decode", exclude, model, len(token_ids) + max_tokens)
         prefill_nodes = self.cluster.candidates("prefill", model=model, num_tokens=len(token_ids) + 1)
         if adapter is not None:
@@ -203,6 +207,12 @@ class DecodeClient:
             raise NoCapacity(f"no decode node available{f' for model {model!r}' if model else ''}"
                              f"{f' with LoRA adapter {adapter.name!r}' if adapter else ''}", self.settings.retry_after)
         prompt = Prompt(token_ids)
+        holding = self.cluster.get(kv_holder) if kv_holder is not None else None
+        if holding is not None:
+            decode = self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens, prompt)
+            assert decode is not None   # there are candidates
+            work = note_assignment(decode, None, 0)
+            return decode, None, work, (holding.id, (len(token_ids) - 1) // decode.block_size)
         prefill = choose_prefill(self.policy, prefill_nodes, prompt, self.settings.disagg_min_tokens) \
             if remote_prefill else None
         prefix_aware = self.policy.name == "prefix_aware" and adapter is None
@@ -245,6 +255,8 @@ class RequestStream:
         self._attempt = 0
         self._rejected: set[str] = set()
         self._failed: set[str] = set()
+        self._moved_from: set[str] = set()   # nodes that handed the request back (draining with migration)
+        self._kv_holder: str | None = None   # the last of them: the next attempt fetches the KV from it
         self._retries = 0
         self._migrations = 0
         self._retry_after = 0.0
@@ -272,6 +284,8 @@ class RequestStream:
         while True:
             if self.finished:
                 raise StreamFailed("stream already finished")
+            if self._node_id is None and self._moved_from:   # handed back: the others may still be joining
+                await self.client.wait_for_node(self.model, self.deadline, self.request_id, self._moved_from)
             node_id = self._node_id or self._submit()
             msg = await self._wait()
             if isinstance(msg, Reject):
@@ -292,6 +306,9 @@ class RequestStream:
                 self.finished = True
                 self._detach(send_abort=False)
                 raise InvalidRequest(msg.error or "invalid request")
+            if msg is not None and msg.finish == "migrate":   # the node drains: resume elsewhere with its KV
+                self._move_away(node_id, msg.error or "")
+                continue
             if msg is None or msg.finish in ("abort", "error"):
                 reason = "stalled or left the cluster" if msg is None else f"ended it with {msg.finish}: {msg.error}"
                 self._migrate(reason)
@@ -334,7 +351,7 @@ class RequestStream:
             if isinstance(more, Progress):
                 queue.get_nowait()
                 continue
-            if not isinstance(more, Tokens) or more.finish in ("abort", "error", "invalid") \
+            if not isinstance(more, Tokens) or more.finish in ("abort", "error", "invalid", "migrate") \
                     or 0 <= more.pos != self._attempt_ids:
                 break
             queue.get_nowait()
@@ -353,12 +370,12 @@ class RequestStream:
         """Send the request (resuming from the tokens received) to a decode node; the node's id."""
         if time.monotonic() > self.deadline:
             raise StreamFailed("request deadline exceeded")
-        exclude = self._rejected | self._failed
+        exclude = self._rejected | self._failed | self._moved_from
         max_tokens = self.sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
         try:
             decode, prefill, self._prefill_work, source = self.client.place(
                 self.prompt_ids + self.output_ids, max_tokens - len(self.output_ids), exclude, self.model,
-                self.sampling.get("prompt_logprobs") is None, self.adapter)
+                self.sampling.get("prompt_logprobs") is None, self.adapter, self._kv_holder)
         except NoCapacity as exc:
             if self._rejected:
                 raise NoCapacity(f"all decode nodes rejected the request ({len(self._rejected)} tried)",
@@ -407,6 +424,18 @@ class RequestStream:
                 return None
             if time.monotonic() - self._last_message > stall:
                 return None
+
+    def _move_away(self, node_id: str, why: str) -> None:
+        """The node handed the request back to run elsewhere (it drains with migration): not a failure and not
+        counted against max_migrations; the next attempt's node fetches the KV of the prompt and the tokens so far
+        from it (`place(kv_holder=...)`)."""
+        self._moved_from.add(node_id)
+        self._kv_holder = node_id
+        self._count(node_id, "ok")
+        self._detach(send_abort=False)
+        self.client.metrics.migrations.inc()
+        log.info("request %s: decode node %s hands it over (%s); resuming elsewhere after %d tokens with its KV",
+                 self.request_id, node_id, why, len(self.output_ids), extra={"request_id": self._rid})
 
     def _migrate(self, reason: str) -> None:
         node_id = self._node_id or "?"

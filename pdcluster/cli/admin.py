@@ -231,10 +231,11 @@ async def set_state(endpoints: list[str], cluster: str, node_id: str, state: str
 
 
 async def drain_node(endpoints: list[str], cluster: str, node_id: str, timeout: float,
-                     reason: str = "pdcluster drain", credentials: EtcdCredentials | None = None) -> float:
-    """Mark `node_id` draining, wait until its etcd record is gone (it finished its requests and
-    exited), then leave it cordoned so a restarted instance takes no traffic until `uncordon`.
-    Returns the seconds it took; AdminError on an unknown node or after `timeout` s."""
+                     reason: str = "pdcluster drain", credentials: EtcdCredentials | None = None,
+                     migrate: bool = False) -> float:
+    """Mark `node_id` draining, wait until its etcd record is gone (it finished its requests, or with `migrate`
+    moved them to other decode nodes, and exited), then leave it cordoned so a restarted instance takes no
+    traffic until `uncordon`. Returns the seconds it took; AdminError on an unknown node or after `timeout` s."""
     started = time.monotonic()
     client = await _client(endpoints, credentials)
     try:
@@ -242,7 +243,7 @@ async def drain_node(endpoints: list[str], cluster: str, node_id: str, timeout: 
         node = next((n for n in nodes if n.node_id == node_id), None)
         if node is None:
             raise _unknown(cluster, node_id, nodes)
-        await set_admin_state(client, cluster, node_id, "draining", reason)
+        await set_admin_state(client, cluster, node_id, "draining", reason, migrate=migrate)
         deadline = started + timeout
         while await _find(client, cluster, node_id) is not None:
             if time.monotonic() >= deadline:

@@ -313,14 +313,18 @@ def drain(node: str = typer.Argument(..., help="node id"), etcd: Optional[str] =
           cluster: Optional[str] = _ADMIN_CLUSTER,
           timeout: float = typer.Option(120.0, help="seconds to wait for the node to leave etcd"),
           reason: str = typer.Option("pdcluster drain", help="why (kept in the admin record)"),
+          migrate: bool = typer.Option(False, "--migrate/--no-migrate",
+                                       help="a decode node moves its running requests to other decode nodes, with "
+                                            "their KV, instead of finishing them"),
           **etcd_security: Any) -> None:
-    """No new requests to NODE, finish its in-flight ones, wait until it exits and leaves etcd.
-    It stays cordoned afterwards: `pdcluster uncordon NODE` once its replacement is up. Exit 1 on timeout."""
+    """No new requests to NODE, finish its in-flight ones (or move them: --migrate), wait until it exits and
+    leaves etcd. It stays cordoned afterwards: `pdcluster uncordon NODE` once its replacement is up. Exit 1 on
+    timeout."""
     from pdcluster.cli import admin
 
     endpoints, name, creds = _target(etcd, cluster, etcd_security)
-    typer.echo(f"draining {node} (timeout {timeout:g} s)...")
-    took = _admin(admin.drain_node, endpoints, name, node, timeout, reason, creds)
+    typer.echo(f"draining {node}{' (moving its requests)' if migrate else ''} (timeout {timeout:g} s)...")
+    took = _admin(admin.drain_node, endpoints, name, node, timeout, reason, creds, migrate)
     typer.echo(f"{node} drained in {took:.1f} s and left the cluster; it stays cordoned until uncordon")
 
 

@@ -78,7 +78,9 @@ class Tokens(Message):
     ids: list[int]
     # per new token: [sampled_logprob, [[token_id, logprob], ...top-N]] or None when not requested
     logprobs: list[Any] | None = None
-    finish: str | None = None  # "stop" | "length" | "abort" | "error" | "invalid" (the request: 400, no retry)
+    # "stop" | "length" | "abort" | "error" | "invalid" (the request: 400, no retry) | "migrate" (the node drains:
+    # the router resumes it elsewhere, the KV fetched from this node)
+    finish: str | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

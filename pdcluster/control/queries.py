@@ -14,11 +14,11 @@ log = logging.getLogger(__name__)
 
 
 async def set_admin_state(client: aetcd.Client, cluster: str, node_id: str, state: str,
-                          reason: str = "", timeout: float = DEFAULT_TIMEOUT) -> AdminState:
+                          reason: str = "", timeout: float = DEFAULT_TIMEOUT, migrate: bool = False) -> AdminState:
     """Write the admin state of `node_id` (not leased: it outlives the node's registration)."""
     if state not in ADMIN_STATES:
         raise ValueError(f"admin state {state!r} is not one of {', '.join(ADMIN_STATES)}")
-    admin = AdminState(state=state, reason=reason, since=time.time())
+    admin = AdminState(state=state, reason=reason, since=time.time(), migrate=migrate and state == "draining")
     await etcd_call(client.put(admin_key(cluster, node_id).encode(), admin.to_json().encode()), timeout)
     return admin
 

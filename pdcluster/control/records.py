@@ -118,6 +118,7 @@ class AdminState:
     state: str = "active"  # active | cordoned | draining
     reason: str = ""
     since: float = 0.0  # unix seconds of the change
+    migrate: bool = False  # draining: move running requests to other decode nodes with their KV, not finish them
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(", ", ": "))
@@ -131,7 +132,7 @@ class AdminState:
         if not isinstance(body, dict) or body.get("state") not in ADMIN_STATES:
             raise ValueError(f"admin record: state must be one of {ADMIN_STATES}")
         return cls(state=body["state"], reason=str(body.get("reason", "")),
-                   since=float(body.get("since", 0.0) or 0.0))
+                   since=float(body.get("since", 0.0) or 0.0), migrate=body.get("migrate") is True)
 
 
 def parse_node(cluster: str, key: str, value: bytes) -> NodeInfo:

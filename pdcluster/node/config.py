@@ -81,6 +81,9 @@ class NodeConfig(CommonConfig):
                                      "reservation's blocks back (no write can land any more) before freeing "
                                      "them anyway")
     drain_timeout: float = knob(60.0, "seconds a draining node waits for its requests to finish before exiting")
+    drain_migrate: bool = knob(False, "decode: every drain (SIGTERM too) moves the running requests to other decode "
+                                      "nodes with their KV instead of finishing them (`pdcluster drain --migrate`: "
+                                      "that drain only)")
     served_model_name: str = knob("", "the \"model\" requests name to be routed here; default: the model dir's name")
     cpu_cores: str = knob("", "CPUs this node runs on, a list like 0-3,8 (as taskset): one torch thread each, "
                           "OpenMP threads bound one per core; empty = the CPUs the process was started with")

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOAD_INTERVAL = 0.5  # seconds between Load reports (~2 Hz)
+MIGRATE_LINGER_S = 3.0  # a node that moved requests away keeps lending their KV at least this long
 KV_SNAPSHOT_HASHES = 65536   # per tier in a Load report's KV snapshot (most recently used first)
 KV_SNAPSHOT_INTERVAL_S = 30.0   # a snapshot this often: a router that joined late or missed reports catches up
 DEADLINE_SWEEP = 0.25  # seconds between deadline checks
@@ -322,14 +323,17 @@ class NodeService:
         finally:
             await self._shutdown()
 
-    def begin_drain(self, reason: str = "") -> None:
-        """Stop admitting; finish in-flight work; leave etcd; stop. Idempotent."""
+    def begin_drain(self, reason: str = "", migrate: bool = False) -> None:
+        """Stop admitting; finish in-flight work (or, `migrate` / `drain_migrate`, move it to other nodes:
+        `migrate_away`); leave etcd; stop. Idempotent."""
         if self._draining_task is not None or self._loop is None:
             return
-        log.info("%s: draining (%s), %d request(s) in flight", self.node_id, reason, self.num_in_flight())
+        migrate = migrate or self.config.drain_migrate
+        log.info("%s: draining (%s%s), %d request(s) in flight", self.node_id, reason,
+                 ", moving requests away" if migrate else "", self.num_in_flight())
         self.state = "draining"
         self.load_pub.publish(self._load_snapshot())  # routers stop picking this node now
-        self._draining_task = self._loop.create_task(self._drain())
+        self._draining_task = self._loop.create_task(self._drain(migrate))
 
     def stop(self) -> None:
         if self._stopped is not None:
@@ -351,13 +355,25 @@ class NodeService:
         self.exit_code = 1
         self.stop()
 
-    async def _drain(self) -> None:
+    async def _drain(self, migrate: bool = False) -> None:
         deadline = time.monotonic() + self.drain_timeout
+        moved_at = None
         while self.num_in_flight() > 0 and time.monotonic() < deadline:
+            if migrate and self.migrate_away():
+                moved_at = time.monotonic()
             await asyncio.sleep(0.05)
         if self.num_in_flight():
             log.warning("%s: drain timeout with %d request(s) still in flight", self.node_id, self.num_in_flight())
+        if moved_at is not None:   # their new nodes fetch the KV from here: stay until they have
+            while (self.lender.lending or time.monotonic() - moved_at < MIGRATE_LINGER_S) \
+                    and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         self.stop()
+
+    def migrate_away(self) -> bool:
+        """Hand the requests that can move to their routers to run elsewhere (the KV stays in this node's prefix
+        cache for the new node to fetch); whether any moved. Decode nodes do; others have nothing to move."""
+        return False
 
     async def _shutdown(self) -> None:
         if self.registration is not None:
@@ -426,7 +442,8 @@ class NodeService:
             return
         admin = self.view.admin_state(self.node_id)
         if admin == "draining":
-            self.begin_drain("admin state draining")
+            record = self.view.admin.get(self.node_id)
+            self.begin_drain("admin state draining", migrate=record is not None and record.migrate)
         elif self.state != "draining":
             self.state = "cordoned" if admin == "cordoned" else "serving"
 
