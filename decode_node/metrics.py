@@ -21,6 +21,9 @@ class DecodeMetrics:
         self.transfer_failures = get_or_create(registry, Counter, "pdcluster_kv_transfer_failures_total",
                                                "KV transfers that failed (timeout, checksum, peer lost)",
                                                ("backend",))
+        self.handbacks = get_or_create(registry, Counter, "pdcluster_node_handbacks_total",
+                                       "requests handed back to their router to run elsewhere with their KV, by why "
+                                       "(drain, rebalance)", ("reason",))
         self.remote_prefill_seconds = get_or_create(
             registry, Histogram, "pdcluster_node_remote_prefill_seconds",
             "Prefill sent to a prefill node -> KV landed and first token known", buckets=TRANSFER_BUCKETS)

@@ -26,6 +26,7 @@ from typing import Callable, Mapping
 from pdcluster.control.protocol import (
     Abort,
     Generate,
+    Handback,
     KVFetched,
     Load,
     Message,
@@ -160,6 +161,10 @@ class DecodeNode(NodeService):
     def handle(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, Generate):
             self._on_generate(identity, msg)
+        elif isinstance(msg, Handback):
+            req = self.requests.get(msg.rid)
+            if req is not None and req.owner == identity and self._hand_back([req], "its router rebalances"):
+                self.metrics.handbacks.labels("rebalance").inc()
         else:
             log.warning("decode node: dropped unexpected %s message", msg.TYPE)
 
@@ -451,17 +456,24 @@ class DecodeNode(NodeService):
             self._forget(req, "abort")
 
     def migrate_away(self) -> bool:
-        """Draining with migration: each request the engine runs (its tokens all delivered) ends here with
-        finish "migrate"; its router resumes it on another decode node after the tokens it has, naming this node
-        as the holder of its KV (kept in the prefix cache by the abort), which that node fetches (FetchKV)."""
+        """Draining with migration: every request the engine runs goes back to its router (`_hand_back`)."""
+        if self._hand_back(list(self.requests.values()), f"node {self.node_id} is draining"):
+            self.metrics.handbacks.labels("drain").inc()
+            return True
+        return False
+
+    def _hand_back(self, reqs: list[DecodeRequest], why: str) -> bool:
+        """End each of `reqs` that the engine runs (its tokens all delivered) with finish "migrate": its router
+        resumes it on another decode node after the tokens it has, naming this node as the holder of its KV (kept
+        in the prefix cache by the abort), which that node fetches (FetchKV). Only when another decode node takes
+        work; whether any went."""
         others = [n for n in self.view.nodes_by_role("decode") if n.node_id != self.node_id
                   and self.view.admin_state(n.node_id) == "active"]
         if not others:
             return False   # nowhere to go: they finish here
         moved: list[str] = []
-        for req in [r for r in self.requests.values() if r.state is State.ENGINE and r.backlog is None]:
-            if not self._send_to(req.owner, Tokens(rid=req.rid, ids=[], finish="migrate",
-                                                   error=f"node {self.node_id} is draining", pos=req.sent)):
+        for req in [r for r in reqs if r.state is State.ENGINE and r.backlog is None]:
+            if not self._send_to(req.owner, Tokens(rid=req.rid, ids=[], finish="migrate", error=why, pos=req.sent)):
                 continue   # its router is away: it finishes here
             self._forget(req, "migrated")
             moved.append(req.rid)

@@ -24,7 +24,17 @@ import uuid
 from collections import deque
 from typing import Any, Collection
 
-from pdcluster.control.protocol import Abort, Generate, LoraDone, Message, Progress, Reject, TokenBatch, Tokens
+from pdcluster.control.protocol import (
+    Abort,
+    Generate,
+    Handback,
+    LoraDone,
+    Message,
+    Progress,
+    Reject,
+    TokenBatch,
+    Tokens,
+)
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
 from pdcluster.router.cluster import NodeState, RouterCluster
@@ -36,6 +46,7 @@ from pdcluster.router.policies import (
     RoutingPolicy,
     best_cover,
     choose_prefill,
+    decode_load,
     note_assignment,
     prefill_locally_pays,
     prefix_holder,
@@ -45,6 +56,8 @@ from pdcluster.router.settings import RouterSettings
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.25  # how often a waiting stream re-checks node liveness and deadlines
+REBALANCE_INTERVAL_S = 1.0   # at most one stream moved per interval (the Load reports catch up meanwhile)
+MIN_REBALANCE_TOKENS = 16    # a stream with fewer tokens left to generate is not worth moving
 DEFAULT_MAX_TOKENS: int = SamplingParams.max_tokens   # a sampling dict without max_tokens gets the engines' default
 
 
@@ -118,6 +131,8 @@ class DecodeClient:
         self.metrics = metrics
         self.queues: dict[str, Mailbox] = {}   # per attempt rid: late replies to a left node are dropped
         self.replies: dict[str, asyncio.Future] = {}   # LoraAdapter ops in flight, by rid
+        self.streams: dict[str, RequestStream] = {}    # the attempt on a decode node of each open stream, by rid
+        self._rebalanced_at = 0.0
         self.tokens_received = 0   # generated token ids accepted from decode nodes (all streams, since start)
         self.dealers = PeerDealers(self._on_message, keys=cluster.keys, owner=settings.node_id)
         cluster.on_removed.append(self.dealers.drop)
@@ -171,6 +186,21 @@ class DecodeClient:
             await asyncio.sleep(POLL_INTERVAL)
             for queue in self.queues.values():   # wake() only schedules: the dict cannot change under us
                 queue.wake()
+            if self.settings.rebalance_threshold and time.monotonic() - self._rebalanced_at >= REBALANCE_INTERVAL_S:
+                self._rebalanced_at = time.monotonic()
+                self.rebalance()
+
+    def rebalance(self) -> None:
+        """When the busiest decode node (of a model) has more than `rebalance_threshold` requests over the least
+        busy, ask it to hand back (Handback) this router's stream there with the most tokens still to generate:
+        it resumes on another node, which fetches its KV from the busy one. One move per REBALANCE_INTERVAL_S."""
+        stream = rebalance_pick(self.cluster.candidates("decode"), list(self.streams.values()),
+                                self.settings.rebalance_threshold)
+        if stream is not None and stream._node_id is not None:
+            stream.handed_back = True
+            log.info("request %s: rebalancing away from %s", stream.request_id, stream._node_id,
+                     extra={"request_id": stream._rid})
+            self.dealers.send_existing(stream._node_id, Handback(rid=stream._rid))
 
     async def wait_for_node(self, model: str | None, deadline: float, request_id: str = "",
                             exclude: Collection[str] = frozenset()) -> None:
@@ -238,6 +268,25 @@ class DecodeClient:
         return decode, prefill, work, (holder[0].id, holder[1]) if holder is not None else None
 
 
+def rebalance_pick(nodes: list[NodeState], streams: list[RequestStream], threshold: int) -> RequestStream | None:
+    """Of `streams`, the one to move for `rebalance`: on the busiest of `nodes` (of its model) when that has more
+    than `threshold` requests over the least busy, the one with the most tokens left (at least
+    MIN_REBALANCE_TOKENS), not asked before. None when nothing should move."""
+    best: tuple[int, RequestStream] | None = None
+    for stream in streams:
+        node = next((n for n in nodes if n.id == stream._node_id), None)
+        peers = [n for n in nodes if stream.model is None or n.serves(stream.model)]
+        if node is None or stream.handed_back or stream.adapter is not None or len(peers) < 2:
+            continue
+        if decode_load(node) - min(decode_load(n) for n in peers) <= threshold \
+                or decode_load(node) < max(decode_load(n) for n in peers):
+            continue
+        left = stream.tokens_left
+        if left >= MIN_REBALANCE_TOKENS and (best is None or left > best[0]):
+            best = (left, stream)
+    return best[1] if best else None
+
+
 class RequestStream:
     def __init__(self, client: DecodeClient, prompt_ids: list[int], sampling: dict[str, Any],
                  deadline: float, model: str | None = None, adapter: Adapter | None = None) -> None:
@@ -257,6 +306,7 @@ class RequestStream:
         self._failed: set[str] = set()
         self._moved_from: set[str] = set()   # nodes that handed the request back (draining with migration)
         self._kv_holder: str | None = None   # the last of them: the next attempt fetches the KV from it
+        self.handed_back = False   # the router asked its node to hand it back (rebalancing): asked once
         self._retries = 0
         self._migrations = 0
         self._retry_after = 0.0
@@ -384,6 +434,7 @@ class RequestStream:
         self._attempt += 1
         self._rid = f"{self.request_id}.{self._attempt}"
         self._node_id = decode.id
+        self.client.streams[self._rid] = self
         self._queue = self.client.queues[self._rid] = Mailbox()
         self.client.start_ticker()   # what wakes this attempt's waits to check node, deadline and stall
         self._last_message = self._sent_at = time.monotonic()
@@ -425,6 +476,10 @@ class RequestStream:
             if time.monotonic() - self._last_message > stall:
                 return None
 
+    @property
+    def tokens_left(self) -> int:
+        return int(self.sampling.get("max_tokens", DEFAULT_MAX_TOKENS)) - len(self.output_ids)
+
     def _move_away(self, node_id: str, why: str) -> None:
         """The node handed the request back to run elsewhere (it drains with migration): not a failure and not
         counted against max_migrations; the next attempt's node fetches the KV of the prompt and the tokens so far
@@ -459,6 +514,7 @@ class RequestStream:
         if self._node_id is None:
             return
         queue = self.client.queues.pop(self._rid, None)
+        self.client.streams.pop(self._rid, None)
         if queue is not None:
             queue.wake()   # a reader waiting on it returns (and sees the stream finished)
         if send_abort:

@@ -40,6 +40,9 @@ class RouterSettings:
     routing_policy: str = knob("prefix_aware", "how a decode (and prefill) node is picked (docs/router.md)",
                                choices=ROUTING_POLICIES)
     disagg_min_tokens: int = knob(64, "shorter prompts with no cached prefix are prefilled on the decode node")
+    rebalance_threshold: int = knob(0, "decode nodes of a model whose running + waiting requests differ by more "
+                                       "than this: the router moves a long stream from the busiest to another, with "
+                                       "its KV (0: off)")
     prefix_fetch: bool = knob(True, "prefix_aware: a decode node fetches a prompt's prefix from the node whose pool "
                                     "holds more of it (FetchKV) instead of computing it")
     request_timeout: float = knob(600.0, "seconds from arrival to the last token")

@@ -390,3 +390,33 @@ def test_served_models_and_their_validation() -> None:
                        ("stall_timeout", float("nan")), ("retry_after", float("inf")), ("keep_alive_timeout", 0)]:
         with pytest.raises(ValueError, match=key):
             RouterSettings(**{key: value}).validate()
+
+
+def test_lora_requests_go_to_nodes_holding_the_adapter_else_to_ones_that_may_load_it() -> None:
+    from pdcluster.router.lora import Adapter, lora_nodes
+
+    holding = node("d1", loras=["sql"], max_loras=2)
+    able = node("d2", max_loras=2)
+    plain = node("d3")                                   # no enable_lora: never
+    nodes = [holding, able, plain]
+    assert lora_nodes(nodes, Adapter("sql", "m", "/adapters/sql")) == [holding]
+    assert lora_nodes([able, plain], Adapter("sql", "m", "/adapters/sql")) == [able]   # it loads it on arrival
+    assert lora_nodes([able, plain], Adapter("sql", "m", "")) == []                   # nowhere to load it from
+
+
+def test_rebalance_moves_the_longest_stream_off_the_busiest_node() -> None:
+    from pdcluster.router.decode_client import RequestStream, rebalance_pick
+
+    busy, idle = node("d1", running=5, free_blocks=100), node("d2", running=1, free_blocks=100)
+
+    def stream(node_id: str, max_tokens: int, done: int) -> RequestStream:
+        s = RequestStream(None, [1, 2, 3], {"max_tokens": max_tokens}, deadline=1e18)  # type: ignore[arg-type]
+        s._node_id, s.output_ids = node_id, [7] * done
+        return s
+
+    short, long, elsewhere = stream("d1", 100, 90), stream("d1", 500, 100), stream("d2", 900, 0)
+    assert rebalance_pick([busy, idle], [short, long, elsewhere], threshold=2) is long
+    assert rebalance_pick([busy, idle], [short, long, elsewhere], threshold=4) is None    # 5 - 1 is not > 4
+    long.handed_back = True
+    assert rebalance_pick([busy, idle], [short, long], threshold=2) is None    # short: 10 tokens left, not worth it
+    assert rebalance_pick([busy], [stream("d1", 500, 0)], threshold=0) is None  # nowhere to go

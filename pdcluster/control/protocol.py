@@ -196,6 +196,15 @@ class Abort(Message):
 
 
 @dataclass
+class Handback(Message):
+    """router -> decode: hand request `rid` back to run elsewhere (Tokens finish "migrate"; its KV then fetched from
+    this node), if it runs in the engine; else nothing happens. The router's rebalancing."""
+
+    TYPE: ClassVar[str] = "handback"
+    rid: str
+
+
+@dataclass
 class Prefill(Message):
     """decode -> prefill: compute the prompt's KV and write it into the reserved destination."""
 
@@ -412,8 +421,8 @@ class Pong(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Generate, Tokens, TokenBatch, Progress, Reject, Abort, Prefill, PrefillDone, FetchKV,
-                              KVFetched, LoraAdapter, LoraDone, Load, Ping, Pong)
+    cls.TYPE: cls for cls in (Generate, Tokens, TokenBatch, Progress, Reject, Abort, Handback, Prefill, PrefillDone,
+                              FetchKV, KVFetched, LoraAdapter, LoraDone, Load, Ping, Pong)
 }
 _TOKENS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Tokens) if f.default is not dataclasses.MISSING}
 
