@@ -163,8 +163,8 @@ class DecodeNode(NodeService):
             self._on_generate(identity, msg)
         elif isinstance(msg, Handback):
             req = self.requests.get(msg.rid)
-            if req is not None and req.owner == identity and self._hand_back([req], "its router rebalances"):
-                self.metrics.handbacks.labels("rebalance").inc()
+            if req is not None and req.owner == identity:
+                self.metrics.handbacks.labels("rebalance").inc(self._hand_back([req], "its router rebalances"))
         else:
             log.warning("decode node: dropped unexpected %s message", msg.TYPE)
 
@@ -457,29 +457,30 @@ class DecodeNode(NodeService):
 
     def migrate_away(self) -> bool:
         """Draining with migration: every request the engine runs goes back to its router (`_hand_back`)."""
-        if self._hand_back(list(self.requests.values()), f"node {self.node_id} is draining"):
-            self.metrics.handbacks.labels("drain").inc()
-            return True
-        return False
+        moved = self._hand_back(list(self.requests.values()), f"node {self.node_id} is draining")
+        self.metrics.handbacks.labels("drain").inc(moved)
+        return moved > 0
 
-    def _hand_back(self, reqs: list[DecodeRequest], why: str) -> bool:
+    def _hand_back(self, reqs: list[DecodeRequest], why: str) -> int:
         """End each of `reqs` that the engine runs (its tokens all delivered) with finish "migrate": its router
         resumes it on another decode node after the tokens it has, naming this node as the holder of its KV (kept
-        in the prefix cache by the abort), which that node fetches (FetchKV). Only when another decode node takes
-        work; whether any went."""
-        others = [n for n in self.view.nodes_by_role("decode") if n.node_id != self.node_id
+        in the prefix cache by the abort), which that node fetches (FetchKV). Only when another decode node of this
+        model takes work, and not for LoRA requests (whether another node serves the adapter is the routers'
+        knowledge); how many went."""
+        model = self.served_model_name()
+        others = [n for n in self.view.nodes_by_role("decode") if n.node_id != self.node_id and n.model == model
                   and self.view.admin_state(n.node_id) == "active"]
         if not others:
-            return False   # nowhere to go: they finish here
+            return 0   # nowhere to go: they finish here
         moved: list[str] = []
-        for req in [r for r in reqs if r.state is State.ENGINE and r.backlog is None]:
+        for req in [r for r in reqs if r.state is State.ENGINE and r.backlog is None and r.lora is None]:
             if not self._send_to(req.owner, Tokens(rid=req.rid, ids=[], finish="migrate", error=why, pos=req.sent)):
                 continue   # its router is away: it finishes here
             self._forget(req, "migrated")
             moved.append(req.rid)
         if moved:
             self.engine_thread.post(lambda e: _abort_each(e, moved))
-        return bool(moved)
+        return len(moved)
 
     def _fail(self, req: DecodeRequest, error: str, finish: str = "error") -> None:
         """finish "error": this node failed it (the router tries another); "invalid": the request itself is

@@ -64,6 +64,9 @@ class PrefixFetches:
                                       "partial, failed: none)", ("outcome",))
 
     def start(self, rid: str, blocks: list[int], hashes: list[int], source: str) -> None:
+        if rid in self.fetches:   # one fetch per request (the engine asks once): a second one ends empty at once
+            self.engine_thread.post(lambda e: e.kv_fetch_done(rid, blocks, 0))
+            return
         f = self.fetches[rid] = Fetch(rid, source, blocks)
         peer = self.view.nodes.get(source)
         if peer is None or source == self.node_id:

@@ -27,6 +27,7 @@ from pdcluster.engine.kv_events import DISK, HOST, POOL, STORED, KVEventLog
 from pdcluster.engine.kv_tiers import KVTiers, layout_key
 from pdcluster.engine.loader import checkpoint_fingerprint, load_eos_token_ids, load_tokenizer
 from pdcluster.engine.lora.request import LoRARequest
+from pdcluster.engine.lora.slots import LoRAUnavailable
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.engine.parallel import check_tensor_parallel
@@ -397,15 +398,18 @@ class LLMEngine:
             else:
                 self.num_prefill_tokens += n
         connector = self.kv_connector
-        if connector is None:
-            sampled, tokens, logprobs = self.runner.run(batch)
-        else:
-            prompts = _prompts_finishing(batch)
-            connector.on_step_start(prompts)
-            sampled, tokens, logprobs = self.runner.run(
-                batch, connector.on_layer_done if connector.layerwise and prompts else None)
-            for p in prompts:
-                connector.on_prompt_done(p.request_id, p.block_ids)
+        try:
+            if connector is None:
+                sampled, tokens, logprobs = self.runner.run(batch)
+            else:
+                prompts = _prompts_finishing(batch)
+                connector.on_step_start(prompts)
+                sampled, tokens, logprobs = self.runner.run(
+                    batch, connector.on_layer_done if connector.layerwise and prompts else None)
+                for p in prompts:
+                    connector.on_prompt_done(p.request_id, p.block_ids)
+        except LoRAUnavailable as exc:   # before the forward pass: nothing of the batch was computed
+            return failed + self._end_lora_requests(exc.name, str(exc))
         self.num_generated_tokens += len(sampled)
         self._rate_marks.append((time.monotonic(), self.num_generated_tokens))
         self._drop_old_rate_marks()
@@ -418,6 +422,16 @@ class LLMEngine:
                 if seq.stopped and seq.hold_blocks:
                     out.prompt_features = self.proposer.export_prompt_features(seq)
         return failed + outputs
+
+    def _end_lora_requests(self, name: str, error: str) -> list[RequestOutput]:
+        """End every request under adapter `name` with `error` (finish "abort"); the others go on next step."""
+        outputs = []
+        for seq in [s for s in self.scheduler.requests.values() if s.lora is not None and s.lora.lora_name == name]:
+            self.scheduler.abort(seq.request_id)
+            seq.error, seq.finish_reason = error, "abort"
+            outputs.append(_request_output(seq))
+        log.warning("%s: %d request(s) ended", error, len(outputs))
+        return outputs
 
     def _finish_tier_copies(self, timeout: float = 0.0) -> None:
         """Unpin the blocks the KV tiers finished storing; hand finished loads to the scheduler."""

@@ -154,9 +154,14 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         preempted = False
+        loras: set[str] = set()   # the adapters of the sequences in this batch (at most max_loras: LoRASlots)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if self.max_loras and seq.lora is not None and seq.lora.lora_name not in loras \
+                    and len(loras) >= self.max_loras:
+                i += 1   # its adapter waits for a slot (remote prefills land beside any adapter): a later step
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
             del seq.spec_token_ids[max(n - 1, 0):]   # drafts past the budget wait (a decoding sequence: n = 1 + drafts)
             while not bm.allocate(seq, seq.num_computed_tokens + n):
@@ -172,6 +177,8 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_new_tokens.append(n)
                 budget -= n
+                if seq.lora is not None:
+                    loras.add(seq.lora.lora_name)
                 i += 1
         if preempted:
             return batch

@@ -276,7 +276,8 @@ def rebalance_pick(nodes: list[NodeState], streams: list[RequestStream], thresho
     for stream in streams:
         node = next((n for n in nodes if n.id == stream._node_id), None)
         peers = [n for n in nodes if stream.model is None or n.serves(stream.model)]
-        if node is None or stream.handed_back or stream.adapter is not None or len(peers) < 2:
+        if node is None or stream.handed_back or stream.adapter is not None or len(peers) < 2 \
+                or not stream.output_ids:   # not prefilled yet: nothing to take along
             continue
         if decode_load(node) - min(decode_load(n) for n in peers) <= threshold \
                 or decode_load(node) < max(decode_load(n) for n in peers):
@@ -426,6 +427,9 @@ class RequestStream:
             decode, prefill, self._prefill_work, source = self.client.place(
                 self.prompt_ids + self.output_ids, max_tokens - len(self.output_ids), exclude, self.model,
                 self.sampling.get("prompt_logprobs") is None, self.adapter, self._kv_holder)
+            # the hand-back is one move: later attempts may go anywhere (back there too), the index decides
+            self._kv_holder = None
+            self._moved_from.clear()
         except NoCapacity as exc:
             if self._rejected:
                 raise NoCapacity(f"all decode nodes rejected the request ({len(self._rejected)} tried)",

@@ -81,15 +81,16 @@ class LoraRegistry:
     async def load(self, dealers, replies: dict[str, asyncio.Future], name: str, path: str, parent: str) -> None:
         """Load adapter `name` from `path` on every node of `parent` that runs with enable_lora; APIError (400)
         naming the nodes that refused."""
-        if name in self.models or name in self.loaded:
+        if name in self.models or self.find(name) is not None:   # here, or held by a node (lora_modules, a router)
             raise bad_request(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
         nodes = [n for role in ("decode", "prefill") for n in self.cluster.nodes(role)
                  if n.serves(parent) and runs_lora(n)]
         if not any(n.info.role == "decode" for n in nodes):
             raise bad_request(f"no decode node of model '{parent}' runs with enable_lora", param="lora_name")
         errors = await self._each(dealers, replies, nodes, name, path)
-        if errors:
-            await self._each(dealers, replies, nodes, name, "")   # leave no node holding half of it
+        if errors:   # leave no node holding half of it: unload where it loaded
+            failed = {e.split(":", 1)[0] for e in errors}
+            await self._each(dealers, replies, [n for n in nodes if n.id not in failed], name, "")
             raise bad_request(f"LoRA adapter '{name}' could not be loaded: " + "; ".join(errors), param="lora_path")
         self.loaded[name] = Adapter(name, parent, path)
 

@@ -330,3 +330,59 @@ async def test_async_engine_takes_a_lora_request(lora_setup):
     finally:
         engine.shutdown()
     assert out.outputs[0].token_ids == refs["qv4"][0] and base_out.outputs[0].token_ids == refs[None][0]
+
+
+def _finish(engine, rid: str, prompt, lora) -> object:
+    engine.add_request(rid, prompt, GREEDY, lora=lora)
+    out = None
+    while engine.has_unfinished_requests():
+        out = next((o for o in engine.step() if o.finished and o.request_id == rid), out)
+    return out
+
+
+def test_a_remote_prefill_landing_beside_another_adapter_waits_for_a_slot(lora_setup, make_engine):
+    """max_loras 1: a request whose KV another node computed lands (it skips admission) while one of another
+    adapter runs; the step takes one adapter's rows at a time instead of failing, both outputs exact."""
+    base, paths, refs = lora_setup
+    engine = make_engine(base, **ENGINE, max_loras=1)
+    reqs = _requests(paths)
+    engine.add_request("local", PROMPTS[0], GREEDY, lora=reqs["all8"])
+    engine.step()
+    # the remote side: the KV of PROMPTS[1] under qv4, computed by a second engine, copied into the reservation
+    donor = make_engine(base, **ENGINE, max_loras=1)
+    donor.add_request("d", PROMPTS[1], SamplingParams(temperature=0, max_tokens=1), hold_blocks=True,
+                      lora=reqs["qv4"])
+    first = None
+    while first is None:
+        first = next((o for o in donor.step() if o.finished), None)
+    assert engine.add_request("remote", PROMPTS[1], GREEDY, remote_kv=True, lora=reqs["qv4"])
+    seq = engine.scheduler.requests["remote"]
+    for src, dst in zip(first.block_ids, seq.block_table, strict=False):
+        engine.kv_pool.block(dst).copy_(donor.kv_pool.block(src))
+    donor.abort("d")
+    outs = {o.request_id: o for o in [engine.remote_kv_landed("remote", first.new_token_ids[0])]}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert outs["local"].outputs[0].token_ids == refs["all8"][0]
+    assert outs["remote"].outputs[0].token_ids == refs["qv4"][1]
+
+
+def test_an_adapter_whose_files_went_away_ends_its_requests_only(lora_setup, make_engine, tmp_path):
+    """With one host-cache entry, an evicted adapter is re-read from disk when it gets a slot again; its files gone,
+    its requests end with the error, the slot table stays as it was (no other adapter's weights run under its
+    name), the engine serves on, and once the files are back it is exact again."""
+    import shutil
+
+    base, paths, refs = lora_setup
+    moved = str(tmp_path / "qv4")
+    shutil.copytree(paths["qv4"], moved)
+    engine = make_engine(base, **ENGINE, max_loras=1, max_cpu_loras=1)
+    qv4, all8 = LoRARequest("qv4", 1, moved), _requests(paths)["all8"]
+    assert _finish(engine, "a", PROMPTS[0], qv4).outputs[0].token_ids == refs["qv4"][0]
+    assert _finish(engine, "b", PROMPTS[0], all8).outputs[0].token_ids == refs["all8"][0]   # qv4 leaves the cache
+    shutil.move(moved, moved + ".away")
+    gone = _finish(engine, "c", PROMPTS[0], qv4)
+    assert gone.finished and gone.error and "qv4" in gone.error
+    assert _finish(engine, "d", PROMPTS[2], all8).outputs[0].token_ids == refs["all8"][2]
+    shutil.move(moved + ".away", moved)
+    assert _finish(engine, "e", PROMPTS[0], qv4).outputs[0].token_ids == refs["qv4"][0]

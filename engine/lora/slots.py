@@ -28,6 +28,15 @@ from pdcluster.engine.step_inputs import StepInputs
 SlotLoad = tuple[int, str, str, str]
 
 
+class LoRAUnavailable(ValueError):
+    """An adapter a step needs cannot be read any more (its files moved, changed, or broke since it was added):
+    the engine ends that adapter's requests with this error and serves the others."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(reason if name in reason else f"LoRA adapter {name!r}: {reason}")
+        self.name = name
+
+
 class LoRASlots:
     def __init__(self, model: nn.Module, config: ModelConfig, lora: LoRAConfig, dtype: torch.dtype,
                  device: torch.device, tp: TPGroup) -> None:
@@ -127,6 +136,11 @@ class LoRASlots:
             if name in self.slot_of:
                 self.slot_of.move_to_end(name)
                 continue
+            request, content_hash = self.known[name]
+            try:   # read it now, before any slot changes hands: a failure leaves every slot as it was
+                self._adapter(name, request.lora_path, content_hash)
+            except ValueError as exc:
+                raise LoRAUnavailable(name, str(exc)) from None
             taken = set(self.slot_of.values())
             free = [s for s in range(self.lora.max_loras) if s not in taken]
             if free:
@@ -134,7 +148,6 @@ class LoRASlots:
             else:   # the least recently used resident adapter not in this step leaves its slot
                 victim = next(v for v in self.slot_of if v not in names)
                 slot = self.slot_of.pop(victim)
-            request, content_hash = self.known[name]
             loads.append((slot, name, request.lora_path, content_hash))
             self.slot_of[name] = slot
         slots = torch.full((inputs.ids.shape[0],), -1, dtype=torch.int32)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_LENDING = 4   # copies to other nodes at once
+MAX_LEND_S = 30.0  # the longest a copy may hold its pins, whatever the asking node's timeout_s
 
 
 class KVLender:
@@ -53,8 +54,8 @@ class KVLender:
             return
         hashes = list(msg.block_hashes[:len(dst.block_ids)])
         self.lending.add(msg.rid)
-        task = asyncio.create_task(self._lend(identity, msg.rid, dst, hashes, max(msg.timeout_s, 0.1)),
-                                   name=f"kv-lend:{msg.rid}")
+        timeout = min(max(msg.timeout_s, 0.1), MAX_LEND_S)
+        task = asyncio.create_task(self._lend(identity, msg.rid, dst, hashes, timeout), name=f"kv-lend:{msg.rid}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
