@@ -111,6 +111,8 @@ class LoraRegistry:
                     path: str) -> list[str]:
         """Send the op to every node at once; the errors ("node: why"), a node that does not answer in time
         included."""
+        if not nodes:
+            return []
         loop = asyncio.get_running_loop()
         waits: dict[str, asyncio.Future] = {}
         for node in nodes:

@@ -41,7 +41,23 @@ def setup(tmp_path_factory):
                                   "lora_modules": [f"a={adapters['a']}", f"b={adapters['b']}"]},
                      router_config={"disagg_min_tokens": 0})
     with c:
+        wait_listed(c, {"a", "b"})   # the nodes' first Load reports name the adapters they hold
         yield c, model, adapters
+
+
+def wait_listed(cluster: LocalCluster, names: set[str], timeout: float = 20.0) -> None:
+    import json
+    import time
+    import urllib.request
+
+    end = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(cluster.url + "/v1/models", timeout=5) as r:
+            listed = {m["id"] for m in json.loads(r.read())["data"]}
+        if names <= listed:
+            return
+        assert time.monotonic() < end, f"the router lists {sorted(listed)}, not {sorted(names)}"
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
