@@ -414,14 +414,9 @@ class DecodeNode(NodeService):
         if req.timer is not None:
             req.timer.cancel()
         self.peers.send_existing(req.prefill_node, Abort(rid=rid))
-        self.receiver.cancel(rid)
-        try:
-            await self.receiver.wait(rid, timeout=self.kv_release_timeout)
-        except TimeoutError:
+        if not await self.receiver.settle(rid, self.kv_release_timeout):
             log.error("request %s: receiver kept the reservation past %s s; freeing its blocks anyway",
                       rid, self.kv_release_timeout)
-        except Exception:
-            pass  # resolved (as failed or unknown): no write can land any more
         if req.state is State.ABORTING:
             self.engine_thread.post(lambda e: e.abort(rid))
             self._forget(req, "abort")

@@ -117,14 +117,9 @@ class PrefixFetches:
         self.spawn(self._settle(f, reason), f"kv-fetch-release:{rid}")
 
     async def _settle(self, f: Fetch, reason: str) -> None:
-        self.receiver.cancel(f.key)
-        try:
-            await self.receiver.wait(f.key, timeout=self.release_timeout)
-        except TimeoutError:
+        if not await self.receiver.settle(f.key, self.release_timeout):
             log.error("request %s: receiver kept the fetch's reservation past %s s; its blocks are recomputed "
                       "anyway", f.rid, self.release_timeout)
-        except Exception:
-            pass   # resolved as failed: no write can land any more
         self._end(f, 0, reason)
 
     def holder_left(self, node_id: str) -> None:

@@ -180,6 +180,18 @@ class KVReceiver:
             raise TimeoutError(f"kv transfer {request_id!r}: no result within {timeout} s") from None
         return result.raise_if_failed()
 
+    async def settle(self, request_id: str, timeout: float) -> bool:
+        """Cancel the reservation and wait until no write into its blocks can land any more; False when the
+        receiver still held it after `timeout` (its blocks are to be reused anyway)."""
+        self.cancel(request_id)
+        try:
+            await self.wait(request_id, timeout=timeout)
+        except TimeoutError:
+            return False
+        except Exception:
+            pass   # resolved as failed (or already taken): no write can land any more
+        return True
+
     def close(self) -> None:
         """Stop serving; whoever still waits gets a failed result (code "closed")."""
         self._closed.set()
