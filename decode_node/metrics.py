@@ -23,7 +23,7 @@ class DecodeMetrics:
                                                ("backend",))
         self.handbacks = get_or_create(registry, Counter, "pdcluster_node_handbacks_total",
                                        "requests handed back to their router to run elsewhere with their KV, by why "
-                                       "(drain, rebalance)", ("reason",))
+                                       "(drain, rebalance, pressure)", ("reason",))
         self.remote_prefill_seconds = get_or_create(
             registry, Histogram, "pdcluster_node_remote_prefill_seconds",
             "Prefill sent to a prefill node -> KV landed and first token known", buckets=TRANSFER_BUCKETS)

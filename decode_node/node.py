@@ -30,6 +30,9 @@ from pdcluster.control.protocol import (
     KVFetched,
     Load,
     Message,
+    MoveAway,
+    PreCopied,
+    PreCopy,
     Prefill,
     PrefillDone,
     Progress,
@@ -42,6 +45,7 @@ from pdcluster.control.records import NodeInfo
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import PeerDealers
 from pdcluster.decode_node.metrics import DecodeMetrics
+from pdcluster.decode_node.pre_copy import PreCopies
 from pdcluster.decode_node.prefix_fetch import PrefixFetches
 from pdcluster.decode_node.request import DecodeRequest, RemoteFailure, State
 from pdcluster.engine.kv_connector import KVConnector
@@ -53,6 +57,10 @@ from pdcluster.node.config import NodeConfig, engine_args_from_config
 from pdcluster.node.service import NodeService
 
 log = logging.getLogger(__name__)
+
+MOVE_ASK_TIMEOUT_S = 15.0   # a draining node hands a request back itself when its router did not within this
+MOVE_REASK_S = 1.0          # meanwhile it asks again this often (the router may not see a target node yet)
+MAX_MOVES = 4               # requests a draining node has on the move at once (each pre-copy takes a lending slot)
 
 
 class RemoteKVConnector(KVConnector):
@@ -97,7 +105,7 @@ class DecodeNode(NodeService):
         shm_name = self.shm.name if self.shm is not None and pool.device.type == "cpu" else None
         # A device pool: the collective backend (hccl/nccl) writes into it, no shm.
         self.receiver = KVReceiver(pool, host=config.host, port=config.kv_port, shm_name=shm_name,
-                                   auth_key=self.kv_key)
+                                   auth_key=self.kv_key, total_kv_heads=engine.kv_pool.model_kv_heads)
         self.peers = PeerDealers(self._on_peer_message, keys=self.keys)
         self.frame_sources["peers"] = self.peers.dropped
         self.frame_sources["kv"] = self.receiver.dropped   # refused KV connections and malformed KV frames
@@ -108,6 +116,10 @@ class DecodeNode(NodeService):
         self._remote_tasks: set[asyncio.Task] = set()
         self.fetches = PrefixFetches(self.node_id, self.receiver, self.peers, self.view, self.engine_thread,
                                      self.kv_landing_timeout, self.kv_release_timeout, self.registry, self._spawn)
+        self.precopies = PreCopies(self.node_id, self.view, self.engine_thread, self._send_to, self.registry)
+        self.fetches.on_end = self.precopies.fetched
+        self.preempt_migrate = config.preempt_migrate
+        self._relieving: str | None = None   # the request this node asked to move for pool pressure
         self._heartbeats: asyncio.Task | None = None
 
     def _make_shared_pool(self, device: str | None, shape: tuple[int, ...], dtype):
@@ -163,8 +175,14 @@ class DecodeNode(NodeService):
             self._on_generate(identity, msg)
         elif isinstance(msg, Handback):
             req = self.requests.get(msg.rid)
-            if req is not None and req.owner == identity:
-                self.metrics.handbacks.labels("rebalance").inc(self._hand_back([req], "its router rebalances"))
+            if req is not None and req.owner == identity and req.state is State.ENGINE and req.handback_from < 0:
+                req.handback_from = req.sent
+                self._hand_back_at_boundary(req)
+        elif isinstance(msg, PreCopy):
+            if self.state == "serving":
+                self.precopies.handle(identity, msg)
+            else:
+                self._send_to(identity, PreCopied(rid=msg.rid, error=f"node {self.node_id} is {self.state}"))
         else:
             log.warning("decode node: dropped unexpected %s message", msg.TYPE)
 
@@ -236,6 +254,8 @@ class DecodeNode(NodeService):
         resumed_ids = list(msg.resume_ids) if params.structured_outputs is not None else []
         if params.prompt_logprobs is not None or resumed_ids:   # prompt logprobs: the prompt's logits are needed here
             self._prefill_locally(req, resumed_ids, fetch)
+        elif self.engine.rank_sliced_pool:   # no KV can land in a TP device pool yet: its ranks prefill it
+            self._prefill_locally(req, fetch_blocks=fetch)
         elif peer is not None and peer.role == "prefill":
             self._prefill_remotely(req, peer, fetch)
         else:
@@ -259,10 +279,11 @@ class DecodeNode(NodeService):
 
     def _start_fetch(self, rid: str, block_ids: list[int], block_hashes: list[int]) -> None:
         req = self.requests.get(rid)
-        if req is None or not req.kv_source:   # aborted meanwhile: the fetch ends empty (its blocks unpinned)
+        source = req.kv_source if req is not None else self.precopies.source_of(rid)
+        if not source:   # aborted meanwhile: the fetch ends empty (its blocks unpinned)
             self.engine_thread.post(lambda e: e.kv_fetch_done(rid, block_ids, 0))
             return
-        self.fetches.start(rid, block_ids, block_hashes, req.kv_source)
+        self.fetches.start(rid, block_ids, block_hashes, source)
 
     def _engine_call(self, req: DecodeRequest, fn: Callable[[LLMEngine], object], error: str) -> None:
         """`fn` on the engine thread; if it raises, the request fails with `error` (its abort frees the blocks)."""
@@ -450,32 +471,90 @@ class DecodeNode(NodeService):
             self.engine_thread.post(lambda e: e.abort(rid))   # queued behind any add: it frees what that took
             self._forget(req, "abort")
 
-    def migrate_away(self) -> bool:
-        """Draining with migration: every request the engine runs goes back to its router (`_hand_back`)."""
-        moved = self._hand_back(list(self.requests.values()), f"node {self.node_id} is draining")
-        self.metrics.handbacks.labels("drain").inc(moved)
-        return moved > 0
+    def migrate_away(self) -> None:
+        """Draining with migration: ask the router of each request the engine runs to move it (MoveAway: it
+        pre-copies the KV to another node, then sends Handback), MAX_MOVES at a time; one whose router stays silent
+        for MOVE_ASK_TIMEOUT_S is handed back anyway."""
+        now = time.monotonic()
+        moving = sum(1 for r in self.requests.values() if r.move_reason == "drain")
+        for req in list(self.requests.values()) if self._other_decode_nodes() else []:
+            if req.state is not State.ENGINE or req.lora is not None or req.handback_from >= 0:
+                continue
+            if req.move_reason != "drain":
+                if moving < MAX_MOVES:
+                    self._ask_move(req, "drain")
+                    moving += req.move_reason == "drain"
+            elif now - req.move_nagged >= MOVE_REASK_S:
+                req.move_nagged = now
+                self._send_to(req.owner, MoveAway(rid=req.rid, reason="drain"))
+        self._overdue_moves(now)
 
-    def _hand_back(self, reqs: list[DecodeRequest], why: str) -> int:
-        """End each of `reqs` that the engine runs (its tokens all delivered) with finish "migrate": its router
-        resumes it on another decode node after the tokens it has, naming this node as the holder of its KV (kept
-        in the prefix cache by the abort), which that node fetches (FetchKV). Only when another decode node of this
-        model takes work, and not for LoRA requests (whether another node serves the adapter is the routers'
-        knowledge); how many went."""
+    def _ask_move(self, req: DecodeRequest, reason: str) -> None:
+        if self._send_to(req.owner, MoveAway(rid=req.rid, reason=reason)):
+            req.move_reason, req.move_asked = reason, time.monotonic()
+            req.move_nagged = req.move_asked
+            log.info("request %s: asked its router to move it (%s)", req.rid, reason, extra={"request_id": req.rid})
+
+    def _overdue_moves(self, now: float) -> None:
+        """Asks the router left unanswered: a draining node hands the request back without a pre-copy; a node
+        under pool pressure lets the engine preempt as usual and may ask for another request."""
+        for req in list(self.requests.values()):
+            if not req.move_reason or req.handback_from >= 0 or now - req.move_asked <= MOVE_ASK_TIMEOUT_S:
+                continue
+            if req.move_reason == "drain":
+                req.handback_from = req.sent
+                self._hand_back_at_boundary(req)
+            elif req.rid == self._relieving:
+                self._relieving = None
+
+    def _relieve_pressure(self) -> None:
+        """preempt_migrate: when the pool is about to preempt (fewer free blocks than two per running request:
+        each may need one at its next block boundary, and the move hands its request back only at the one after),
+        ask the router to move the newest running request to another node with its KV, one at a time."""
+        stats = self.engine_stats()
+        if self._relieving is not None or self.state != "serving" or stats.num_free_blocks >= 2 * stats.num_running:
+            return
+        victim = next((r for r in reversed(self.requests.values()) if r.state is State.ENGINE and r.lora is None
+                       and not r.move_reason and r.handback_from < 0 and r.backlog is None), None)
+        if victim is not None:
+            self._ask_move(victim, "pressure")
+            if victim.move_reason:
+                self._relieving = victim.rid
+
+    def _hand_back_at_boundary(self, req: DecodeRequest) -> None:
+        """Hand `req` back (its router asked) once its KV lies in full blocks only: all its tokens but the last
+        fill whole blocks, so the next node fetches every one and recomputes nothing. After a block's worth of
+        tokens without such a step (speculative steps may jump over it), at once."""
+        if (len(req.prompt_ids) + req.sent - 1) % self.block_size and req.sent - req.handback_from < self.block_size:
+            return
+        reason = req.move_reason or "rebalance"
+        if self._hand_back(req, f"its router moves it ({reason})"):
+            self.metrics.handbacks.labels(reason).inc()
+            self.handed_back_at = time.monotonic()
+        else:   # nowhere to go, or the router is away: it goes on here (a drain asks again later)
+            req.handback_from, req.move_reason = -1, ""
+
+    def _hand_back(self, req: DecodeRequest, why: str) -> bool:
+        """End `req` (the engine runs it, its tokens all delivered) with finish "migrate": its router resumes it on
+        another decode node after the tokens it has, naming this node as the holder of its KV (kept in the prefix
+        cache by the abort), which that node fetches (FetchKV). Only when another decode node of this model takes
+        work, not for a LoRA request (whether another node serves the adapter is the routers' knowledge), and
+        not while its router is away; whether it went."""
+        if req.state is not State.ENGINE or req.backlog is not None or req.lora is not None \
+                or not self._other_decode_nodes():
+            return False
+        if not self._send_to(req.owner, Tokens(rid=req.rid, ids=[], finish="migrate", error=why, pos=req.sent)):
+            return False
+        self._forget(req, "migrated")
+        rid = req.rid
+        self.engine_thread.post(lambda e: e.abort(rid))
+        return True
+
+    def _other_decode_nodes(self) -> bool:
+        """Whether another decode node of this model takes work (a request handed back has somewhere to go)."""
         model = self.served_model_name()
-        others = [n for n in self.view.nodes_by_role("decode") if n.node_id != self.node_id and n.model == model
-                  and self.view.admin_state(n.node_id) == "active"]
-        if not others:
-            return 0   # nowhere to go: they finish here
-        moved: list[str] = []
-        for req in [r for r in reqs if r.state is State.ENGINE and r.backlog is None and r.lora is None]:
-            if not self._send_to(req.owner, Tokens(rid=req.rid, ids=[], finish="migrate", error=why, pos=req.sent)):
-                continue   # its router is away: it finishes here
-            self._forget(req, "migrated")
-            moved.append(req.rid)
-        if moved:
-            self.engine_thread.post(lambda e: _abort_each(e, moved))
-        return len(moved)
+        return any(n.node_id != self.node_id and n.model == model and self.view.admin_state(n.node_id) == "active"
+                   for n in self.view.nodes_by_role("decode"))
 
     def _fail(self, req: DecodeRequest, error: str, finish: str = "error") -> None:
         """finish "error": this node failed it (the router tries another); "invalid": the request itself is
@@ -490,6 +569,9 @@ class DecodeNode(NodeService):
     def _forget(self, req: DecodeRequest, outcome: str) -> None:
         if self.requests.get(req.rid) is req:
             del self.requests[req.rid]
+            self.precopies.release(req.rid)
+            if req.rid == self._relieving:
+                self._relieving = None
             req.move(State.GONE)
             req.outcome = outcome
             self.metrics.requests.labels(outcome).inc()
@@ -503,6 +585,9 @@ class DecodeNode(NodeService):
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         batches: dict[bytes, list[tuple[DecodeRequest, Tokens]]] = {}
+        if self.precopies.holds:   # a migrated request runs: its prefix hits hold the pre-copied blocks now
+            for out in outputs:
+                self.precopies.release(out.request_id)
         for out in outputs:
             req = self.requests.get(out.request_id)
             if req is None or req.state is not State.ENGINE:
@@ -519,9 +604,13 @@ class DecodeNode(NodeService):
                     req.delivered(now)
                     if req.state is State.FINISHED:
                         self._forget(req, req.outcome)
+                    elif req.handback_from >= 0:
+                        self._hand_back_at_boundary(req)
             else:
                 for req, msg in items:
                     req.hold(msg)
+        if self.preempt_migrate:
+            self._relieve_pressure()
 
     # ---- the router link: acknowledgements, heartbeats, held tokens ---------------------------------
 
@@ -548,6 +637,7 @@ class DecodeNode(NodeService):
         """Flush held tokens; one Progress per router listing its silent requests; abort the requests of a
         router that stayed unreachable past `router_reconnect_timeout`."""
         now = time.monotonic()
+        self._overdue_moves(now)
         silent: dict[bytes, list[DecodeRequest]] = {}
         for req in list(self.requests.values()):
             if req.backlog is not None:
@@ -571,11 +661,6 @@ class DecodeNode(NodeService):
             self.abort(req.rid, "router unreachable")
         for router in gone:
             del self._unreachable[router]
-
-
-def _abort_each(engine: LLMEngine, rids: list[str]) -> None:
-    for rid in rids:
-        engine.abort(rid)
 
 
 def main(config: NodeConfig) -> int:

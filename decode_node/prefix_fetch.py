@@ -59,6 +59,7 @@ class PrefixFetches:
         self.release_timeout = release_timeout
         self.spawn = spawn
         self.fetches: dict[str, Fetch] = {}   # by request id
+        self.on_end: Callable[[str, int, str], None] | None = None   # (rid, blocks landed, why not all) at each end
         self.outcomes = get_or_create(registry, Counter, "pdcluster_node_kv_fetches_total",
                                       "prefix fetches from other nodes by outcome (ok: every block asked for, "
                                       "partial, failed: none)", ("outcome",))
@@ -142,3 +143,5 @@ class PrefixFetches:
                         extra={"request_id": f.rid})
         rid, blocks = f.rid, f.blocks
         self.engine_thread.post(lambda e: e.kv_fetch_done(rid, blocks, done))
+        if self.on_end is not None:
+            self.on_end(rid, done, reason)

@@ -96,6 +96,10 @@ class DecodeRequest:
     last_sent: float = 0.0  # monotonic time of the last message that reached the router
     backlog: Tokens | None = None  # tokens the router could not take yet (merged), sent when it is back
     outcome: str = ""  # stop | length (the engine's finish) | abort | error: set on FINISHED / GONE
+    handback_from: int = -1  # `sent` when the router asked for it back (Handback); -1: not asked
+    move_reason: str = ""  # why this node asked its router to move it (MoveAway: drain, pressure); "": not asked
+    move_asked: float = 0.0  # monotonic time of that ask
+    move_nagged: float = 0.0  # ... and of the last time it asked again (a draining node repeats it)
 
     def move(self, state: State) -> None:
         self.state = check_move(_NEXT, self.state, state, f"request {self.rid!r}")

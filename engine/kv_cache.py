@@ -17,9 +17,11 @@ row as `head_dim` int8 values followed by its fp16 scale (2 bytes, symmetric: sc
 prefix cache. An fp16 scale (not fp32) keeps a head_dim 64 row at 66 bytes, 1.94x fewer than bf16.
 
 Under tensor parallelism on CPU the pool holds every rank's heads, shared by the rank processes (2 * tp
-planes per layer, rank r's K and V at 2r and 2r + 1): KV transfer moves a block's planes unchanged between
-engines of the same tensor_parallel_size (rank i's heads land in rank i's planes). A device rank's pool is
-its own slice (tp = 1 here).
+planes per layer, rank r's K and V at 2r and 2r + 1; rank r holds the model's KV heads
+`device.rank_kv_heads(num_kv_heads, r, tp)`: an equal share, or a copy of one head when the model has fewer KV
+heads than ranks). KV transfer moves a block's planes unchanged between engines of the same tensor_parallel_size
+(rank i's heads land in rank i's planes) and regroups the heads between engines of different sizes
+(kv_transfer/regroup.py). A device rank's pool is its own slice (tp = 1 here).
 
 A latent pool (an MLA model, `ModelConfig.kv_latent_dim` > 0: DeepSeek-V2/V3) has ONE plane per layer whatever
 the tensor-parallel size, `[num_layers, 1, num_blocks, block_size, 1, row]`: each (token, layer) row is the
@@ -122,6 +124,9 @@ class KVCachePool:
         self.num_blocks, self.num_layers, self.block_size, self.num_kv_heads = num_blocks, num_layers, block_size, \
             num_kv_heads
         self.tp = tp
+        # The model's KV heads when the tensor holds every rank's (KV transfer's total_kv_heads, make_pool sets
+        # it); None for one device rank's own slice under tensor parallelism.
+        self.model_kv_heads: int | None = None
         self.head_dim = head_dim
         self.dtype = dtype
         self.quantized = dtype == torch.int8
@@ -239,6 +244,7 @@ def make_pool(config: ModelConfig, block_size: int, dtype: torch.dtype, device: 
     kv_heads, dim, latent = pool_geometry(config, tp)
     pool = KVCachePool(num_blocks, config.num_layers, block_size, kv_heads, dim, dtype, device,
                        tensor=tensor, tp=pool_tp, latent=latent)
+    pool.model_kv_heads = config.num_kv_heads if pool_tp == tp else None
     if tp == 1:
         return pool, None
     ranks = RankPools(num_blocks, block_size, kv_heads, dtype)

@@ -136,7 +136,7 @@ class LLMEngine:
         a = self.args
         if not (a.kv_offload_host_bytes or a.kv_offload_disk_bytes):
             return None
-        if self.tp_size > 1 and self.device.type != "cpu":
+        if self.rank_sliced_pool:
             raise ValueError("kv_offload_*: the KV tiers need the whole pool in one tensor; with "
                              "tensor_parallel_size > 1 on a device each rank holds its own slice (not supported yet)")
         if self.proposer is not None and self.proposer.writes_kv:
@@ -153,10 +153,16 @@ class LLMEngine:
         return tiers
 
     @property
+    def rank_sliced_pool(self) -> bool:
+        """Tensor parallelism on a device: each rank's KV pool is its own slice in its own process, so rank 0's
+        pool is not the whole KV (no KV transfer, tier or lending of it)."""
+        return self.tp_size > 1 and self.device.type != "cpu"
+
+    @property
     def copies_blocks(self) -> bool:
         """Whether a block of the pool is the whole of a prefix's KV, so copying it elsewhere (a tier, another
         node) and back is exact: not with TP on a device (each rank a slice), a drafter's own KV, or StreamingLLM."""
-        return not (self.tp_size > 1 and self.device.type != "cpu") \
+        return not self.rank_sliced_pool \
             and not (self.proposer is not None and self.proposer.writes_kv) \
             and self.scheduler.block_manager.enable_prefix_caching
 
@@ -308,6 +314,16 @@ class LLMEngine:
         self.num_fetched_blocks += done
         self.num_fetch_missed_blocks += len(block_ids) - done
         self.scheduler.prefix_load_done(request_id, list(block_ids), done)
+
+    def prefetch(self, request_id: str, token_ids: list[int], num_blocks: int) -> tuple[int, bool]:
+        """A live migration's pre-copy: the first `num_blocks` blocks of `token_ids` (a request running on another
+        node, which holds them) into this pool's prefix cache, held under `request_id` until `abort(request_id)`,
+        so the request's next attempt here finds them as prefix hits. The blocks this pool lacks are fetched
+        (`KVConnector.on_fetch`, then `kv_fetch_done`). Returns (blocks held from this pool, whether a fetch
+        started); no fetch when this engine cannot copy blocks or holds them all."""
+        seq = self._new_sequence(request_id, token_ids, SamplingParams(max_tokens=1))
+        seq.fetch_blocks = max(0, int(num_blocks)) if self.scheduler.fetch is not None else 0
+        return self.scheduler.prefetch(seq)
 
     def pin_cached(self, block_hashes: list[int]) -> list[int]:
         """Pin the pool blocks published under the leading `block_hashes` (for a copy to another node); returns

@@ -106,6 +106,7 @@ class Scheduler:
         # those blocks into pinned `blocks`; the node reports the end with `prefix_load_done`.
         self.fetch: Callable[[str, list[int], list[int]], None] | None = None
         self.fetching: dict[str, Sequence] = {}             # LOADING_KV: prefixes being fetched from another node
+        self.held: dict[str, Sequence] = {}                 # LOADING_KV: pre-copied prefixes held (`prefetch`)
         self.on_reserved: Callable[[Sequence], None] | None = None   # a deferred remote-KV reservation was made
         self.num_preemptions = 0
         self.max_loras = 0   # LoRA: most distinct adapters among the running (0: no limit; engine/lora/)
@@ -257,6 +258,21 @@ class Scheduler:
         self.fetch(seq.request_id, list(blocks), hashes)
         return True
 
+    def prefetch(self, seq: Sequence) -> tuple[int, bool]:
+        """A live migration's pre-copy: `seq` (never scheduled) takes its cached leading blocks and fetches the
+        next ones up to `seq.fetch_blocks` from another node; once they landed it holds them all (`held`) until
+        `abort`. (blocks it holds from this pool, whether a fetch started: `prefix_load_done` ends it)."""
+        bm = self.block_manager
+        seq.prefetch_only = True
+        hits = bm.match_prefix(seq) if bm.enable_prefix_caching else []
+        self.requests[seq.request_id] = seq
+        if self._fetch_prefix(seq, hits):
+            return len(hits), True
+        seq.move_to(SequenceStatus.LOADING_KV)
+        self.held[seq.request_id] = seq
+        bm.allocate(seq, len(hits) * self.block_size, hits)   # cached blocks only: never short of free ones
+        return len(hits), False
+
     def prefix_load_done(self, request_id: str, blocks: list[int], done: int) -> None:
         """A load from the KV tiers or a fetch from another node finished with its first `done` blocks copied:
         those are published in the prefix cache and the request waits again at the front, to be admitted with them
@@ -269,6 +285,10 @@ class Scheduler:
             return
         seq.num_computed_tokens = (len(seq.block_table) - len(blocks) + done) * self.block_size
         bm.cache_full_blocks(seq)
+        if seq.prefetch_only:   # a pre-copy: keep the blocks that landed (and the hits) until abort
+            bm.free_tail(seq, seq.num_computed_tokens)
+            self.held[request_id] = seq
+            return
         bm.free(seq)
         seq.num_computed_tokens = 0
         seq.move_to(SequenceStatus.WAITING)
@@ -483,6 +503,7 @@ class Scheduler:
         elif seq.status is SequenceStatus.LOADING_KV:   # its blocks stay pinned until the load finishes
             self.loading.pop(request_id, None)
             self.fetching.pop(request_id, None)
+            self.held.pop(request_id, None)
         self.block_manager.free(seq)
         if seq.status is not SequenceStatus.FINISHED:
             seq.move_to(SequenceStatus.FINISHED)

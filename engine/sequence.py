@@ -66,6 +66,7 @@ class Sequence:
         self.num_evicted_tokens = 0                 # StreamingLLM: tokens dropped between the sinks and the window
         self.num_tier_loads = 0                     # times its prefix was loaded back from a KV tier (kv_tiers.py)
         self.fetch_blocks = 0                       # leading blocks another node holds: fetched before it runs
+        self.prefetch_only = False                  # a migration's pre-copy: fetched, held, never run
         self.remote_kv = False                      # another node computes its prompt KV (Scheduler.add_remote)
         self._block_hashes: list[int] = []          # stable hashes of the full blocks of token_ids, grown lazily
         self.hash_seed = hash_seed                  # where the hash chain starts (the engine's `hash_seed`)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from pdcluster.device import rank_kv_heads
 from pdcluster.engine.config import ModelConfig
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
@@ -85,7 +86,7 @@ def split_range(length: int, rank: int, tp: int) -> tuple[int, int]:
 
 def local_kv_heads(config: ModelConfig, tp: int) -> int:
     """KV heads each rank holds: a share of them, or one replicated head when there are fewer than ranks."""
-    return max(1, config.num_kv_heads // tp)
+    return len(rank_kv_heads(config.num_kv_heads, 0, tp))
 
 
 def expert_parallel(config: ModelConfig) -> bool:
@@ -139,7 +140,7 @@ def shard_slice(name: str, shape: tuple[int, ...], config: ModelConfig, rank: in
         raise ValueError(f"{name}: a fused gate_up_proj is two slices per rank (shard_parts)")
     module = name.rsplit(".", 2)[-2]
     if module in ("k_proj", "v_proj") and config.num_kv_heads < tp:
-        head = rank * config.num_kv_heads // tp
+        head = rank_kv_heads(config.num_kv_heads, rank, tp).start
         return 0, head * config.head_dim, config.head_dim
     return (dim, *split_range(shape[dim], rank, tp))
 

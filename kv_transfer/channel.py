@@ -15,15 +15,18 @@ one contiguous range per (plane, run).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, cast
 
 import numpy as np
 import torch
 
-from pdcluster.kv_transfer.checksum import words
+from pdcluster.kv_transfer.checksum import row_words, words
 from pdcluster.kv_transfer.destination import Destination
 from pdcluster.kv_transfer.layout import KVLayout, byte_view
 from pdcluster.kv_transfer.tcp import Wire
+
+if TYPE_CHECKING:
+    from pdcluster.kv_transfer.regroup import Regroup
 
 Runs = list[tuple[int, int, int]]  # (dst_start, src_start, n): blocks consecutive on both sides
 DstRuns = list[tuple[int, int]]  # (dst_start, n), as a write header carries them
@@ -32,9 +35,9 @@ DstRuns = list[tuple[int, int]]  # (dst_start, n), as a write header carries the
 class PoolViews:
     """A local KV pool and the views channels read and write it through (built once per endpoint)."""
 
-    def __init__(self, pool: torch.Tensor):
+    def __init__(self, pool: torch.Tensor, total_kv_heads: int | None = None):
         self.tensor = pool
-        self.layout = KVLayout.of(pool)
+        self.layout = KVLayout.of(pool, total_kv_heads)
         self.words = words(byte_view(pool))  # [planes, blocks, words per plane]: numpy on CPU, torch else
         self.on_cpu = pool.device.type == "cpu"
         self.np_bytes: np.ndarray | None = None  # [planes, blocks, plane bytes] (CPU pools)
@@ -43,6 +46,14 @@ class PoolViews:
             self.np_bytes = byte_view(pool).numpy()
             self.flat = self.np_bytes.reshape(-1).data
         self.planes = pool.flatten(0, 1)  # [planes, num_blocks, block_size, heads, row]: one cache per plane
+        self._row_words: np.ndarray | None = None
+
+    @property
+    def row_words(self) -> np.ndarray:
+        """checksum.row_words of a CPU pool (made on first use: only writes that regroup heads sum over it)."""
+        if self._row_words is None:
+            self._row_words = cast(np.ndarray, row_words(self.tensor))
+        return self._row_words
 
     def plane_range(self, l0: int, l1: int) -> tuple[int, int]:
         """Layers [l0, l1) as the planes [p0, p1) holding them."""
@@ -66,6 +77,9 @@ class Channel:
     offer: ClassVar[str]  # the backend a receiver must offer for this channel (int8 rides on "tcp")
     parallel_streams: ClassVar[bool] = False  # writes may be split over several connections
     direct: ClassVar[bool] = False  # the sender writes into the receiver's pool itself (shm)
+    regroups: ClassVar[bool] = False  # moves KV between pools whose heads are split over other ranks (regroup.py)
+    # set by the sender and the receiver after the handshake when the peer's heads are split otherwise
+    regroup: "Regroup | None" = None
 
     def __init__(self, wire: Wire, pool: PoolViews):
         self.wire = wire
@@ -129,7 +143,8 @@ class Channel:
 
     def wire_bytes(self, nblocks: int, l0: int, l1: int) -> int:
         """Bytes a write of nblocks blocks, layers [l0, l1), announces."""
-        return nblocks * (l1 - l0) * self.pool.layout.layer_bytes
+        layer = self.pool.layout.layer_bytes if self.regroup is None else self.regroup.wire_layer_bytes
+        return nblocks * (l1 - l0) * layer
 
     def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
         """Land one accepted write's bytes in the pool; return the checksum of what landed."""

@@ -31,6 +31,14 @@ def words(byte_tensor: torch.Tensor) -> Words:
     return view.numpy() if view.device.type == "cpu" else view
 
 
+def row_words(pool: torch.Tensor) -> Words:
+    """A pool [layers, planes, blocks, block_size, heads, row] as [layers * planes, blocks, block_size, heads, words
+    per row], words no wider than one (token, head) row: sums over them do not depend on how heads are grouped
+    into planes (regroup.py)."""
+    nl, kv, nb, bs, nh = pool.shape[:5]
+    return words(pool.view(torch.uint8).reshape(nl * kv, nb, bs, nh, -1))
+
+
 def checksum_runs(pool_words: Words, block_runs: list[tuple[int, int]], p0: int, p1: int) -> int:
     """Checksum of blocks (start, length)... restricted to planes [p0, p1) (layout.planes(l0, l1)), in run order.
 

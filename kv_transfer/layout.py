@@ -5,8 +5,12 @@ plane p of a layer is one contiguous cache [num_blocks, block_size, heads, row] 
 V for odd p), the layout device kernels take. Block b restricted to layers [l0, l1) is the planes
 [2tp·l0, 2tp·l1) of it: one contiguous range per plane, and a run of consecutive blocks is one range per
 plane too, so channels move per-plane runs with no staging. The pool of a tensor-parallel engine (CPU) holds
-every rank's planes; both ends must have the same tensor_parallel_size (checked like the other fields), and
-rank i's heads land in rank i's planes.
+every rank's planes: num_kv_heads is per rank, total_kv_heads the model's, and rank r holds the heads
+`device.rank_kv_heads(total_kv_heads, r, tp)` (an equal share, or one replicated head when the model has fewer
+KV heads than ranks). Two ends of the same tensor_parallel_size move planes unchanged (rank i's heads land in
+rank i's planes); ends of different sizes but the same model heads are compatible too, and the channel regroups
+the heads on the way (regroup.py). What is checked is the model's geometry (total_kv_heads, head_dim, dtype,
+layers, block size, scale bytes), not the split.
 row = head_dim for a float pool; an int8 pool (the engine's `kv_cache_dtype="int8"`) stores each (token, KV
 head) row as head_dim int8 values followed by its fp16 scale (`scale_bytes` = 2, row = head_dim + 2): the
 scales travel inside the blocks, and the handshake refuses a peer whose dtype or scale bytes differ.
@@ -27,14 +31,14 @@ from typing import Any
 
 import torch
 
-from pdcluster.device import kv_planes, pool_shape, row_scale_bytes
+from pdcluster.device import kv_planes, pool_shape, rank_kv_heads, row_scale_bytes
 from pdcluster.kv_transfer.errors import LayoutMismatchError
 
 LAYOUT_VERSION = 2
-_CHECKED_FIELDS = ("version", "dtype", "latent", "num_layers", "block_size", "num_kv_heads", "head_dim",
-                   "tensor_parallel_size", "scale_bytes")
+_CHECKED_FIELDS = ("version", "dtype", "latent", "num_layers", "block_size", "total_kv_heads", "head_dim",
+                   "scale_bytes")
 _POSITIVE_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim", "tensor_parallel_size", "num_blocks",
-                    "version")
+                    "version", "total_kv_heads")
 
 
 @dataclass(frozen=True)
@@ -49,10 +53,17 @@ class KVLayout:
     tensor_parallel_size: int = 1   # ranks whose heads the pool holds; num_kv_heads is per rank
     scale_bytes: int = 0   # per (token, KV head) row, after its head_dim values: 2 for an int8 pool
     latent: bool = False   # an MLA pool: one plane of latent rows per layer (head_dim = kv_latent_dim, 1 head)
+    total_kv_heads: int = 0   # the model's KV heads over all ranks; 0: num_kv_heads * tensor_parallel_size
+
+    def __post_init__(self) -> None:
+        if not self.total_kv_heads:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads * self.tensor_parallel_size)
 
     @classmethod
-    def of(cls, pool: torch.Tensor) -> "KVLayout":
-        """The layout of an engine pool; one plane per layer is a latent pool (a per-head one has 2 * tp)."""
+    def of(cls, pool: torch.Tensor, total_kv_heads: int | None = None) -> "KVLayout":
+        """The layout of an engine pool; one plane per layer is a latent pool (a per-head one has 2 * tp).
+        `total_kv_heads`: the model's KV heads, needed only when it has fewer than ranks (each rank then holds a
+        copy of one); default num_kv_heads * tp. ValueError when it does not split over the pool's ranks."""
         if pool.dim() != 6 or not (pool.shape[1] % 2 == 0 or pool.shape[1] == pool.shape[4] == 1):
             raise ValueError(
                 f"pool: expected shape [num_layers, 2 * tp, num_blocks, block_size, num_kv_heads, head_dim] or a "
@@ -65,8 +76,31 @@ class KVLayout:
         if row <= scale:
             raise ValueError(f"pool: an int8 pool's last dim is head_dim + {scale} scale bytes, got {row}")
         latent = kv == 1
-        return cls(str(pool.dtype).removeprefix("torch."), nb, nl, bs, nh, row - scale,
-                   tensor_parallel_size=1 if latent else kv // 2, scale_bytes=scale, latent=latent)
+        layout = cls(str(pool.dtype).removeprefix("torch."), nb, nl, bs, nh, row - scale,
+                     tensor_parallel_size=1 if latent else kv // 2, scale_bytes=scale, latent=latent,
+                     total_kv_heads=1 if latent else total_kv_heads or 0)
+        layout.check_split()
+        return layout
+
+    def check_split(self) -> None:
+        """ValueError unless num_kv_heads per rank and tensor_parallel_size multiply out to total_kv_heads the way
+        the engine splits heads (device.rank_kv_heads); a latent pool is one shared head of one 'rank'."""
+        tp, heads, total = self.tensor_parallel_size, self.num_kv_heads, self.total_kv_heads
+        if self.latent:
+            ok = tp == heads == total == 1
+        else:
+            ok = heads == len(rank_kv_heads(total, 0, tp)) and (total % tp == 0 if total >= tp else tp % total == 0)
+        if not ok:
+            raise ValueError(f"layout: {heads} KV heads per rank x tensor_parallel_size {tp} does not hold "
+                             f"total_kv_heads {total}{' (a latent pool is 1 x 1 of 1)' if self.latent else ''}")
+
+    def rank_heads(self, rank: int) -> range:
+        """The model's KV heads rank `rank`'s planes hold, in plane order."""
+        return rank_kv_heads(self.total_kv_heads, rank, self.tensor_parallel_size)
+
+    def same_planes(self, other: "KVLayout") -> bool:
+        """Whether blocks move plane for plane between the two (same split of the heads over ranks)."""
+        return (self.tensor_parallel_size, self.num_kv_heads) == (other.tensor_parallel_size, other.num_kv_heads)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -116,14 +150,20 @@ class KVLayout:
     def from_dict(cls, d: dict[str, Any]) -> "KVLayout":
         if not isinstance(d, dict):
             raise ValueError("layout: expected a map")
+        total = d.get("total_kv_heads", 0)   # absent (older peers): num_kv_heads * tp, no replicated heads
+        if "total_kv_heads" in d and (not isinstance(total, int) or isinstance(total, bool) or total <= 0):
+            raise ValueError(f"layout.total_kv_heads: expected a positive int, got {total!r}")
         try:
             fields = {k: d[k] for k in ("version", "dtype", "num_layers", "block_size", "num_kv_heads", "head_dim",
                                         "num_blocks")}
             # absent from older peers: a float per-head pool of one rank
             layout = cls(**fields, tensor_parallel_size=d.get("tensor_parallel_size", 1),
-                         scale_bytes=d.get("scale_bytes", 0), latent=d.get("latent", False))
+                         scale_bytes=d.get("scale_bytes", 0), latent=d.get("latent", False),
+                         total_kv_heads=total)
         except KeyError as exc:
             raise ValueError(f"layout: missing field {exc.args[0]!r}") from None
+        except TypeError:   # a non-int num_kv_heads or tensor_parallel_size in the default's product
+            raise ValueError("layout.num_kv_heads / tensor_parallel_size: expected positive ints") from None
         if not isinstance(layout.scale_bytes, int) or isinstance(layout.scale_bytes, bool) or layout.scale_bytes < 0:
             raise ValueError(f"layout.scale_bytes: expected an int >= 0, got {layout.scale_bytes!r}")
         if not isinstance(layout.latent, bool):
@@ -134,11 +174,13 @@ class KVLayout:
                 raise ValueError(f"layout.{name}: expected a positive int, got {value!r}")
         if not isinstance(getattr(torch, str(layout.dtype), None), torch.dtype):
             raise ValueError(f"layout.dtype: unknown dtype {layout.dtype!r}")
+        layout.check_split()
         return layout
 
     def check_compatible(self, other: "KVLayout", *, mine: str = "receiver", theirs: str = "sender") -> None:
-        """Raise LayoutMismatchError naming every field that differs (num_blocks may differ); between two latent
-        pools head_dim is named kv_latent_dim, what it holds."""
+        """Raise LayoutMismatchError naming every field that differs (num_blocks may differ, and so may the split
+        of the heads over ranks: tensor_parallel_size and num_kv_heads per rank); between two latent pools
+        head_dim is named kv_latent_dim, what it holds."""
         diffs = [
             f"{_label(name, self.latent and other.latent)}: {theirs} {getattr(other, name)!r} vs {mine} "
             f"{getattr(self, name)!r}"

@@ -33,6 +33,7 @@ from pdcluster.kv_transfer.destination import Destination, host_id
 from pdcluster.kv_transfer.errors import LayoutMismatchError, TransferError
 from pdcluster.kv_transfer.handshake import Gate, hello_ok_mac
 from pdcluster.kv_transfer.layout import KVLayout
+from pdcluster.kv_transfer.regroup import regroup_for
 from pdcluster.kv_transfer.reservations import Reservation, ReservationTable, State, TransferResult
 from pdcluster.kv_transfer.shm import block_tags, token_tag
 from pdcluster.kv_transfer.tcp import FrameError, IdleTimeout, Wire, configure
@@ -76,14 +77,16 @@ class KVReceiver:
         max_connections: int = 64,
         max_pending: int = 64,
         auth_timeout: float = 2.0,
+        total_kv_heads: int | None = None,
     ):
         """`auth_key` (the cluster secret's KV key): a connection must prove it holds it before anything is
         done for it; None accepts any sender (no cluster secret configured). `io_timeout`: a sender
         connection's socket timeout (keepalive notices a silent peer sooner); `shm_grace_s`: how long a failed
         reservation a same-host copy may still touch holds its blocks; `auth_timeout`: how long an
-        unauthenticated connection may take to send its hello."""
+        unauthenticated connection may take to send its hello; `total_kv_heads`: the model's KV heads, when fewer
+        than the pool's tensor-parallel ranks (KVLayout.of)."""
         self.pool = pool
-        self.views = PoolViews(pool)
+        self.views = PoolViews(pool, total_kv_heads)
         self.layout = self.views.layout
         self.io_timeout = io_timeout
         self.shm_name = shm_name
@@ -341,8 +344,9 @@ class KVReceiver:
                 raise LayoutMismatchError(f"backend {backend!r} not offered (receiver offers {self.backends})")
             if not isinstance(session, str):
                 raise FrameError("hello.session: expected a string")
-            layout = cast("dict[str, Any]", hello.get("layout"))  # from_dict checks that it is a map
-            self.layout.check_compatible(KVLayout.from_dict(layout))
+            layout = KVLayout.from_dict(cast("dict[str, Any]", hello.get("layout")))  # checks that it is a map
+            self.layout.check_compatible(layout)
+            regroup = regroup_for(cls, layout, self.layout)
         except (ValueError, LayoutMismatchError) as exc:
             conn.reply(_error_frame(None, None, LayoutMismatchError.code, str(exc)))
             raise LayoutMismatchError(str(exc)) from None
@@ -350,6 +354,7 @@ class KVReceiver:
         if self.auth_key is not None:
             hello_ok["mac"] = hello_ok_mac(self.auth_key, challenge, hello["nonce"])
         conn.channel = cls.accept(conn.wire, self.views, hello_ok, session=session, timeout=self.io_timeout)
+        conn.channel.regroup = regroup
         conn.session = session
 
     def _handle(self, conn: _Conn, frame: dict[str, Any]) -> None:

@@ -34,6 +34,7 @@ from pdcluster.kv_transfer.destination import Destination
 from pdcluster.kv_transfer.errors import ChecksumError, StaleReservationError, TransferError, from_code
 from pdcluster.kv_transfer.handshake import client_handshake
 from pdcluster.kv_transfer.layout import KVLayout, runs
+from pdcluster.kv_transfer.regroup import regroup_for
 from pdcluster.kv_transfer.tcp import WIRE_VERSION, IdleTimeout, Wire, configure
 
 log = logging.getLogger(__name__)
@@ -289,12 +290,18 @@ class _Stream:
         except BaseException:
             self.wire.close()
             raise
-        self.remote_layout = KVLayout.from_dict(reply["layout"])
-        self.remote_layout.check_compatible(sender.layout, mine="sender", theirs="receiver")
-        self.channel: Channel = peer.channel_cls.connect(
-            self.wire, sender.views, reply, session=peer.session, connect_timeout=sender.connect_timeout,
-            io_timeout=sender.io_timeout,
-        )  # fmt: skip
+        try:
+            self.remote_layout = KVLayout.from_dict(reply["layout"])
+            self.remote_layout.check_compatible(sender.layout, mine="sender", theirs="receiver")
+            regroup = regroup_for(peer.channel_cls, sender.layout, self.remote_layout)
+            self.channel: Channel = peer.channel_cls.connect(
+                self.wire, sender.views, reply, session=peer.session, connect_timeout=sender.connect_timeout,
+                io_timeout=sender.io_timeout,
+            )  # fmt: skip
+        except BaseException:
+            self.wire.close()
+            raise
+        self.channel.regroup = regroup
         sock.settimeout(sender.io_timeout)
         self.queue: queue.Queue = queue.Queue()
         self.dead: BaseException | None = None
@@ -453,8 +460,10 @@ class KVSender:
         connect_timeout: float = 5.0,
         io_timeout: float = 10.0,
         auth_key: bytes | None = None,
+        total_kv_heads: int | None = None,
     ):
-        """`auth_key`: the cluster secret's KV key, proven to every receiver (and asked of it) in the handshake."""
+        """`auth_key`: the cluster secret's KV key, proven to every receiver (and asked of it) in the handshake.
+        `total_kv_heads`: the model's KV heads, when fewer than the pool's tensor-parallel ranks (KVLayout.of)."""
         if backend != "auto" and backend not in CHANNELS:
             raise ValueError(f"backend: expected auto or one of {list(CHANNELS)}, got {backend!r}")
         if quant not in (None, "int8"):
@@ -462,7 +471,7 @@ class KVSender:
         if num_streams < 1:
             raise ValueError("num_streams: expected >= 1")
         self.pool = pool
-        self.views = PoolViews(pool)
+        self.views = PoolViews(pool, total_kv_heads)
         self.layout = self.views.layout
         for cls in set(CHANNELS.values()):
             cls.prepare(self.views)

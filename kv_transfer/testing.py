@@ -17,6 +17,7 @@ import torch
 
 from pdcluster.kv_transfer.backends import CHANNELS
 from pdcluster.kv_transfer.channel import Channel, DstRuns, Runs, Staged
+from pdcluster.kv_transfer.regroup import Regroup
 
 
 class CorruptingChannel(Channel):
@@ -28,6 +29,14 @@ class CorruptingChannel(Channel):
         super().__init__(inner.wire, inner.pool)
         self.inner = inner
         self.name = inner.name  # type: ignore[misc]  # the wrapper speaks as the channel it wraps
+
+    @property  # the wrapped channel's, set through the wrapper by the sender
+    def regroup(self) -> Regroup | None:
+        return self.inner.regroup
+
+    @regroup.setter
+    def regroup(self, value: Regroup | None) -> None:
+        self.inner.regroup = value
 
     def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:
         staged = self.inner.stage(token, part, l0, l1)

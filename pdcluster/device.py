@@ -4,7 +4,8 @@
 - The KV pool layout (engine/kv_cache.py describes it): `pool_shape`
   `[num_layers, kv_planes, num_blocks, block_size, num_kv_heads, row]` (`kv_planes`: 2 * tp K/V planes, or one
   plane of latent rows for an MLA model, whatever tp), and the row of an int8 pool, `head_dim` int8 values
-  followed by one fp16 scale (`SCALE_BYTES`, `SCALE_DTYPE`): `row_size`, `row_scale_bytes`.
+  followed by one fp16 scale (`SCALE_BYTES`, `SCALE_DTYPE`): `row_size`, `row_scale_bytes`; which of the model's
+  KV heads each tensor-parallel rank's planes hold (`rank_kv_heads`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ def kv_planes(tp: int = 1, latent: bool = False) -> int:
     """Planes per layer of a KV pool: K and V of each of `tp` ranks, or one for a latent (MLA) pool, whose
     latent rows every rank shares (they are not split by heads)."""
     return 1 if latent else 2 * tp
+
+
+def rank_kv_heads(num_kv_heads: int, rank: int, tp: int) -> range:
+    """The model's KV heads rank `rank` of `tp` holds (engine/tp_shards.py splits k/v_proj so): an equal share while
+    there are at least as many heads as ranks, else one copy of head rank * num_kv_heads // tp."""
+    if num_kv_heads >= tp:
+        per = num_kv_heads // tp
+        return range(rank * per, (rank + 1) * per)
+    head = rank * num_kv_heads // tp
+    return range(head, head + 1)
 
 
 def pool_shape(num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int, row: int,

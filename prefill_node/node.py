@@ -44,7 +44,8 @@ class PrefillNode(NodeService):
         self.block_size = self.engine.block_size
         self.num_layers = self.engine.model_config.num_layers
         self.sender = KVSender(self.engine.kv_pool.tensor, backend=config.kv_backend,
-                               connect_timeout=config.kv_connect_timeout, auth_key=self.kv_key)
+                               connect_timeout=config.kv_connect_timeout, auth_key=self.kv_key,
+                               total_kv_heads=self.engine.kv_pool.model_kv_heads)
         self.connector.sender = self.sender
         self.max_jobs = max_jobs or 2 * config.max_num_seqs
         self.jobs: dict[str, PrefillJob] = {}  # not yet answered (CONNECTING, QUEUED, SENDING)

@@ -13,6 +13,10 @@ A `RequestStream`:
     migration: `Generate` again on another node with `resume_ids` = the tokens already received, up to
     `max_migrations`.
   * `abort()` (client gone, stop string hit) -> `Abort{rid}` to the node.
+  * `move()` (rebalancing, or the node asked: `MoveAway`, it drains or its pool is short) -> live migration: the
+    stream's KV is pre-copied to a target node (`PreCopy` / `PreCopied`) while it decodes on, then its node hands
+    it back at a block boundary (`Handback`, `Tokens` finish "migrate") and the next attempt goes to the target,
+    which fetches only the blocks filled since and recomputes nothing. Not counted against `max_migrations`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Collection
 
 from pdcluster.control.protocol import (
@@ -30,6 +35,9 @@ from pdcluster.control.protocol import (
     Handback,
     LoraDone,
     Message,
+    MoveAway,
+    PreCopied,
+    PreCopy,
     Progress,
     Reject,
     TokenBatch,
@@ -59,6 +67,8 @@ POLL_INTERVAL = 0.25  # how often a waiting stream re-checks node liveness and d
 REBALANCE_INTERVAL_S = 1.0   # at most one stream moved per interval (the Load reports catch up meanwhile)
 MIN_REBALANCE_TOKENS = 16    # a stream with fewer tokens left to generate is not worth moving
 DEFAULT_MAX_TOKENS: int = SamplingParams.max_tokens   # a sampling dict without max_tokens gets the engines' default
+PRECOPY_TIMEOUT_S = 10.0     # a pre-copy not answered within this is given up
+PRECOPY_HOLD_S = 20.0        # how long the target holds pre-copied blocks for the attempt that follows
 
 
 class NoCapacity(Exception):
@@ -132,6 +142,7 @@ class DecodeClient:
         self.queues: dict[str, Mailbox] = {}   # per attempt rid: late replies to a left node are dropped
         self.replies: dict[str, asyncio.Future] = {}   # LoraAdapter ops in flight, by rid
         self.streams: dict[str, RequestStream] = {}    # the attempt on a decode node of each open stream, by rid
+        self.precopies: dict[str, RequestStream] = {}  # streams whose KV is being pre-copied, by their next rid
         self._rebalanced_at = 0.0
         self.tokens_received = 0   # generated token ids accepted from decode nodes (all streams, since start)
         self.dealers = PeerDealers(self._on_message, keys=cluster.keys, owner=settings.node_id)
@@ -158,6 +169,16 @@ class DecodeClient:
                 queue = self.queues.get(rid)
                 if queue is not None:
                     queue.put_nowait(msg)
+            return
+        if isinstance(msg, MoveAway):   # the node wants the request elsewhere (draining, pool pressure)
+            stream = self.streams.get(msg.rid)
+            if stream is not None and stream._node_id == node_id:
+                stream.move(msg.reason or "its node asks", fallback=msg.reason == "drain")
+            return
+        if isinstance(msg, PreCopied):
+            stream = self.precopies.get(msg.rid)
+            if stream is not None and stream._move is not None and stream._move.target == node_id:
+                stream.precopied(msg)
             return
         if isinstance(msg, LoraDone):   # a node's answer to an adapter load / unload (router/lora.py)
             reply = self.replies.pop(msg.rid, None)
@@ -192,15 +213,14 @@ class DecodeClient:
 
     def rebalance(self) -> None:
         """When the busiest decode node (of a model) has more than `rebalance_threshold` requests over the least
-        busy, ask it to hand back (Handback) this router's stream there with the most tokens still to generate:
-        it resumes on another node, which fetches its KV from the busy one. One move per REBALANCE_INTERVAL_S."""
+        busy, move this router's stream there with the most tokens still to generate to another node with its KV
+        (`RequestStream.move`). One move per REBALANCE_INTERVAL_S."""
         stream = rebalance_pick(self.cluster.candidates("decode"), list(self.streams.values()),
                                 self.settings.rebalance_threshold)
         if stream is not None and stream._node_id is not None:
-            stream.handed_back = True
             log.info("request %s: rebalancing away from %s", stream.request_id, stream._node_id,
                      extra={"request_id": stream._rid})
-            self.dealers.send_existing(stream._node_id, Handback(rid=stream._rid))
+            stream.move("rebalance", fallback=False)
 
     async def wait_for_node(self, model: str | None, deadline: float, request_id: str = "",
                             exclude: Collection[str] = frozenset()) -> None:
@@ -220,15 +240,16 @@ class DecodeClient:
             await asyncio.sleep(min(POLL_INTERVAL, left))
 
     def place(self, token_ids: list[int], max_tokens: int, exclude: set[str], model: str | None = None,
-              remote_prefill: bool = True, adapter: Adapter | None = None, kv_holder: str | None = None
-              ) -> tuple[NodeState, NodeState | None, PrefillWork, tuple[str, int] | None]:
+              remote_prefill: bool = True, adapter: Adapter | None = None, kv_holder: str | None = None,
+              prefer: str | None = None) -> tuple[NodeState, NodeState | None, PrefillWork, tuple[str, int] | None]:
         """(decode node, prefill node or None, the prefill work counted on it, (node, blocks) the decode node
         fetches the prompt's prefix from or None) of `model` (None: any) for a request, or NoCapacity.
         `remote_prefill` False: the decode node prefills it (prompt logprobs are computed where the prompt runs).
         `adapter`: only nodes holding that LoRA adapter (or, if none does, able to load it); its KV hashes are its
         own, so no prefix fetch or local-tail choice is made from the index (base-model hashes) for it.
-        `kv_holder`: a node that holds the KV of all of `token_ids` (it handed the request back, draining): the
-        decode node fetches it from there and computes only the last partial block."""
+        `kv_holder`: a node that holds the KV of all of `token_ids` (it handed the request back): the decode node
+        (`prefer` if it is a candidate: the one the KV was pre-copied to) fetches it from there and computes only
+        the last partial block."""
         decode_nodes = self.cluster.candidates("decode", exclude, model, len(token_ids) + max_tokens)
         prefill_nodes = self.cluster.candidates("prefill", model=model, num_tokens=len(token_ids) + 1)
         if adapter is not None:
@@ -239,7 +260,8 @@ class DecodeClient:
         prompt = Prompt(token_ids)
         holding = self.cluster.get(kv_holder) if kv_holder is not None else None
         if holding is not None:
-            decode = self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens, prompt)
+            decode = next((n for n in decode_nodes if n.id == prefer), None) \
+                or self.policy.pick_decode(decode_nodes, len(token_ids) + max_tokens, prompt)
             assert decode is not None   # there are candidates
             work = note_assignment(decode, None, 0)
             return decode, None, work, (holding.id, (len(token_ids) - 1) // decode.block_size)
@@ -288,6 +310,16 @@ def rebalance_pick(nodes: list[NodeState], streams: list[RequestStream], thresho
     return best[1] if best else None
 
 
+@dataclass
+class Move:
+    """A live migration of a stream (`RequestStream.move`)."""
+    target: str                   # the decode node its KV is pre-copied to
+    rid: str                      # the next attempt's rid: the target holds the blocks under it
+    fallback: bool                # its node must let it go (drains): handed back even without a pre-copy
+    timer: asyncio.TimerHandle    # gives the pre-copy up after PRECOPY_TIMEOUT_S
+    ready: bool = False           # pre-copied; Handback sent: the next attempt goes to `target`
+
+
 class RequestStream:
     def __init__(self, client: DecodeClient, prompt_ids: list[int], sampling: dict[str, Any],
                  deadline: float, model: str | None = None, adapter: Adapter | None = None) -> None:
@@ -307,7 +339,8 @@ class RequestStream:
         self._failed: set[str] = set()
         self._moved_from: set[str] = set()   # nodes that handed the request back (draining with migration)
         self._kv_holder: str | None = None   # the last of them: the next attempt fetches the KV from it
-        self.handed_back = False   # the router asked its node to hand it back (rebalancing): asked once
+        self.handed_back = False   # a move to another node was started (rebalancing picks a stream once)
+        self._move: Move | None = None   # a live migration under way
         self._retries = 0
         self._migrations = 0
         self._retry_after = 0.0
@@ -318,6 +351,7 @@ class RequestStream:
         self._attempt_ids = 0  # token ids received from the current attempt (what its next Tokens.pos must be)
         self._first: Tokens | None = None
         self._sent_at = 0.0  # monotonic time of the current attempt's Generate, until its first reply
+        self._resumed = False   # the current attempt resumes after tokens already streamed (a migration)
         self._prefill_work = PrefillWork(None, 0)   # the current attempt's, taken back at its first token
 
     async def start(self) -> None:
@@ -369,6 +403,9 @@ class RequestStream:
                 continue
             if self._sent_at:
                 self._prefill_work.done()   # the prompt is prefilled: no longer work queued on its prefill node
+                if self._resumed:   # all but its last token were computed before: what the new node did again
+                    self.client.metrics.resumed_recomputed_tokens.inc(
+                        max(0, msg.num_prompt_tokens - msg.num_cached_tokens - 1))
                 if self.client.cluster.is_alive(node_id):   # see _count
                     self.client.metrics.backend_first_token.labels(node_id).observe(time.monotonic() - self._sent_at)
                 self._sent_at = 0.0
@@ -426,9 +463,11 @@ class RequestStream:
         try:
             decode, prefill, self._prefill_work, source = self.client.place(
                 self.prompt_ids + self.output_ids, max_tokens - len(self.output_ids), exclude, self.model,
-                self.sampling.get("prompt_logprobs") is None, self.adapter, self._kv_holder)
+                self.sampling.get("prompt_logprobs") is None, self.adapter, self._kv_holder,
+                self._move.target if self._move is not None and self._move.ready and self._kv_holder else None)
             # the hand-back is one move: later attempts may go anywhere (back there too), the index decides
             self._kv_holder = None
+            self._drop_move()
             self._moved_from.clear()
         except NoCapacity as exc:
             if self._rejected:
@@ -442,6 +481,7 @@ class RequestStream:
         self._queue = self.client.queues[self._rid] = Mailbox()
         self.client.start_ticker()   # what wakes this attempt's waits to check node, deadline and stall
         self._last_message = self._sent_at = time.monotonic()
+        self._resumed = bool(self.output_ids)
         self._attempt_ids = 0
         log.info("request %s: attempt %d to decode node %s, prefill %s (%d prompt + %d resumed tokens)",
                  self.request_id, self._attempt, decode.id, prefill.id if prefill else "local",
@@ -477,6 +517,9 @@ class RequestStream:
                 raise StreamFailed("stream aborted")
             if not self.client.cluster.is_alive(self._node_id):
                 return None
+            move = self._move
+            if move is not None and not move.ready and not self.client.cluster.is_alive(move.target):
+                self.precopied(PreCopied(rid=move.rid, error=f"{move.target} left the cluster"))
             if time.monotonic() - self._last_message > stall:
                 return None
 
@@ -495,6 +538,73 @@ class RequestStream:
         self.client.metrics.migrations.inc()
         log.info("request %s: decode node %s hands it over (%s); resuming elsewhere after %d tokens with its KV",
                  self.request_id, node_id, why, len(self.output_ids), extra={"request_id": self._rid})
+
+    def move(self, why: str, fallback: bool) -> None:
+        """Move this stream to another decode node with its KV and no pause (live migration): pre-copy the full
+        blocks of its tokens so far to a target (`PreCopy`) while it decodes on, then have its node hand it back at a
+        block boundary (`Handback`); the next attempt goes to the target, which copies only the blocks filled
+        since. `fallback` (its node drains): if the pre-copy fails it is handed back all the same; without a target
+        nothing happens (its node asks again, and in the end hands it back itself)."""
+        node_id = self._node_id
+        if node_id is None or self.finished or self._move is not None or self.adapter is not None:
+            return
+        self.handed_back = True   # rebalancing tries a stream once
+        if not self.client.settings.migration_precopy:
+            self._hand_back()
+            return
+        tokens = self.prompt_ids + self.output_ids
+        need = len(tokens) + self.tokens_left
+        nodes = self.client.cluster.candidates("decode", self._rejected | self._failed | {node_id}, self.model, need)
+        target = self.client.policy.pick_decode(nodes, need) if nodes else None
+        blocks = (len(tokens) - 1) // target.block_size if target is not None else 0
+        if target is None or blocks == 0:   # its node asks again (or gives up and hands it back itself)
+            log.info("request %s: no node to pre-copy its KV to (%s)", self.request_id, why,
+                     extra={"request_id": self._rid})
+            if fallback and target is not None:
+                self._hand_back()
+            return
+        rid = f"{self.request_id}.{self._attempt + 1}"   # what the target's attempt will be called
+        timer = asyncio.get_running_loop().call_later(
+            PRECOPY_TIMEOUT_S, lambda: self.precopied(PreCopied(rid=rid, error=f"no answer in {PRECOPY_TIMEOUT_S} s")))
+        self._move = Move(target.id, rid, fallback, timer)
+        self.client.precopies[rid] = self
+        log.info("request %s: moving from %s to %s (%s): pre-copying %d blocks", self.request_id, node_id, target.id,
+                 why, blocks, extra={"request_id": self._rid})
+        if not self.client.dealers.send(target.id, target.info.control_addr, PreCopy(
+                rid=rid, token_ids=tokens, kv_source=node_id, num_blocks=blocks, timeout_s=PRECOPY_HOLD_S)):
+            self.precopied(PreCopied(rid=rid, error=f"could not send PreCopy to {target.id}"))
+
+    def precopied(self, msg: PreCopied) -> None:
+        """The target's answer to the pre-copy (or its timeout): hand the stream back from its node now."""
+        move = self._move
+        if move is None or move.rid != msg.rid or move.ready:
+            return
+        if self.finished or self._node_id is None:
+            self._drop_move()
+            return
+        self.client.precopies.pop(msg.rid, None)
+        move.timer.cancel()
+        ok = bool(msg.num_blocks) and not msg.error
+        self.client.metrics.pre_copies.labels("ok" if ok else "failed").inc()
+        if ok:
+            move.ready = True
+            self._hand_back()
+            return
+        self._move = None
+        log.info("request %s: pre-copy to %s failed (%s)%s", self.request_id, move.target, msg.error,
+                 "; handing it back without one" if move.fallback else "; it stays", extra={"request_id": self._rid})
+        if move.fallback:
+            self._hand_back()
+
+    def _drop_move(self) -> None:
+        if self._move is not None:
+            self._move.timer.cancel()
+            self.client.precopies.pop(self._move.rid, None)
+            self._move = None
+
+    def _hand_back(self) -> None:
+        assert self._node_id is not None
+        self.client.dealers.send_existing(self._node_id, Handback(rid=self._rid))
 
     def _migrate(self, reason: str) -> None:
         node_id = self._node_id or "?"
@@ -523,5 +633,7 @@ class RequestStream:
             queue.wake()   # a reader waiting on it returns (and sees the stream finished)
         if send_abort:
             self.client.dealers.send_existing(self._node_id, Abort(rid=self._rid))
+        if self.finished:
+            self._drop_move()
         self._node_id = None
         self._queue = None

@@ -36,6 +36,14 @@ class RouterMetrics:
                               registry=r)
         self.migrations = Counter("pdcluster_router_migrations_total",
                                   "Requests moved to another decode node mid-stream", registry=r)
+        self.resumed_recomputed_tokens = Counter(
+            "pdcluster_router_resumed_recomputed_tokens_total",
+            "Tokens of a moved stream (prompt and output so far) its new decode node computed again instead of "
+            "finding them cached or copied", registry=r)
+        self.pre_copies = Counter("pdcluster_router_pre_copies_total",
+                                  "Live migrations' pre-copies by outcome (ok: the KV was copied while the stream "
+                                  "decoded on, failed: the stream stayed or moved without one)", ("outcome",),
+                                  registry=r)
         # Per decode node ("backend"): how its attempts ended and how long it took to answer.
         self.backend_requests = Counter("pdcluster_router_backend_requests_total",
                                         "Attempts sent to a decode node, by node and outcome (ok, rejected, failed)",

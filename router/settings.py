@@ -43,6 +43,10 @@ class RouterSettings:
     rebalance_threshold: int = knob(0, "decode nodes of a model whose running + waiting requests differ by more "
                                        "than this: the router moves a long stream from the busiest to another, with "
                                        "its KV (0: off)")
+    migration_precopy: bool = knob(True, "a stream moving to another decode node (rebalancing, a drain with "
+                                         "migration, a node short of KV blocks) has its KV copied there while it "
+                                         "decodes on, and is handed over at a block boundary (off: handed over "
+                                         "first, its whole KV copied in the pause)")
     prefix_fetch: bool = knob(True, "prefix_aware: a decode node fetches a prompt's prefix from the node whose pool "
                                     "holds more of it (FetchKV) instead of computing it")
     request_timeout: float = knob(600.0, "seconds from arrival to the last token")

@@ -333,7 +333,8 @@ def test_config_classes_derive_from_the_declarations():
     common = {f.name for f in settings(CommonConfig)}
     assert "kv_pool_factory" not in node and "kv_pool_tensor" not in node and "kv_pool_factory" not in engine
     timeouts = set(TIMEOUT_KNOBS)
-    own = {"kv_backend", "control_port", "load_port", "kv_port", "served_model_name", "cpu_cores", "drain_migrate"}
+    own = {"kv_backend", "control_port", "load_port", "kv_port", "served_model_name", "cpu_cores", "drain_migrate",
+           "preempt_migrate"}
     assert set(engine) | common | own | timeouts == set(node)
     for name, f in engine.items():  # same type, help and default (unless the node says otherwise)
         assert (node[name].type, node[name].metadata["help"]) == (f.type, f.metadata["help"]) and f.metadata["help"]

@@ -178,3 +178,49 @@ def test_no_fetch_without_prefix_caching(make_engine, tiny_llama, kw):
     _, engine, conn = _pair(make_engine, tiny_llama, **kw)
     run_all(engine, make_prompts([PROMPT], seed=11), GREEDY)
     assert engine.scheduler.fetch is None and not conn.pending
+
+
+def test_prefetch_holds_a_running_requests_blocks_for_its_next_attempt(make_engine, tiny_llama):
+    """A live migration's pre-copy (`LLMEngine.prefetch`): the blocks come over while nothing runs, stay held through
+    a pool that fills up with other prompts (no eviction), and the request that follows is admitted with all of them
+    as prefix hits: same tokens, only its last token computed. Releasing the hold (`abort`) leaks nothing."""
+    holder, engine, conn = _pair(make_engine, tiny_llama, num_gpu_blocks_override=24)
+    prompt = make_prompts([6 * BLOCK + 1], seed=12)[0]   # 6 full blocks, the last token to compute
+    cold = run_all(holder, [prompt], GREEDY)
+    assert engine.prefetch("m#pre", prompt, 6) == (0, True)
+    assert not engine.has_unfinished_requests() and engine.get_stats().num_loading_kv == 1
+    conn.finish()
+    assert engine.get_stats().kv_fetched_blocks == 6 and engine.get_stats().num_free_blocks == 24 - 6
+    run_all(engine, make_prompts([100, 100, 100], seed=13), GREEDY, prefix="fill")   # the pool churns
+    assert _run(engine, conn, [prompt], fetch_blocks=0, prefix="m") == cold
+    stats = engine.get_stats()
+    assert stats.num_prefill_tokens - 3 * 100 == 1 and holder.get_stats().kv_lent_blocks == 6
+    engine.abort("m#pre")
+    assert engine.get_stats().num_free_blocks == 24 and not engine.scheduler.requests
+
+
+def test_prefetch_of_blocks_already_here_holds_them_without_a_fetch(make_engine, tiny_llama):
+    holder, engine, conn = _pair(make_engine, tiny_llama)
+    prompt = make_prompts([PROMPT], seed=14)[0]
+    run_all(engine, [prompt], GREEDY)
+    assert engine.prefetch("m#pre", prompt, 6) == (6, False) and not conn.pending
+    assert engine.scheduler.held["m#pre"].block_table and engine.get_stats().kv_fetched_blocks == 0
+    engine.abort("m#pre")
+    assert not engine.scheduler.held and not engine.scheduler.requests
+
+
+def test_prefetch_released_while_copying_or_failed_leaks_nothing(make_engine, tiny_llama):
+    holder, engine, conn = _pair(make_engine, tiny_llama, num_gpu_blocks_override=24)
+    prompt = make_prompts([PROMPT], seed=15)[0]
+    run_all(holder, [prompt], GREEDY)
+    engine.prefetch("a#pre", prompt, 6)
+    engine.abort("a#pre")          # released before the copy ended: its blocks stay pinned until it does
+    assert engine.get_stats().num_free_blocks == 24 - 6
+    conn.finish()
+    assert engine.get_stats().num_free_blocks == 24
+    conn.fail = True
+    engine.prefetch("b#pre", prompt, 6)
+    conn.finish()                  # nothing landed: nothing held
+    assert engine.scheduler.held["b#pre"].block_table == [] and engine.get_stats().num_free_blocks == 24
+    engine.abort("b#pre")
+    assert not engine.scheduler.requests

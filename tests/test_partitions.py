@@ -43,6 +43,7 @@ LONG_PROMPT = 1536
 STREAMS = 8
 STREAM_TOKENS = 48
 TRAFFIC_TOKENS = 8
+MOVE_TOKENS = 700     # streams long enough to be running through a drain with migration and its failed copies
 LEASE_TTL = 2
 STALL_TIMEOUT = 8.0
 PREFILL_TIMEOUT = 4.0
@@ -82,6 +83,7 @@ class Net:
     streams: list[tuple[int, ...]]   # prompts of the drills that cut streams mid-way
     long: list[tuple[int, ...]]      # prompts whose prefill is cut mid-transfer
     traffic: list[tuple[int, ...]]   # steady traffic through the etcd cuts
+    moving: list[tuple[int, ...]]    # streams of the drain with migration across a cut
     expected: dict[tuple[tuple[int, ...], int], str] = field(default_factory=dict)  # (prompt, tokens) -> text
 
     def host_of(self, node_id: str) -> Host:
@@ -137,8 +139,9 @@ def net(module_hosts, tmp_path_factory):  # noqa: F811
     streams = [prompt(tokenizer, 100 + i, 24 + i) for i in range(STREAMS)]
     long = [prompt(tokenizer, 200 + i, LONG_PROMPT) for i in range(2)]
     traffic = [prompt(tokenizer, 300 + i, 16 + 4 * i) for i in range(6)]
+    moving = [prompt(tokenizer, 400 + i, 40 + 8 * i) for i in range(4)]
     expected = _offline(model, tokenizer, [(p, STREAM_TOKENS) for p in streams]
-                        + [(p, TRAFFIC_TOKENS) for p in long + traffic])
+                        + [(p, TRAFFIC_TOKENS) for p in long + traffic] + [(p, MOVE_TOKENS) for p in moving])
     etcd_host, router_host, prefill_host, d0_host, d1_host = module_hosts(5)
     endpoint = f"{etcd_host.address}:2379"
     etcd_host.popen([str(etcd_binary()), "--data-dir", str(etcd_host.work_dir / "data"),
@@ -156,7 +159,7 @@ def net(module_hosts, tmp_path_factory):  # noqa: F811
             "kv_connect_timeout": 2.0, "kv_port": KV_PORT}
     env = {"OMP_NUM_THREADS": "1"}
     net = Net(etcd_host, router_host, prefill_host, [d0_host, d1_host], f"http://{router_host.address}:8000",
-              endpoint, "partitions", streams, long, traffic, expected)
+              endpoint, "partitions", streams, long, traffic, moving, expected)
     asyncio.run(wait_until_async(lambda: health_ok(f"http://{endpoint}/health"), 30, "etcd up"))
     router_host.popen([sys.executable, "-m", "pdcluster", "router", "--config", router], "router.log")
     for node_id in NODES:
@@ -432,6 +435,45 @@ async def test_etcd_cut_from_every_node_for_30_s(net):
     assert "left the cluster view" not in net.router_log()[mark:]
     report("etcd-cut-30s", requests=len(traffic.done), during_outage=during, failed=0,
            all_back_on_etcd_after_s=back, converged_s=await converged(net))
+
+
+@pytest.mark.timeout(300)
+async def test_drain_with_migration_while_the_decode_hosts_are_cut_from_each_other(net):
+    """Last of the drills (d0 is drained, then started again): d0 drains with migration while it is cut from d1,
+    the only target. d1 cannot copy the KV (its FetchKV is dropped): the pre-copies fail, d0 hands its streams over
+    without one, d1's fetch of their history fails too and d1 recomputes it. Every stream is exactly the offline
+    output; no reservation or hold is left on either side once healed."""
+    from pdcluster.cli.admin import drain_node, set_state
+
+    api = client(net, timeout=REQUEST_TIMEOUT)
+    d0, d1 = net.decode
+    before = net.router_metrics()
+    progress = [0] * len(net.moving)
+    tasks = [asyncio.create_task(complete(api, MODEL_NAME, list(p), MOVE_TOKENS, progress=progress, slot=i))
+             for i, p in enumerate(net.moving)]   # round robin: two on each decode node
+    await wait_until_async(lambda: min(progress) >= 8, 60, "streams did not get under way", interval=0.02)
+    cut(d0, d1)
+    struck = time.monotonic()
+    try:
+        took = await drain_node([net.endpoint], net.cluster, "d0", timeout=120, migrate=True)
+    finally:
+        d0.heal()
+        d1.heal()
+    results = await bounded(tasks, REQUEST_TIMEOUT)
+    for p, r in zip(net.moving, results, strict=True):
+        check(net, r, p, MOVE_TOKENS)
+    after = net.router_metrics()
+    failed = after.get('pdcluster_router_pre_copies_total{outcome="failed"}', 0.0) - \
+        before.get('pdcluster_router_pre_copies_total{outcome="failed"}', 0.0)
+    assert failed >= 1, "no pre-copy was tried across the cut"
+    assert not any(r.finish != "length" for r in results)
+    # d0 again, as a rolling upgrade brings it back: started, then uncordoned (a drain leaves it cordoned)
+    config = d0.work_dir / "d0.yaml"
+    d0.popen([sys.executable, "-m", "pdcluster", "decode", "--config", str(config)], "d0.log", {"OMP_NUM_THREADS": "1"})
+    await set_state([net.endpoint], net.cluster, "d0", "active")
+    await wait_until_async(lambda: listed(net), 120, "d0 back in the router's list")
+    report("decode-decode-cut-drain-migrate", streams=len(net.moving), drain_s=took, pre_copies_failed=int(failed),
+           last_done_after_cut_s=max(r.ended for r in results) - struck, converged_s=await converged(net))
 
 
 def test_router_keeps_a_reporting_node_over_the_reload_after_an_etcd_outage():

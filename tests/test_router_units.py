@@ -420,3 +420,103 @@ def test_rebalance_moves_the_longest_stream_off_the_busiest_node() -> None:
     long.handed_back = True
     assert rebalance_pick([busy, idle], [short, long], threshold=2) is None    # short: 10 tokens left, not worth it
     assert rebalance_pick([busy], [stream("d1", 500, 0)], threshold=0) is None  # nowhere to go
+
+
+class MoveClient:
+    """What `RequestStream.move` / `precopied` use of a DecodeClient: the cluster's candidates, a policy, the
+    dealers (recording what is sent), metrics, the pre-copies map, settings."""
+
+    def __init__(self, nodes: list[NodeState], precopy: bool = True) -> None:
+        from prometheus_client import CollectorRegistry
+
+        from pdcluster.router.decode_client import DecodeClient
+        from pdcluster.router.metrics import RouterMetrics
+        from pdcluster.router.policies import make_policy
+        from pdcluster.router.settings import RouterSettings
+
+        self.cluster = RouterCluster(StaticNodeSource([n.info for n in nodes]))
+        self.cluster.sync()
+        for n in nodes:
+            if n.load is not None:
+                self.cluster.get(n.id).update(n.load)
+        self.settings = RouterSettings(migration_precopy=precopy)
+        self.policy = make_policy("least_loaded")
+        self.metrics = RouterMetrics(CollectorRegistry())
+        self.precopies: dict = {}
+        self.queues: dict = {}
+        self.streams: dict = {}
+        self.sent: list[tuple[str, object]] = []
+        self.place = DecodeClient.place.__get__(self)
+
+        class Dealers:
+            def send(_, node_id, addr, msg):
+                self.sent.append((node_id, msg))
+                return True
+
+            def send_existing(_, node_id, msg):
+                self.sent.append((node_id, msg))
+                return True
+        self.dealers = Dealers()
+
+
+async def test_a_move_pre_copies_then_asks_for_the_stream_back_and_resumes_on_the_target() -> None:
+    from pdcluster.control.protocol import Handback, PreCopied, PreCopy
+    from pdcluster.router.decode_client import RequestStream
+
+    def stream(client, fallback_node: str = "d1") -> RequestStream:
+        s = RequestStream(client, list(range(40)), {"max_tokens": 100}, deadline=1e18)  # type: ignore[arg-type]
+        s._node_id, s._rid, s._attempt, s.output_ids = fallback_node, f"{s.request_id}.1", 1, [7] * 9
+        return s
+
+    nodes = [node("d1", running=4, free_blocks=100, block_size=16), node("d2", running=0, free_blocks=100,
+                                                                         block_size=16)]
+    client = MoveClient(nodes)
+    s = stream(client)
+    s.move("rebalance", fallback=False)
+    (target, pre), = client.sent
+    assert target == "d2" and isinstance(pre, PreCopy) and pre.kv_source == "d1"
+    assert pre.rid == f"{s.request_id}.2" and pre.token_ids == list(range(40)) + [7] * 9 and pre.num_blocks == 3
+    s.move("rebalance", fallback=False)   # one move at a time
+    assert len(client.sent) == 1 and client.precopies == {pre.rid: s}
+    s.precopied(PreCopied(rid=pre.rid, num_blocks=3))
+    assert client.sent[-1] == ("d1", Handback(rid=s._rid)) and not client.precopies
+    # the node hands it back: the next attempt (the rid the target holds the blocks under) goes to the target
+    s._move_away("d1", "rebalance")
+    decode, prefill, _, source = client.place(s.prompt_ids + s.output_ids, 91, s._moved_from, None, True, None,
+                                              s._kv_holder, s._move.target)
+    assert decode.id == "d2" and prefill is None and source == ("d1", 3)
+
+    # a failed pre-copy: a rebalanced stream stays; a draining node's is handed back all the same
+    for fallback, handed_back in ((False, False), (True, True)):
+        client.sent.clear()
+        s = stream(client)
+        s.move("drain" if fallback else "rebalance", fallback=fallback)
+        s.precopied(PreCopied(rid=client.sent[0][1].rid, error="holder gone"))
+        assert (client.sent[-1] == ("d1", Handback(rid=s._rid))) is handed_back and s._move is None
+        assert not client.precopies
+    # no target at all: nothing sent (a draining node asks again, then hands it back itself)
+    client = MoveClient([node("d1", running=4, free_blocks=100)])
+    s = stream(client)
+    s.move("drain", fallback=True)
+    assert client.sent == [] and s._move is None
+    # migration_precopy off: straight to the hand-back
+    client = MoveClient(nodes, precopy=False)
+    s = stream(client)
+    s.move("rebalance", fallback=False)
+    assert client.sent == [("d1", Handback(rid=s._rid))]
+
+
+async def test_a_pre_copy_is_given_up_when_its_target_leaves_or_it_times_out(monkeypatch) -> None:
+    from pdcluster.control.protocol import PreCopy
+    from pdcluster.router import decode_client
+    from pdcluster.router.decode_client import RequestStream
+
+    monkeypatch.setattr(decode_client, "PRECOPY_TIMEOUT_S", 0.05)
+    client = MoveClient([node("d1", running=4, free_blocks=100), node("d2", free_blocks=100)])
+    s = RequestStream(client, list(range(40)), {"max_tokens": 100}, deadline=1e18)  # type: ignore[arg-type]
+    s._node_id, s._rid, s._attempt = "d1", f"{s.request_id}.1", 1
+    s.move("drain", fallback=True)
+    assert isinstance(client.sent[0][1], PreCopy)
+    await asyncio.sleep(0.1)
+    assert s._move is None and not client.precopies and client.sent[-1][0] == "d1"   # handed back without one
+    assert client.metrics.pre_copies.labels("failed")._value.get() == 1

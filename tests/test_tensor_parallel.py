@@ -139,18 +139,19 @@ def test_a_rank_that_dies_or_stops_fails_the_engine_naming_it(how, model_8_4):
     assert not worker.is_alive()
 
 
-def test_kv_layouts_of_different_tensor_parallel_sizes_are_refused():
+def test_kv_layouts_of_different_tensor_parallel_sizes_match_on_the_model_heads():
     from pdcluster.kv_transfer.errors import LayoutMismatchError
     from pdcluster.kv_transfer.layout import KVLayout
 
     tp2 = KVLayout.of(torch.zeros(2, 4, 4, 8, 1, 16))   # 2 ranks x (k, v), one KV head each
-    tp1 = KVLayout.of(torch.zeros(2, 2, 4, 8, 1, 16))
-    assert tp2.tensor_parallel_size == 2 and tp2.layer_bytes == 2 * tp1.layer_bytes
+    tp1 = KVLayout.of(torch.zeros(2, 2, 4, 8, 2, 16))   # the same 2 heads in one rank (regrouped on the way)
+    assert tp2.tensor_parallel_size == 2 and tp2.layer_bytes == tp1.layer_bytes
     assert KVLayout.from_dict(tp2.to_dict()) == tp2
-    old_peer = {k: v for k, v in tp1.to_dict().items() if k != "tensor_parallel_size"}
+    old_peer = {k: v for k, v in tp1.to_dict().items() if k not in ("tensor_parallel_size", "total_kv_heads")}
     assert KVLayout.from_dict(old_peer).tensor_parallel_size == 1
-    with pytest.raises(LayoutMismatchError, match="tensor_parallel_size: sender 1 vs receiver 2"):
-        tp2.check_compatible(tp1)
+    tp2.check_compatible(tp1)
+    with pytest.raises(LayoutMismatchError, match="total_kv_heads: sender 1 vs receiver 2"):   # another model
+        tp2.check_compatible(KVLayout.of(torch.zeros(2, 2, 4, 8, 1, 16)))
 
 
 # ---- a 1P1D cluster with both nodes at TP = 2 -------------------------------------------------------------
@@ -170,7 +171,7 @@ def tp_cluster(model_8_4, tmp_path_factory):
 
 @pytest.mark.cluster
 @pytest.mark.slow
-async def test_1p1d_at_tp2_answers_like_offline_tp1_and_refuses_a_tp_mismatch(tp_cluster, model_8_4):
+async def test_1p1d_at_tp2_answers_like_offline_tp1_and_refuses_a_tp_mismatch_it_cannot_regroup(tp_cluster, model_8_4):
     import psutil
     from cluster_helpers import client, complete, node_metrics, registered_nodes, total, wait_until_async
 
@@ -189,11 +190,13 @@ async def test_1p1d_at_tp2_answers_like_offline_tp1_and_refuses_a_tp_mismatch(tp
         assert got.usage == 16
     assert total(node_metrics(tp_cluster, "prefill"), "pdcluster_kv_transfers_total{") >= len(prompts)
 
-    # A decode node with another tensor_parallel_size may not join the same model.
-    bad = tp_cluster.start_node("decode", "decode-tp1", tensor_parallel_size=1)
+    # A prefill node of another tensor_parallel_size whose KV backend cannot regroup heads may not join the model
+    # (shm and tcp regroup them: tests/test_kv_hetero_tp.py).
+    bad = tp_cluster.start_node("prefill", "prefill-tp1", tensor_parallel_size=1, kv_backend="gloo")
     assert bad.proc.wait(120) == 2
-    assert "tensor_parallel_size 1 differs from prefill node prefill-0's 2" in bad.log_path.read_text()
-    assert "decode-tp1" not in await registered_nodes(tp_cluster)
+    assert "tensor_parallel_size 1 differs from decode node decode-0's 2" in bad.log_path.read_text()
+    assert "kv_backend gloo moves rank planes unchanged" in bad.log_path.read_text()
+    assert "prefill-tp1" not in await registered_nodes(tp_cluster)
 
     # A decode rank that dies takes its node out of the cluster (the router moves streams elsewhere).
     decode = tp_cluster.service("decode-0")

@@ -198,10 +198,57 @@ class Abort(Message):
 @dataclass
 class Handback(Message):
     """router -> decode: hand request `rid` back to run elsewhere (Tokens finish "migrate"; its KV then fetched from
-    this node), if it runs in the engine; else nothing happens. The router's rebalancing."""
+    this node), if it runs in the engine, at the next block boundary (its KV then lies in full blocks only: the new
+    node recomputes nothing); else nothing happens. The last step of a migration (rebalancing, draining)."""
 
     TYPE: ClassVar[str] = "handback"
     rid: str
+
+
+@dataclass
+class MoveAway(Message):
+    """decode -> router: move request `rid` to another decode node, with its KV (the node drains, or its pool is
+    about to preempt). The router pre-copies the KV to a target (PreCopy) and then sends Handback; a node that
+    hears nothing back in time hands the request back itself."""
+
+    TYPE: ClassVar[str] = "move_away"
+    rid: str
+    reason: str = ""
+
+
+@dataclass
+class PreCopy(Message):
+    """router -> decode: copy the first `num_blocks` blocks of `token_ids` from node `kv_source` (FetchKV) into this
+    node's prefix cache while the request keeps decoding there, and hold them (pinned, at most `timeout_s`) for the
+    request `rid` the router sends next (Generate with this rid); answer PreCopied. A live migration's pre-copy."""
+
+    TYPE: ClassVar[str] = "pre_copy"
+    rid: str
+    token_ids: list[int]
+    kv_source: str
+    num_blocks: int
+    timeout_s: float
+
+    def check(self) -> None:
+        check_timeout("pre_copy", self.timeout_s)
+        if not 0 < self.num_blocks <= MAX_FETCH_BLOCKS:
+            raise ProtocolError(f"pre_copy.num_blocks: must be in [1, {MAX_FETCH_BLOCKS}], got {self.num_blocks}")
+        if not 0 < self.timeout_s <= MAX_PRECOPY_HOLD_S:
+            raise ProtocolError(f"pre_copy.timeout_s: must be in (0, {MAX_PRECOPY_HOLD_S}], got {self.timeout_s}")
+
+
+@dataclass
+class PreCopied(Message):
+    """decode -> router: the pre-copy of `rid` ended: `num_blocks` blocks are held here (0 with `error`: none)."""
+
+    TYPE: ClassVar[str] = "pre_copied"
+    rid: str
+    num_blocks: int = 0
+    error: str | None = None
+
+    def check(self) -> None:
+        if self.num_blocks < 0:
+            raise ProtocolError(f"pre_copied.num_blocks: must be >= 0, got {self.num_blocks}")
 
 
 @dataclass
@@ -291,6 +338,7 @@ class LoraDone(Message):
 
 
 MAX_FETCH_BLOCKS = 1 << 16   # blocks one FetchKV may ask for (a 1M-token prompt of 16-token blocks fits)
+MAX_PRECOPY_HOLD_S = 120.0   # longest a node holds pre-copied blocks for a migration that does not come
 
 
 @dataclass
@@ -421,8 +469,9 @@ class Pong(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.TYPE: cls for cls in (Generate, Tokens, TokenBatch, Progress, Reject, Abort, Handback, Prefill, PrefillDone,
-                              FetchKV, KVFetched, LoraAdapter, LoraDone, Load, Ping, Pong)
+    cls.TYPE: cls for cls in (Generate, Tokens, TokenBatch, Progress, Reject, Abort, Handback, MoveAway, PreCopy,
+                              PreCopied, Prefill, PrefillDone, FetchKV, KVFetched, LoraAdapter, LoraDone, Load, Ping,
+                              Pong)
 }
 _TOKENS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Tokens) if f.default is not dataclasses.MISSING}
 

@@ -43,7 +43,7 @@ class Capacity:
     block_size: int = 0
     max_num_seqs: int = 0
     max_model_len: int = 0  # longest sequence (prompt + output) the node runs; 0 = not said (older node)
-    tensor_parallel_size: int = 0  # devices its engine spans; KV moves only between equal ones; 0 = not said
+    tensor_parallel_size: int = 0  # devices its engine spans (KV regroups between CPU pools of any); 0 = not said
 
 
 @dataclass

@@ -84,6 +84,10 @@ class NodeConfig(CommonConfig):
     drain_migrate: bool = knob(False, "decode: every drain (SIGTERM too) moves the running requests to other decode "
                                       "nodes with their KV instead of finishing them (`pdcluster drain --migrate`: "
                                       "that drain only)")
+    preempt_migrate: bool = knob(False, "decode: when the KV pool is about to preempt (fewer free blocks than "
+                                        "two per running request), ask the router to move the newest running "
+                                        "request to another decode node with its KV instead (off: preemption by "
+                                        "recompute)")
     served_model_name: str = knob("", "the \"model\" requests name to be routed here; default: the model dir's name")
     cpu_cores: str = knob("", "CPUs this node runs on, a list like 0-3,8 (as taskset): one torch thread each, "
                           "OpenMP threads bound one per core; empty = the CPUs the process was started with")

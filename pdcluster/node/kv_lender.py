@@ -1,6 +1,7 @@
 """Lending prefix KV: a node (either role) answers FetchKV by copying the pool blocks published under the asked
 hashes into the asking node's reserved blocks over the kv_transfer channels (shm on one host, tcp or a collective
-across hosts), then KVFetched with how many leading blocks it wrote and the receiver's checksum.
+across hosts), then KVFetched with how many leading blocks it wrote and the receiver's checksum. A lender and an
+asking node of different tensor_parallel_size work too: the channel regroups the heads (kv_transfer/regroup.py).
 
 The blocks are pinned on the engine thread (`LLMEngine.pin_cached`: the allocator cannot hand them out, so nothing
 overwrites them mid-copy) and unpinned once the receiver acknowledged or the copy failed. Only the pool serves a
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MAX_LENDING = 4   # copies to other nodes at once
+MAX_LENDING = 8   # copies to other nodes at once (a draining node moves 4 requests at a time: pre-copies + tails)
 MAX_LEND_S = 30.0  # the longest a copy may hold its pins, whatever the asking node's timeout_s
 
 

@@ -30,6 +30,7 @@ from pdcluster.control.transport import LoadPublisher, RouterServer
 from pdcluster.engine.engine_thread import EngineThread
 from pdcluster.engine.stats import EngineStats
 from pdcluster.kv_transfer import KVSender
+from pdcluster.kv_transfer.backends import CHANNELS
 from pdcluster.monitor import DeviceUsageCollector
 from pdcluster.node.config import NodeConfig, check_host_is_here
 from pdcluster.node.kv_lender import KVLender
@@ -91,6 +92,7 @@ class NodeService:
         self._stopped: asyncio.Event | None = None
         self._tasks: list[asyncio.Task] = []
         self._draining_task: asyncio.Task | None = None
+        self.handed_back_at: float | None = None   # monotonic time a request last went to another node with its KV
         self.exit_code = 0   # of the process; non-zero after a supervised task died
         self._rate_marks: dict[str, tuple[float, float]] = {}
         self.kv_bytes_moved = 0  # KV bytes sent (prefill) or received (decode), counted on the event loop
@@ -164,7 +166,8 @@ class NodeService:
         if self._lend_sender is None:
             cfg = self.config
             self._lend_sender = KVSender(self.engine.kv_pool.tensor, backend=cfg.kv_backend,
-                                         connect_timeout=cfg.kv_connect_timeout, auth_key=self.kv_key)
+                                         connect_timeout=cfg.kv_connect_timeout, auth_key=self.kv_key,
+                                         total_kv_heads=self.engine.kv_pool.model_kv_heads)
         return self._lend_sender
 
     def dropped_frames(self) -> dict[str, object]:
@@ -239,26 +242,45 @@ class NodeService:
                         prefix_hash_seed=self.engine.hash_seed)
 
     def _peer_mismatch(self) -> str:
-        """Why this node may not join, or "". KV moves between prefill and decode engines of the same model only
-        when their tensor_parallel_size is equal (each rank's heads land in the same rank's slice). Decode nodes
+        """Why this node may not join, or "". KV moves between prefill and decode engines of one model of any
+        tensor_parallel_size as long as the heads can be regrouped on the way (`_regroup_refusal`). Decode nodes
         run the proposer and rebuild its state, so a prefill node needs no speculative_config; one that has one
         must have its decode nodes' (anything else is a deployment that does not do what it says)."""
         other = {"prefill": "decode", "decode": "prefill"}.get(self.role)
         mine, my_spec = self.config.tensor_parallel_size, self.speculative()
+        if self.role == "prefill" and self.engine.rank_sliced_pool:
+            return (f"tensor_parallel_size {mine} on {self.engine.device.type}: each rank holds its own slice of the "
+                    "KV and per-rank KV transfer is not built yet, so no decode node could receive this prefill "
+                    "node's KV; run prefill nodes with tensor_parallel_size 1 or on CPU, or let the decode nodes "
+                    "prefill; refusing to register")
         for peer in self.view.nodes_by_role(other) if other else []:
             if peer.model != self.served_model_name():
                 continue
             theirs = peer.capacity.tensor_parallel_size
-            if theirs and theirs != mine:
+            why = self._regroup_refusal(peer) if theirs and theirs != mine else ""
+            if why:
                 return (f"tensor_parallel_size {mine} differs from {other} node {peer.node_id}'s {theirs} for model "
-                        f"{peer.model!r}: prefill and decode nodes of one model must use the same "
-                        "tensor_parallel_size (KV heads move rank to rank); refusing to register")
+                        f"{peer.model!r}: {why}; refusing to register")
             prefill_spec, decode_spec = (my_spec, peer.speculative) if self.role == "prefill" \
                 else (peer.speculative, my_spec)
             if prefill_spec and prefill_spec != decode_spec:
                 return (f"speculative_config {my_spec or 'none'} differs from {other} node {peer.node_id}'s "
                         f"{peer.speculative or 'none'} for model {peer.model!r}: a prefill node has no "
                         "speculative_config or its decode nodes'; refusing to register")
+        return ""
+
+    def _regroup_refusal(self, peer: NodeInfo) -> str:
+        """Why KV cannot move between this node and `peer` of another tensor_parallel_size, or "": only CPU pools
+        regroup heads, over shm, tcp or tcp+int8 (kv_transfer/regroup.py); a device pool's collective channels
+        move rank planes unchanged (and a device engine under TP cannot transfer KV at all yet)."""
+        if self.engine.device.type != "cpu":
+            return "KV moves between different tensor_parallel_size only between CPU pools (this one is on " \
+                   f"{self.engine.device.type})"
+        backend = CHANNELS.get(self.config.kv_backend)
+        if self.role == "prefill" and backend is not None and not backend.regroups:
+            return f"kv_backend {self.config.kv_backend} moves rank planes unchanged (auto, shm or tcp regroup heads)"
+        if self.role == "prefill" and peer.kv_backends and not set(peer.kv_backends) & {"shm", "tcp"}:
+            return f"its KV receiver offers {peer.kv_backends}, none of which regroups heads (shm, tcp)"
         return ""
 
     async def on_start(self) -> None:
@@ -357,23 +379,21 @@ class NodeService:
 
     async def _drain(self, migrate: bool = False) -> None:
         deadline = time.monotonic() + self.drain_timeout
-        moved_at = None
         while self.num_in_flight() > 0 and time.monotonic() < deadline:
-            if migrate and self.migrate_away():
-                moved_at = time.monotonic()
+            if migrate:
+                self.migrate_away()
             await asyncio.sleep(0.05)
         if self.num_in_flight():
             log.warning("%s: drain timeout with %d request(s) still in flight", self.node_id, self.num_in_flight())
-        if moved_at is not None:   # their new nodes fetch the KV from here: stay until they have
-            while (self.lender.lending or time.monotonic() - moved_at < MIGRATE_LINGER_S) \
+        if self.handed_back_at is not None:   # their new nodes fetch the KV from here: stay until they have
+            while (self.lender.lending or time.monotonic() - self.handed_back_at < MIGRATE_LINGER_S) \
                     and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
         self.stop()
 
-    def migrate_away(self) -> bool:
-        """Hand the requests that can move to their routers to run elsewhere (the KV stays in this node's prefix
-        cache for the new node to fetch); whether any moved. Decode nodes do; others have nothing to move."""
-        return False
+    def migrate_away(self) -> None:
+        """Move the requests that can move to other nodes with their KV (their new nodes fetch it from this one:
+        set `handed_back_at` when one goes). Decode nodes do; others have nothing to move."""
 
     async def _shutdown(self) -> None:
         if self.registration is not None:

@@ -1,0 +1,186 @@
+"""KV between pools whose engines split the same KV heads over different numbers of tensor-parallel ranks.
+
+A pool holds each rank's heads in that rank's K and V planes (layout.py); rank r holds the model's heads
+`KVLayout.rank_heads(r)`. Between a sender of one split and a receiver of another, each receiver (rank, head)
+slot takes its head from the first sender rank that holds it: `pieces` lists those as runs of consecutive heads,
+the same for every layer, K and V. Who moves the heads (docs/kv_transfer.md "Heterogeneous tensor parallelism"):
+
+- shm (`copy`): the sender writes the receiver's layout straight into the mapped pool, one strided torch copy
+  per (piece, K/V, run) covering the write's layers; no staging.
+- tcp (`wire_views` → `scatter_views`): the wire carries the sender's planes as they are (only the ranks the
+  receiver needs: a rank that holds a copy of a head another rank already sends stays home), sent from the pool
+  with no staging; the receiver reads each (token, piece) straight into its slot (scatter `recvmsg_into`), so
+  no byte is copied twice. A receiver with more ranks than the model has KV heads holds copies: the one read
+  off the wire is copied to the others (`replicate`), an in-pool copy of those heads only.
+- tcp+int8 (`land`): the receiver already stages (it dequantizes the payload); the dequantized sender-layout
+  tensor is copied into the slots instead of into the same planes.
+- the collective channels and cuda_ipc move whole plane runs as tensors and do not regroup: refused at the
+  handshake.
+
+Checksum: a write's checksum is, per block (weighted as checksum.py does), the sum over the receiver's slots of
+their bytes as words no wider than one (token, head) row (`checksum.row_words`), so it does not depend on the
+split: the receiver sums what landed as usual (over row words), the sender sums its rows once per slot they go
+to (`sent_checksum`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pdcluster.kv_transfer.checksum import checksum_runs, weighted
+from pdcluster.kv_transfer.errors import LayoutMismatchError
+from pdcluster.kv_transfer.layout import KVLayout
+
+if TYPE_CHECKING:
+    from pdcluster.kv_transfer.channel import Channel
+
+
+def regroup_for(channel_cls: "type[Channel]", src: KVLayout, dst: KVLayout) -> "Regroup | None":
+    """The regrouping a connection of `channel_cls` from a `src` pool to a compatible `dst` pool needs (None: planes
+    move unchanged); LayoutMismatchError when their heads are split otherwise and the channel cannot regroup."""
+    if src.same_planes(dst):
+        return None
+    if not channel_cls.regroups:
+        raise LayoutMismatchError(
+            f"tensor_parallel_size: sender {src.tensor_parallel_size} vs receiver {dst.tensor_parallel_size}: the "
+            f"{channel_cls.name} backend moves KV between pools of the same tensor_parallel_size only (shm, tcp and "
+            "tcp+int8 regroup the heads)")
+    return Regroup(src, dst)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Receiver rank `dst_rank`'s heads [dst_head, dst_head + n) are sender rank `src_rank`'s [src_head, ...)."""
+    dst_rank: int
+    dst_head: int
+    src_rank: int
+    src_head: int
+    n: int
+    copy_of: "Piece | None" = None   # a replicated head: the piece that read it off the wire (tcp)
+
+
+class Regroup:
+    def __init__(self, src: KVLayout, dst: KVLayout):
+        self.src, self.dst = src, dst
+        holder: dict[int, tuple[int, int]] = {}   # model head -> (first sender rank holding it, its index there)
+        for r in range(src.tensor_parallel_size):
+            for i, head in enumerate(src.rank_heads(r)):
+                holder.setdefault(head, (r, i))
+        pieces: list[Piece] = []
+        for r in range(dst.tensor_parallel_size):
+            for i, head in enumerate(dst.rank_heads(r)):
+                sr, si = holder[head]
+                last = pieces[-1] if pieces else None
+                if last is not None and (last.dst_rank, last.src_rank) == (r, sr) \
+                        and (last.dst_head + last.n, last.src_head + last.n) == (i, si):
+                    pieces[-1] = Piece(r, last.dst_head, sr, last.src_head, last.n + 1)
+                else:
+                    pieces.append(Piece(r, i, sr, si, 1))
+        first: dict[tuple[int, int], Piece] = {}
+        self.pieces = []
+        for p in pieces:
+            # a copy only arises with one head per receiver rank (more ranks than heads), so a piece is one head
+            primary = first.setdefault((p.src_rank, p.src_head), p)
+            self.pieces.append(p if primary is p else Piece(p.dst_rank, p.dst_head, p.src_rank, p.src_head, p.n,
+                                                            copy_of=primary))
+        self.wire_ranks = sorted({p.src_rank for p in self.pieces})
+        # the pieces read off the wire, per sender rank in head order: they tile that rank's heads
+        self.primary = {r: sorted((p for p in self.pieces if p.src_rank == r and p.copy_of is None),
+                                  key=lambda p: p.src_head) for r in self.wire_ranks}
+
+    @property
+    def wire_layer_bytes(self) -> int:
+        """Bytes of one block's layer on the wire: K and V planes of each rank in `wire_ranks`."""
+        return 2 * len(self.wire_ranks) * self.src.plane_bytes
+
+    def wire_planes(self, layer: int) -> list[int]:
+        """The sender's planes of `layer` on the wire, in wire order."""
+        return [layer * self.src.kv_planes + 2 * r + kv for r in self.wire_ranks for kv in (0, 1)]
+
+    # ---- shm: the sender writes the receiver's pool ------------------------------------------------------
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]], l0: int, l1: int) -> None:
+        """dst's slots of layers [l0, l1) of the runs' blocks (dst_start, src_start, n) from src's rows."""
+        for p in self.pieces:
+            for kv in (0, 1):
+                for d, s, n in runs:
+                    dst[l0:l1, 2 * p.dst_rank + kv, d:d + n, :, p.dst_head:p.dst_head + p.n].copy_(
+                        src[l0:l1, 2 * p.src_rank + kv, s:s + n, :, p.src_head:p.src_head + p.n])
+
+    def sent_checksum(self, src_row_words: np.ndarray, src_runs: list[tuple[int, int]], l0: int, l1: int) -> int:
+        """The checksum the receiver will sum over its slots, from the sender's rows (`checksum.row_words` of its
+        pool, [planes, blocks, block_size, heads, words per row]): each row once per slot it goes to."""
+        stride = self.src.kv_planes
+        sums = np.zeros(sum(n for _, n in src_runs), dtype=np.int64)
+        for p in self.pieces:
+            for kv in (0, 1):
+                planes = slice(l0 * stride + 2 * p.src_rank + kv, l1 * stride, stride)
+                i = 0
+                for s, n in src_runs:
+                    rows = src_row_words[planes, s:s + n, :, p.src_head:p.src_head + p.n]
+                    sums[i:i + n] += rows.sum(axis=(2, 3, 4), dtype=np.int64).sum(axis=0, dtype=np.int64)
+                    i += n
+        return weighted(sums)
+
+    # ---- tcp: the sender's planes on the wire, scattered into the receiver's slots ----------------------------
+
+    def wire_views(self, src_flat: memoryview, src_runs: list[tuple[int, int]], l0: int,
+                   l1: int) -> list[memoryview]:
+        """The sender's bytes in wire order: one contiguous view per (wire plane, run)."""
+        step = self.src.plane_bytes
+        plane = self.src.num_blocks * step
+        return [src_flat[q * plane + s * step:q * plane + (s + n) * step]
+                for layer in range(l0, l1) for q in self.wire_planes(layer) for s, n in src_runs]
+
+    def scatter_views(self, dst_flat: memoryview, runs: list[tuple[int, int]], l0: int,
+                      l1: int) -> list[memoryview]:
+        """Views of the receiver's pool, in wire order, that the wire's bytes land in: one per (token, piece)."""
+        dst, bs = self.dst, self.dst.block_size
+        row = dst.row * dst.element_size
+        token = dst.num_kv_heads * row
+        tokens = [((d + np.arange(n))[:, None] * bs + np.arange(bs)).ravel() * token for d, n in runs]
+        views = []
+        for layer in range(l0, l1):
+            for r in self.wire_ranks:
+                sizes = [p.n * row for p in self.primary[r]]
+                for kv in (0, 1):
+                    starts = np.array([(layer * dst.kv_planes + 2 * p.dst_rank + kv) * dst.num_blocks * bs * token
+                                       + p.dst_head * row for p in self.primary[r]])
+                    for offsets in tokens:   # per run: (block, token, piece) in wire order
+                        at = (offsets[:, None] + starts).ravel().tolist()
+                        views += [dst_flat[a:a + k] for a, k in zip(at, sizes * (len(at) // len(sizes)), strict=True)]
+        return views
+
+    def replicate(self, dst: torch.Tensor, runs: list[tuple[int, int]], l0: int, l1: int) -> None:
+        """Copy each replicated head from the slot the wire filled to its other slots."""
+        for p in self.pieces:
+            if p.copy_of is None:
+                continue
+            q = p.copy_of
+            for kv in (0, 1):
+                for d, n in runs:
+                    dst[l0:l1, 2 * p.dst_rank + kv, d:d + n, :, p.dst_head:p.dst_head + p.n].copy_(
+                        dst[l0:l1, 2 * q.dst_rank + kv, d:d + n, :, q.dst_head:q.dst_head + q.n])
+
+    # ---- staged channels (tcp+int8): a sender-layout tensor into the receiver's slots ------------------------
+
+    def land(self, dst: torch.Tensor, wire: torch.Tensor, runs: list[tuple[int, int]], l0: int, l1: int) -> None:
+        """wire: [layers, wire ranks, 2, blocks, block_size, sender heads, row] in wire order."""
+        for p in self.pieces:
+            w = self.wire_ranks.index(p.src_rank)
+            for kv in (0, 1):
+                i = 0
+                for d, n in runs:
+                    dst[l0:l1, 2 * p.dst_rank + kv, d:d + n, :, p.dst_head:p.dst_head + p.n].copy_(
+                        wire[:, w, kv, i:i + n, :, p.src_head:p.src_head + p.n])
+                    i += n
+
+    def landed_checksum(self, dst_row_words: np.ndarray, runs: list[tuple[int, int]], l0: int, l1: int) -> int:
+        """The checksum of the receiver's slots of the runs (what `sent_checksum` announced)."""
+        planes = dst_row_words.reshape(dst_row_words.shape[0], dst_row_words.shape[1], -1)
+        r = self.dst.planes(l0, l1)
+        return checksum_runs(planes, runs, r.start, r.stop)
