@@ -480,13 +480,9 @@ class DecodeNode(NodeService):
         for req in list(self.requests.values()) if self._other_decode_nodes() else []:
             if req.state is not State.ENGINE or req.lora is not None or req.handback_from >= 0:
                 continue
-            if req.move_reason != "drain":
-                if moving < MAX_MOVES:
-                    self._ask_move(req, "drain")
-                    moving += req.move_reason == "drain"
-            elif now - req.move_nagged >= MOVE_REASK_S:
-                req.move_nagged = now
-                self._send_to(req.owner, MoveAway(rid=req.rid, reason="drain"))
+            if req.move_reason != "drain" and moving < MAX_MOVES:
+                self._ask_move(req, "drain")
+                moving += req.move_reason == "drain"
         self._overdue_moves(now)
 
     def _ask_move(self, req: DecodeRequest, reason: str) -> None:
@@ -496,10 +492,16 @@ class DecodeNode(NodeService):
             log.info("request %s: asked its router to move it (%s)", req.rid, reason, extra={"request_id": req.rid})
 
     def _overdue_moves(self, now: float) -> None:
-        """Asks the router left unanswered: a draining node hands the request back without a pre-copy; a node
-        under pool pressure lets the engine preempt as usual and may ask for another request."""
+        """Asks the router has not acted on: repeated every MOVE_REASK_S (the router may not see a target node
+        yet); after MOVE_ASK_TIMEOUT_S a draining node hands the request back without a pre-copy, and a node under
+        pool pressure lets the engine preempt as usual and may ask for another request."""
         for req in list(self.requests.values()):
-            if not req.move_reason or req.handback_from >= 0 or now - req.move_asked <= MOVE_ASK_TIMEOUT_S:
+            if not req.move_reason or req.handback_from >= 0:
+                continue
+            if now - req.move_asked <= MOVE_ASK_TIMEOUT_S:
+                if now - req.move_nagged >= MOVE_REASK_S and (req.move_reason == "drain" or req.rid == self._relieving):
+                    req.move_nagged = now
+                    self._send_to(req.owner, MoveAway(rid=req.rid, reason=req.move_reason))
                 continue
             if req.move_reason == "drain":
                 req.handback_from = req.sent
@@ -512,6 +514,8 @@ class DecodeNode(NodeService):
         each may need one at its next block boundary, and the move hands its request back only at the one after),
         ask the router to move the newest running request to another node with its KV, one at a time."""
         stats = self.engine_stats()
+        if self._relieving is not None:
+            self._overdue_moves(time.monotonic())
         if self._relieving is not None or self.state != "serving" or stats.num_free_blocks >= 2 * stats.num_running:
             return
         victim = next((r for r in reversed(self.requests.values()) if r.state is State.ENGINE and r.lora is None

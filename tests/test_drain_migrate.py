@@ -93,14 +93,26 @@ async def test_rebalancing_moves_streams_to_an_idle_node_with_their_kv(model, tm
         wait_idle(cluster)
 
 
-async def test_a_node_short_of_kv_blocks_moves_a_stream_instead_of_preempting(model, tmp_path):
-    """`preempt_migrate`: three long streams on a 40-block pool would preempt; the node asks the router to move the
-    newest one away with its KV first. All three outputs exact, at least one moved for pressure, none preempted."""
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory):
+    """Slower steps than `model`: a stream grows slowly enough that the router lists a node made active after the
+    streams started before the pool runs short."""
+    from pdcluster.engine.testing import make_tiny_model
+
+    return make_tiny_model(str(tmp_path_factory.mktemp("migrate-wide") / MODEL_NAME), "llama", hidden_size=256,
+                           intermediate_size=512, num_hidden_layers=4, max_position_embeddings=2048)
+
+
+async def test_a_node_short_of_kv_blocks_moves_a_stream_instead_of_preempting(wide_model, tmp_path):
+    """`preempt_migrate`: three long streams on a 64-block pool would preempt; the node asks the router to move
+    the newest one away with its KV first. All three outputs exact, at least one moved for pressure, none
+    preempted."""
+    model = wide_model
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 400) for _ in range(PROMPT)] for _ in range(3)]
-    output = 500
+    output = 600
     want = reference(model, prompts, output)
-    cluster = decode_cluster(model, tmp_path, node={"num_gpu_blocks_override": 48, "preempt_migrate": True})
+    cluster = decode_cluster(model, tmp_path, node={"num_gpu_blocks_override": 64, "preempt_migrate": True})
     with cluster:
         await only_decode_0(cluster)   # all three start on decode-0
         progress = [0, 0, 0]
@@ -109,7 +121,9 @@ async def test_a_node_short_of_kv_blocks_moves_a_stream_instead_of_preempting(mo
                    for i, p in enumerate(prompts)]
         while min(progress) < 8:
             await asyncio.sleep(0.02)
-        await set_state([cluster.etcd], CLUSTER, "decode-1", "active")
+        await only(cluster, "decode-0", "decode-1")
+        assert cluster.health() and metric(cluster, "decode-0", "pdcluster_node_kv_blocks_free") > 12, \
+            "the pool ran short before the router listed decode-1: the test's margin is gone"
         outs = await asyncio.wait_for(asyncio.gather(*streams), 120)
         assert [o.text for o in outs] == want and all(o.usage == output for o in outs)
         assert metric(cluster, "decode-0", 'pdcluster_node_handbacks_total{reason="pressure"}') >= 1
