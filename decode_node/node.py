@@ -14,6 +14,11 @@ While a request sends no token (queued, waiting on its prefill or its KV) the ro
 it on admission and every `heartbeat_interval`, so its stall timer measures silence, not time to first
 token. Tokens that cannot reach the router (it is reconnecting) are held, merged, and sent when it is
 back; a router gone for `router_reconnect_timeout` gets its requests aborted.
+
+Live migration: this node asks a request's router to move it (`MoveAway`: draining, or the pool about to preempt),
+the router has a target pre-copy its KV from here (`PreCopy` there; this node lends the blocks, `KVLender`), then asks
+for it back (`Handback`): it is handed over at its next block boundary. As a target, `PreCopies` holds the copied
+blocks for the attempt that follows (decode_node/pre_copy.py).
 """
 
 from __future__ import annotations
