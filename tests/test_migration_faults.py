@@ -55,21 +55,28 @@ def router_log(cluster) -> str:
     return cluster.service("router-0").log_path.read_text(errors="replace")
 
 
+async def pre_copy_to_stopped_decode_1(cluster, prompt: list[int]):
+    """A stream under way on decode-0; decode-1 listed, then SIGSTOPped; decode-0 drains with migration, and the
+    router has asked decode-1 to pre-copy. (the stream's task, the drain's task, decode-1's process)"""
+    await only(cluster, "decode-0")
+    progress = [0]
+    stream = asyncio.create_task(complete(client(cluster), MODEL_NAME, prompt, OUTPUT, progress=progress))
+    await until_progress(progress, 16, stream)
+    await only(cluster, "decode-0", "decode-1")
+    target = cluster.service("decode-1").proc
+    target.send_signal(signal.SIGSTOP)
+    drain = asyncio.create_task(drain_node([cluster.etcd], CLUSTER, "decode-0", timeout=90, migrate=True))
+    await wait_until_async(lambda: "to decode-1 (drain): pre-copying" in router_log(cluster), 20,
+                           "the router asked decode-1 to pre-copy")
+    return stream, drain, target
+
+
 async def test_target_dies_during_the_pre_copy(model, job, tmp_path):
     """decode-1, the pre-copy's target, is stopped before it can answer and then killed: the router gives the
     pre-copy up when decode-1 leaves, has decode-0 (draining) hand the stream back, and it resumes on decode-2."""
     prompt, want = job
     with decode_cluster(model, tmp_path, num_decode=3) as cluster:
-        await only(cluster, "decode-0")
-        progress = [0]
-        stream = asyncio.create_task(complete(client(cluster), MODEL_NAME, prompt, OUTPUT, progress=progress))
-        await until_progress(progress, 16, stream)
-        await only(cluster, "decode-0", "decode-1")
-        target = cluster.service("decode-1").proc
-        target.send_signal(signal.SIGSTOP)
-        drain = asyncio.create_task(drain_node([cluster.etcd], CLUSTER, "decode-0", timeout=90, migrate=True))
-        await wait_until_async(lambda: "to decode-1 (drain): pre-copying" in router_log(cluster), 20,
-                               "the router asked decode-1 to pre-copy")
+        stream, drain, target = await pre_copy_to_stopped_decode_1(cluster, prompt)
         target.kill()
         target.wait(10)
         await set_state([cluster.etcd], CLUSTER, "decode-2", "active")
@@ -122,16 +129,7 @@ async def test_router_killed_mid_migration_and_restarted(model, job, tmp_path):
     with decode_cluster(model, tmp_path, node={"router_reconnect_timeout": 3.0}) as cluster:
         await only(cluster, "decode-1")   # one request first: the router's connection to decode-1 is up before it
         await complete(client(cluster), MODEL_NAME, prompt[:8], 4)   # stops, so the PreCopy reaches its socket
-        await only(cluster, "decode-0")
-        progress = [0]
-        stream = asyncio.create_task(complete(client(cluster), MODEL_NAME, prompt, OUTPUT, progress=progress))
-        await until_progress(progress, 16, stream)
-        await only(cluster, "decode-0", "decode-1")
-        target = cluster.service("decode-1").proc
-        target.send_signal(signal.SIGSTOP)
-        drain = asyncio.create_task(drain_node([cluster.etcd], CLUSTER, "decode-0", timeout=90, migrate=True))
-        await wait_until_async(lambda: "to decode-1 (drain): pre-copying" in router_log(cluster), 20,
-                               "the router asked decode-1 to pre-copy")
+        stream, drain, target = await pre_copy_to_stopped_decode_1(cluster, prompt)
         router = cluster.service("router-0")
         router.proc.kill()
         router.proc.wait(10)
