@@ -1,13 +1,20 @@
 """Speculative decoding against none, on the real model (SmolLM2-135M-Instruct), in the same run: output
 tokens/s of the same greedy requests on one engine without speculation and on engines with each proposer.
 
-Workloads (chat prompts through the model's template, `--tokens` output tokens at most):
-  copy    the answer copies from the prompt: repeat / rewrite / fix a given text or code (vLLM's n-gram case)
+Workloads (chat prompts through the model's template, `--tokens` output tokens at most; each round its own
+prompts, drawn from a seed of the round and the workload). Copy-style, the answer copies from the prompt (vLLM's
+n-gram case):
+  copy    repeat / rewrite / fix a given text or code, or add a docstring or a sentence
+  code    code edits: add type hints, rename variables, comment every line, add docstrings (4 snippets)
+  summary summarise / list the points of / extract sentences from a document of 2-4 paragraphs (longer prompts)
+  rewrite rewrite a paragraph with changes: past tense, replaced words, a numbered list, for a child
+Not copy-style:
   open    open-ended questions, greedy (a small model still repeats itself: n-gram finds matches)
   sampled the open questions at temperature 1.0, top-p 0.95, seeded per request: little repetition (what the
           proposers cost when they rarely help; seeded, so every side draws the same tokens)
-Sides, all loaded at once and timed in alternation round by round (the order rotates), each on the same
-prompts (new ones each round):
+Sides, all loaded at once, each on the same prompts (new ones each round), run together step by step: the
+engines take turns, one step each (the order rotates round by round), and each side's time is the sum of its own
+steps, so a load other processes put on the machine falls on every side alike:
   base    no speculation
   ngram   {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
   draft   {"method": "draft_model", ...}: the same model in bfloat16 drafting for a float32 target (a drafter
@@ -48,43 +55,93 @@ TEXTS = [
     "Water boils at one hundred degrees Celsius at sea level. At higher altitudes the air pressure is lower, so "
     "water boils at a lower temperature, and food takes longer to cook.",
 ]
+CODE = [
+    TEXTS[1], TEXTS[3],
+    "def parse_line(line):\n    parts = line.strip().split(',')\n    name = parts[0]\n    age = int(parts[1])\n"
+    "    city = parts[2]\n    return {'name': name, 'age': age, 'city': city}\n\n\ndef parse_file(path):\n"
+    "    rows = []\n    with open(path) as f:\n        for line in f:\n            rows.append(parse_line(line))\n"
+    "    return rows\n",
+    "async def fetch_all(session, urls):\n    results = {}\n    for url in urls:\n"
+    "        async with session.get(url) as response:\n            if response.status == 200:\n"
+    "                results[url] = await response.text()\n            else:\n                results[url] = None\n"
+    "    return results\n",
+]
 COPY_ASKS = ["Repeat the following text exactly, word for word:\n\n{}",
              "Rewrite the following, keeping every sentence, and fix any mistakes:\n\n{}",
              "Here is some code. Return it unchanged but with a docstring added:\n\n{}",
              "Copy this text and then add one sentence at the end:\n\n{}"]
+CODE_ASKS = ["Add type hints to this Python code and return the whole code:\n\n{}",
+             "Rename every variable called `result` or `rows` to `out` in this code and return all of it:\n\n{}",
+             "Add a comment above every line of this code that explains it:\n\n{}",
+             "Return this code with a docstring added to each function:\n\n{}"]
+SUMMARY_ASKS = ["Summarise the following document, quoting its most important sentences:\n\n{}",
+                "Here is a document:\n\n{}\n\nList its main points, one per line, in the document's own words.",
+                "Extract every sentence of this document that mentions a time or a number:\n\n{}"]
+REWRITE_ASKS = ["Rewrite the following in the past tense, changing nothing else:\n\n{}",
+                "Rewrite the following, replacing every 'and' with 'as well as':\n\n{}",
+                "Rewrite the following as a numbered list, one sentence per item:\n\n{}",
+                "Rewrite the following so that it is addressed to a child, keeping every fact:\n\n{}"]
+PROSE = [TEXTS[0], TEXTS[2], TEXTS[4]]
 OPEN_ASKS = ["Write a short story about a {} who learns to sing.", "Give three tips for a {} visiting Paris.",
              "Explain to a {} why the sky is blue.", "Describe the perfect weekend for a {}."]
+WORKLOADS = ["copy", "code", "summary", "rewrite", "open", "sampled"]
 NOUNS = ["cat", "student", "sailor", "robot", "baker", "child", "pilot", "farmer", "teacher", "dragon"]
 
 
+def document(rng: random.Random) -> str:
+    """Two to four paragraphs, a few hundred tokens (a longer prompt than the other workloads')."""
+    return "\n\n".join(rng.sample(PROSE, rng.randint(2, 3)) + rng.sample(TEXTS[1::2], rng.randint(0, 1)))
+
+
+def ask(workload: str, rng: random.Random) -> str:
+    if workload == "copy":
+        return rng.choice(COPY_ASKS).format(rng.choice(TEXTS))
+    if workload == "code":
+        return rng.choice(CODE_ASKS).format(rng.choice(CODE))
+    if workload == "summary":
+        return rng.choice(SUMMARY_ASKS).format(document(rng))
+    if workload == "rewrite":
+        return rng.choice(REWRITE_ASKS).format(rng.choice(PROSE))
+    return rng.choice(OPEN_ASKS).format(rng.choice(NOUNS))
+
+
 def prompts(tokenizer, workload: str, n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
+    rng = random.Random(seed * 7919 + sum(map(ord, workload)))   # a workload's own prompts per round
     out = []
     for _ in range(n):
-        text = rng.choice(COPY_ASKS).format(rng.choice(TEXTS)) if workload == "copy" \
-            else rng.choice(OPEN_ASKS).format(rng.choice(NOUNS))
+        text = ask(workload, rng)
         chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                              add_generation_prompt=True)
         out.append(tokenizer.encode(chat, add_special_tokens=False))
     return out
 
 
-def run(engine: LLMEngine, batch: list[list[int]], tokens: int, tag: str,
-        sampled: bool = False) -> tuple[float, list[list[int]], int]:
-    """(seconds, outputs, output tokens) of the requests run to the end together."""
-    for i, p in enumerate(batch):
-        params = SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=tokens) if sampled \
-            else SamplingParams(temperature=0.0, max_tokens=tokens)
-        engine.add_request(f"{tag}-{i}", p, params)
-    outs: dict[str, list[int]] = {}
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = o.outputs[0].token_ids
-    seconds = time.perf_counter() - start
-    ordered = [outs[f"{tag}-{i}"] for i in range(len(batch))]
-    return seconds, ordered, sum(len(o) for o in ordered)
+def run(engines: dict[str, LLMEngine], batch: list[list[int]], tokens: int, tag: str,
+        sampled: bool = False) -> dict[str, tuple[float, list[list[int]], int]]:
+    """Per side, (seconds, outputs, output tokens) of the requests run to the end together on its engine. The
+    engines step in turn (in the dict's order), each timed over its own steps only: a load that other processes
+    put on the machine hits every side within a step's time of each other."""
+    for engine in engines.values():
+        for i, p in enumerate(batch):
+            params = SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=tokens) if sampled \
+                else SamplingParams(temperature=0.0, max_tokens=tokens)
+            engine.add_request(f"{tag}-{i}", p, params)
+    outs: dict[str, dict[str, list[int]]] = {side: {} for side in engines}
+    seconds = dict.fromkeys(engines, 0.0)
+    while True:
+        busy = [side for side, e in engines.items() if e.has_unfinished_requests()]
+        if not busy:
+            break
+        for side in busy:
+            start = time.perf_counter()
+            done = engines[side].step()
+            seconds[side] += time.perf_counter() - start
+            outs[side].update((o.request_id, o.outputs[0].token_ids) for o in done if o.finished)
+    result = {}
+    for side in engines:
+        ordered = [outs[side][f"{tag}-{i}"] for i in range(len(batch))]
+        result[side] = (seconds[side], ordered, sum(len(o) for o in ordered))
+    return result
 
 
 def main() -> None:
@@ -92,8 +149,9 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="target checkpoint directory (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
-    ap.add_argument("--workloads", nargs="+", default=["copy", "open", "sampled"],
-                    choices=["copy", "open", "sampled"])
+    ap.add_argument("--lookup", type=int, nargs=2, default=[2, 4], metavar=("MIN", "MAX"),
+                    help="ngram: prompt_lookup_min and prompt_lookup_max")
+    ap.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--sides", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"])
     ap.add_argument("--tokens", type=int, default=128)
@@ -111,8 +169,8 @@ def main() -> None:
     drafter = args.model or ensure_converted(default_model_source(), default_model_dir("bfloat16"), "bfloat16")[0]
     common = dict(model=model, dtype=args.dtype, max_num_seqs=max(args.batches), kv_cache_memory=1 << 30,
                   max_model_len=1024)
-    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4,
-                       "prompt_lookup_min": 2},
+    specs = {"ngram": {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": args.lookup[0],
+                       "prompt_lookup_max": args.lookup[1]},
              "draft": {"method": "draft_model", "model": drafter, "num_speculative_tokens": args.k}}
     engines = {"base": LLMEngine(EngineArgs(**common))}
     for side in args.sides:
@@ -126,16 +184,14 @@ def main() -> None:
             ratios: dict[str, list[float]] = {s: [] for s in engines if s != "base"}
             same: dict[str, list[int]] = {s: [0, 0] for s in ratios}
             before = {s: e.get_stats() for s, e in engines.items()}
-            warm = prompts(tokenizer, workload, batch, seed=999)
-            for e in engines.values():
-                run(e, warm, 16, "warm")
+            run(engines, prompts(tokenizer, workload, batch, seed=999), 16, "warm")
             for r in range(args.rounds):
                 batch_prompts = prompts(tokenizer, workload, batch, seed=r)
                 order = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]
+                ran = run({side: engines[side] for side in order}, batch_prompts, args.tokens,
+                          f"{workload}{batch}-{r}", sampled=workload == "sampled")
                 got = {}
-                for side in order:
-                    seconds, outs, n = run(engines[side], batch_prompts, args.tokens, f"{workload}{batch}-{r}",
-                                           sampled=workload == "sampled")
+                for side, (seconds, outs, n) in ran.items():
                     rates[side].append(n / seconds)
                     got[side] = outs
                 for side in ratios:
@@ -166,7 +222,10 @@ def main() -> None:
     if args.json:
         print(json.dumps({"model": os.path.basename(model.rstrip("/")), "dtype": args.dtype, "k": args.k,
                           "tokens": args.tokens, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
-                          "cpus": os.cpu_count(), "load_average_start": load, "results": results}))
+                          "cpus": os.cpu_count(), "load_average_start": load, "load_average_end": os.getloadavg(),
+                          "results": results}))
+    else:
+        print(f"load average (1, 5, 15 min) at the start {load}, at the end {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pdcluster.engine.parallel import check_tensor_parallel
 from pdcluster.engine.scheduler import ScheduledBatch, Scheduler, resolve_batched_tokens
 from pdcluster.engine.sequence import Sequence, SequenceStatus
 from pdcluster.engine.speculative.head_proposer import HeadProposer
+from pdcluster.engine.speculative.policy import DraftPolicy
 from pdcluster.engine.speculative.proposer import make_proposer
 from pdcluster.engine.stats import EngineStats
 from pdcluster.engine.tp_executor import TPWorkers
@@ -86,6 +87,8 @@ class LLMEngine:
             kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, self.dtype)
             self.proposer = make_proposer(args, cfg, self.tokenizer, self.runner, self.dtype, kv_dtype,
                                           self.device)
+            spec = args.speculative
+            self.draft_policy = DraftPolicy(fixed=spec is not None and spec.draft_policy == "fixed")
             draft_bytes = self.proposer.kv_bytes_per_block(args.block_size) if self.proposer is not None else 0
             self.kv_pool, rank_pools = make_pool(cfg, args.block_size, kv_dtype, self.device, self.tp_size,
                                                  lambda per_block: self._num_blocks(per_block + draft_bytes),
@@ -472,11 +475,12 @@ class LLMEngine:
                 bm.unpin(b)
 
     def _propose(self) -> None:
-        """Drafts for every sequence that decodes next step: at most num_speculative_tokens and the sequence's own
-        limit (it shrinks after rejections, `Scheduler._append`; none while a pause after failed drafts runs), none
-        past its max_tokens or the context, only
-        what its grammar allows, and (a drafter with its own KV) only where its blocks could be reserved. A
-        proposer that follows the target's hidden states also gets the other running sequences (limit 0)."""
+        """Drafts for every sequence that decodes next step, as many as the draft policy gives it
+        (engine/speculative/policy.py) within num_speculative_tokens, its max_tokens and the context, none while
+        `disable_by_batch_size` or more sequences run; only what its grammar allows, and (a drafter with its own
+        KV) only where its blocks could be reserved. A proposer that drafts cheaply (n-gram) drafts the most first
+        and the policy picks from the drafts made. A proposer that follows the target's hidden states also gets
+        the other running sequences (limit 0)."""
         proposer = self.proposer
         assert proposer is not None
         sched = self.scheduler
@@ -487,28 +491,29 @@ class LLMEngine:
         if off:
             for seq in seqs:   # drafts a sequence still holds from a step that did not reach it go too
                 sched.set_drafts(seq, [])
-        limits = []
         most = spec.num_speculative_tokens
-        for seq in seqs:
-            k = 0 if off else min(seq.spec_limit or most, most, seq.params.max_tokens - len(seq.output_token_ids) - 1,
-                                  seq.max_model_len - seq.num_tokens - 1)
-            if k > 0 and seq.spec_pause > 0:   # its drafts kept failing (Scheduler._append)
-                seq.spec_pause -= 1
-                k = 0
-            if k > 0 and proposer.writes_kv and not sched.reserve_draft_slots(seq, k):
-                k = 0
-            limits.append(max(k, 0))
-        if proposer.follows_target:
-            drafting = {id(s) for s in seqs}
-            # (not a prefill node's prompts: their features are kept for the decode node's head)
-            others = [s for s in sched.running
-                      if id(s) not in drafting and s.proposer_state is not None and not s.hold_blocks]
-            seqs, limits = seqs + others, limits + [0] * len(others)
-        elif off:
-            return
-        if not seqs:
-            return
-        for seq, k, drafts in zip(seqs, limits, proposer.propose(seqs, limits), strict=True):
+        caps = [0 if off else max(0, min(most, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                                         seq.max_model_len - seq.num_tokens - 1)) for seq in seqs]
+        made = proposer.propose(seqs, caps) if proposer.drafts_cheaply else None
+        limits = self.draft_policy.choose(seqs, caps if made is None else [len(d) for d in made],
+                                          self.runner.last_decode_step, len(sched.running) - len(seqs))
+        if made is None:
+            for i, (seq, k) in enumerate(zip(seqs, limits, strict=True)):
+                if k > 0 and proposer.writes_kv and not sched.reserve_draft_slots(seq, k):
+                    limits[i] = 0
+            if proposer.follows_target:
+                drafting = {id(s) for s in seqs}
+                # (not a prefill node's prompts: their features are kept for the decode node's head)
+                others = [s for s in sched.running
+                          if id(s) not in drafting and s.proposer_state is not None and not s.hold_blocks]
+                seqs, limits = seqs + others, limits + [0] * len(others)
+            elif off:
+                return
+            if not seqs:
+                return
+            made = proposer.propose(seqs, limits)
+        for seq, k, drafts in zip(seqs, limits, made, strict=True):
+            drafts = drafts[:k]
             if drafts and seq.grammar is not None:
                 drafts = drafts[:seq.grammar.valid_drafts(drafts)]
             if k > 0 or seq.spec_token_ids:

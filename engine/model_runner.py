@@ -8,12 +8,14 @@ step), and samples alone. The other ranks run `execute` with the same inputs (en
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import torch
 
 from pdcluster.engine.attention import AttentionMetadata, PrefillChunk, get_backend_class
 from pdcluster.engine.attention.mla import mla_backend
+from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
 from pdcluster.engine.compiled import CompiledBody
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.expert_load import ExpertLoadCounter
@@ -67,6 +69,12 @@ class ModelRunner:
         self.features: torch.Tensor | None = None
         self.kv_pool: KVCachePool | None = None
         self.block_size = 0
+        # The torch-path backends (cpu, torch) read a decode row's context through its own table and length, so
+        # a verified sequence's rows can be decode rows (`prepare_step`); the others take them as a chunk
+        self.drafts_as_decode_rows = isinstance(self.attn_backend, TorchAttentionBackend)
+        # (rows, time.perf_counter() at its end) of the last step if it only decoded (or verified drafts): what the
+        # draft policy times
+        self.last_decode_step: tuple[int, float] | None = None
 
     def bind_kv_pool(self, pool: KVCachePool) -> None:
         """`pool` holds this rank's slice (pool.tp == 1) or every rank's (CPU: shared with the workers, which
@@ -79,7 +87,7 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = pool.layer_views(i, rank)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[Sequence]]:
-        inputs, sample_seqs = prepare_step(batch, self.block_size)
+        inputs, sample_seqs = prepare_step(batch, self.block_size, self.drafts_as_decode_rows)
         if self.lora is not None:
             self.lora.assign(inputs)
         return inputs, sample_seqs
@@ -129,6 +137,13 @@ class ModelRunner:
         """Returns (sequences that got tokens, their tokens, their logprobs): one token per sequence, or for a
         sequence with drafts the drafts that passed and the token drawn after them (`verify`)."""
         inputs, sample_seqs = self.prepare(batch)
+        out = self._run(inputs, sample_seqs, layer_done_callback)
+        decoded = all(n == 1 or s.spec_token_ids for s, _, n in inputs.seq_rows)
+        self.last_decode_step = (len(inputs.ids), time.perf_counter()) if decoded else None
+        return out
+
+    def _run(self, inputs: StepInputs, sample_seqs: list[Sequence],
+             layer_done_callback: Callable[[int], None] | None):
         logits = self.execute_all_ranks(inputs, layer_done_callback)
         if logits is None:
             self._hand_features(inputs, [], [])
@@ -164,17 +179,24 @@ class ModelRunner:
             sink(seq, seq.num_computed_tokens, features[row:row + verified.get(id(seq), n)])
 
 
-def prepare_step(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, list[Sequence]]:
+def prepare_step(batch: ScheduledBatch, block_size: int,
+                 drafts_as_decode_rows: bool = False) -> tuple[StepInputs, list[Sequence]]:
     """Flattened inputs (on CPU); decodes (one new token) first, then prefill chunks. Also the sequences
-    that get a token this step, in the order of `sample_rows`."""
+    that get a token this step, in the order of `sample_rows`. `drafts_as_decode_rows`: a sequence with drafts
+    is 1 + k decode rows (row j attends to its context through position c + j: its K/V, drafts' included, are
+    written before attention reads) instead of a chunk: on CPU a chunk costs a prefill-kernel call per layer and
+    sequence (~10 ms a sequence for SmolLM2 at batch 8, docs/speculative_decoding.md)."""
     bs = block_size
+
+    def decodes(i: int) -> bool:
+        return batch.num_new_tokens[i] == 1 or (drafts_as_decode_rows and bool(batch.seqs[i].spec_token_ids))
+
     # Decodes sorted by context length, so that rows of similar length are neighbours (the torch backend
     # gathers decode K/V in groups of rows: TorchAttentionMetadata.decode_groups).
-    order = sorted(range(len(batch)),
-                   key=lambda i: (batch.num_new_tokens[i] != 1, batch.seqs[i].num_computed_tokens))
+    order = sorted(range(len(batch)), key=lambda i: (not decodes(i), batch.seqs[i].num_computed_tokens))
     seqs = [batch.seqs[i] for i in order]
     counts = [batch.num_new_tokens[i] for i in order]
-    num_decode = sum(1 for n in counts if n == 1)
+    num_decode = sum(batch.num_new_tokens[i] for i in order if decodes(i))
     ids: list[int] = []
     positions: list[int] = []
     sample_rows: list[int] = []
@@ -191,11 +213,12 @@ def prepare_step(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, li
         if n == 1:
             ids.append(seq.token_ids[c])
             positions.append(c)
-        elif drafts:   # the last token and the drafts after it: a short chunk over the cached context
+        elif drafts:   # the last token and the drafts after it: decode rows, or a short chunk over the context
             ids.append(seq.token_ids[c])
             ids.extend(drafts)
             positions.extend(range(c, c + n))
-            prefills.append((row, start, start + n, c))
+            if not drafts_as_decode_rows:
+                prefills.append((row, start, start + n, c))
         else:
             ids.extend(seq.token_ids[c:c + n])
             positions.extend(range(c, c + n))
@@ -221,8 +244,9 @@ def prepare_step(batch: ScheduledBatch, block_size: int) -> tuple[StepInputs, li
     slots = (tables[seq_of_token, positions_t // bs] * bs + positions_t % bs).to(torch.int32)
     meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=num_decode)
     if num_decode:
-        dec_blocks = max(len(s.block_table) for s in seqs[:num_decode])
-        meta.decode_block_tables = tables[:num_decode, :dec_blocks]
+        of_row = seq_of_token[:num_decode]   # a sequence's table once per decode row it has
+        dec_blocks = max(len(seqs[i].block_table) for i in set(of_row.tolist()))
+        meta.decode_block_tables = tables[of_row, :dec_blocks]
         meta.decode_context_lens = (positions_t[:num_decode] + 1).to(torch.int32)
     for row, start, end, c in prefills:
         nblocks = -(-(c + end - start) // bs)

@@ -79,7 +79,6 @@ class ScheduledBatch:
         return len(self.seqs)
 
 
-SPEC_MAX_PAUSE = 32   # steps a sequence whose drafts keep failing goes without (Scheduler._append)
 MAX_TIER_LOADS = 2    # loads from the KV tiers per request (its loaded blocks evicted again before it ran: recompute)
 
 
@@ -371,14 +370,7 @@ class Scheduler:
         if drafts:
             accepted = len(tokens) - 1
             self.spec.count(len(drafts), accepted)
-            # the next draft length: two more after a step that kept every draft, one fewer after a rejection
-            # (transformers' assisted-generation schedule); the engine caps it at num_speculative_tokens
-            seq.spec_limit = len(drafts) + 2 if accepted == len(drafts) else max(1, len(drafts) - 1)
-            # drafts that keep failing still cost their rows in every step: after two steps with none accepted the
-            # sequence stops drafting for 2, then 4, ... up to SPEC_MAX_PAUSE steps, and tries again
-            seq.spec_misses = 0 if accepted else seq.spec_misses + 1
-            if seq.spec_misses >= 2:
-                seq.spec_pause = min(1 << (seq.spec_misses - 1), SPEC_MAX_PAUSE)
+            seq.spec_acceptance.record(len(drafts), accepted)   # what the draft policy reads (speculative/policy.py)
         if seq.stopped:
             self.running.remove(seq)
             seq.move_to(SequenceStatus.FINISHED)

@@ -9,6 +9,7 @@ from pdcluster.control.block_hash import chain_hash
 from pdcluster.control.lifecycle import check_move
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.lora.request import LoRARequest
+from pdcluster.engine.speculative.policy import Acceptance
 
 
 class SequenceStatus(enum.Enum):
@@ -79,9 +80,7 @@ class Sequence:
         # speculative decoding: drafts for the positions after token_ids, scored by the next step (the scheduler
         # sets and clears them); what the proposer keeps about this sequence's KV (None once its blocks are freed)
         self.spec_token_ids: list[int] = []
-        self.spec_limit = 0                         # drafts the proposer may make next (0: the engine's maximum)
-        self.spec_misses = 0                        # consecutive steps whose drafts were all rejected
-        self.spec_pause = 0                         # steps left without drafts after such misses
+        self.spec_acceptance = Acceptance()         # its drafts' record, what the draft policy reads
         self.proposer_state: Any = None
         self.num_step_tokens = 0                    # output tokens the last step appended (several when drafts passed)
 

@@ -149,7 +149,8 @@ async def test_1p1d_eagle3_head_gets_the_prompt_features_from_the_prefill_node(m
     texts = offline_texts(model, 24)
     with LocalCluster(model=model, work_dir=tmp_path, num_prefill=1, num_decode=1, port=0, cluster="eagle",
                       lease_ttl=2, threads_per_node=1,
-                      node_config=node_config({"method": "eagle3", "model": head, "num_speculative_tokens": 3}),
+                      node_config=node_config({"method": "eagle3", "model": head, "num_speculative_tokens": 3,
+                                                "draft_policy": "fixed"}),
                       router_config={"disagg_min_tokens": 0, "routing_policy": "round_robin"}) as cluster:
         cluster.wait_ready(1, 1, timeout=180, serving=True)
         api = client(cluster)

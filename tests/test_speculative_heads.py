@@ -24,7 +24,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 
 def spec(method: str, model: str = "", k: int = 3) -> dict:
-    return {"method": method, "num_speculative_tokens": k, **({"model": model} if model else {})}
+    return {"method": method, "num_speculative_tokens": k, "draft_policy": "fixed",
+            **({"model": model} if model else {})}
 
 
 def prompts_with_repeats() -> list[list[int]]:
@@ -73,8 +74,10 @@ def _greedy(make_engine, model, prompts, params=GREEDY, **kw):
 # ---- configuration ---------------------------------------------------------------------------------------
 
 def test_configs_name_the_head_and_mtp_reads_the_target():
-    assert SpeculativeConfig.parse(spec("eagle3", "/h")) == SpeculativeConfig("eagle3", 3, model="/h")
-    assert SpeculativeConfig.parse(spec("deepseek_mtp", k=1)) == SpeculativeConfig("mtp", 1)
+    assert SpeculativeConfig.parse(spec("eagle3", "/h")) == SpeculativeConfig("eagle3", 3, model="/h",
+                                                                               draft_policy="fixed")
+    assert SpeculativeConfig.parse({"method": "deepseek_mtp", "num_speculative_tokens": 1}) \
+        == SpeculativeConfig("mtp", 1)
     with pytest.raises(ValueError, match="eagle head's checkpoint directory"):
         SpeculativeConfig.parse(spec("eagle"))
     with pytest.raises(ValueError, match="mtp reads the target"):

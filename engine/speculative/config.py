@@ -11,6 +11,9 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 ALIASES = {"deepseek_mtp": "mtp"}   # vLLM's earlier name (vLLM-Ascend's docs use it)
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_LOOKUP = 5   # vLLM: prompt_lookup_min = prompt_lookup_max = 5 when neither is given
+# goodput: the draft counts that maximise the step's expected tokens per second (engine/speculative/policy.py);
+# fixed: every sequence gets num_speculative_tokens drafts in every step (vLLM's behaviour)
+DRAFT_POLICIES = ("goodput", "fixed")
 
 
 def as_text(value: Any) -> Any:
@@ -26,6 +29,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 0      # ngram: longest suffix tried first
     model: str = ""                 # draft_model / eagle / eagle3: the drafter's or head's checkpoint directory
     disable_by_batch_size: int = 0  # no drafts in a step once this many sequences run (0: always draft)
+    draft_policy: str = "goodput"   # how many drafts a sequence gets per step (DRAFT_POLICIES)
 
     @classmethod
     def parse(cls, value: Any) -> SpeculativeConfig | None:
@@ -46,7 +50,7 @@ class SpeculativeConfig:
             return None
         d = dict(value)
         known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-                 "draft_tensor_parallel_size", "disable_by_batch_size"}
+                 "draft_tensor_parallel_size", "disable_by_batch_size", "draft_policy"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"speculative_config.{unknown[0]}: unknown key (known: {', '.join(sorted(known))})")
@@ -61,6 +65,10 @@ class SpeculativeConfig:
         off = d.get("disable_by_batch_size") or 0
         if not isinstance(off, int) or isinstance(off, bool) or off < 0:
             raise ValueError(f"speculative_config.disable_by_batch_size: an integer >= 0 is required, got {off!r}")
+        policy = d.get("draft_policy", "goodput")
+        if policy not in DRAFT_POLICIES:
+            raise ValueError(f"speculative_config.draft_policy: expected one of {', '.join(DRAFT_POLICIES)}, "
+                             f"got {policy!r}")
         if d.get("draft_tensor_parallel_size", 1) != 1:
             raise ValueError("speculative_config.draft_tensor_parallel_size: only 1 (the drafter runs on rank 0)")
         if method == "ngram":
@@ -73,7 +81,8 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config.{name}: an integer >= 1 is required, got {n!r}")
             if lo > hi:
                 raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) exceeds prompt_lookup_max ({hi})")
-            return cls(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, disable_by_batch_size=off)
+            return cls(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, disable_by_batch_size=off,
+                       draft_policy=policy)
         for key in ("prompt_lookup_min", "prompt_lookup_max"):
             if key in d:
                 raise ValueError(f"speculative_config.{key}: only for method ngram")
@@ -81,12 +90,13 @@ class SpeculativeConfig:
         if method == "mtp":   # the layers come with the target's own checkpoint
             if model:
                 raise ValueError("speculative_config.model: mtp reads the target model's own layers (leave it out)")
-            return cls(method, k, disable_by_batch_size=off)
+            return cls(method, k, disable_by_batch_size=off, draft_policy=policy)
         if not isinstance(model, str) or not model:
             what = "draft model" if method == "draft_model" else f"{method} head"
             raise ValueError(f"speculative_config.model: the {what}'s checkpoint directory is required")
-        return cls(method, k, model=model, disable_by_batch_size=off)
+        return cls(method, k, model=model, disable_by_batch_size=off, draft_policy=policy)
 
     def to_json(self) -> str:
-        """The canonical text of this config (keys sorted, unused fields dropped): what nodes compare."""
-        return json.dumps({k: v for k, v in asdict(self).items() if v not in (0, "")}, sort_keys=True)
+        """The canonical text of this config (keys sorted, unused fields and the default policy dropped): what
+        nodes compare."""
+        return json.dumps({k: v for k, v in asdict(self).items() if v not in (0, "", "goodput")}, sort_keys=True)

@@ -43,6 +43,7 @@ class DraftState:
 class DraftModelProposer:
     writes_kv = True
     follows_target = False
+    drafts_cheaply = False
 
     def __init__(self, model_dir: str, target: ModelConfig, tokenizer, dtype: torch.dtype, kv_dtype: torch.dtype,
                  device: torch.device, attention_backend: str | None = None, seed: int = 0) -> None:

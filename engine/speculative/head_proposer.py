@@ -57,6 +57,7 @@ class HeadState:
 class HeadProposer:
     writes_kv = True
     follows_target = True
+    drafts_cheaply = False
 
     def __init__(self, spec: SpeculativeConfig, target_dir: str, target: ModelConfig, runner: ModelRunner,
                  dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device,

@@ -13,6 +13,7 @@ from pdcluster.engine.sequence import Sequence
 class NgramProposer:
     writes_kv = False
     follows_target = False
+    drafts_cheaply = True
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n = min_n

@@ -36,6 +36,9 @@ class Proposer(Protocol):
     # True: it reads the target's hidden states of every computed token, so every running sequence is handed
     # to `propose` each step (limit 0 where it may not draft)
     follows_target: bool
+    # True: drafting costs next to nothing, so it drafts the most it may and the draft policy picks from the drafts
+    # made (it knows which sequences have any); False: the policy's counts are its limits
+    drafts_cheaply: bool
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         """Bytes of its own KV per block of the target's pool (the engine sizes the pool for both)."""
