@@ -58,7 +58,9 @@ from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.kv_transfer import KVReceiver, SharedKVPool, sweep_dead_pools
 from pdcluster.kv_transfer.errors import ChecksumError
+from pdcluster.kv_transfer.per_rank import RankedReceiver
 from pdcluster.node.config import NodeConfig, engine_args_from_config
+from pdcluster.node.rank_kv import RankKV
 from pdcluster.node.service import NodeService
 
 log = logging.getLogger(__name__)
@@ -108,9 +110,13 @@ class DecodeNode(NodeService):
         self.metrics = DecodeMetrics(self.registry)
         pool = engine.kv_pool.tensor
         shm_name = self.shm.name if self.shm is not None and pool.device.type == "cpu" else None
+        # A pool sliced per rank: every rank receives its own slice (pdcluster/node/rank_kv.py), on kv_port + rank
+        self.rank_kv = RankKV.start(engine, config, self.kv_key, receive=True) if engine.rank_sliced_pool else None
         # A device pool: the collective backend (hccl/nccl) writes into it, no shm.
-        self.receiver = KVReceiver(pool, host=config.host, port=config.kv_port, shm_name=shm_name,
-                                   auth_key=self.kv_key, total_kv_heads=engine.kv_pool.model_kv_heads)
+        local = KVReceiver(pool, host=config.host, port=config.kv_port, shm_name=shm_name, auth_key=self.kv_key,
+                           total_kv_heads=engine.kv_pool.model_kv_heads,
+                           rank_slice=self.rank_kv.rank_slice if self.rank_kv else None)
+        self.receiver: KVReceiver | RankedReceiver = self.rank_kv.receiver(local) if self.rank_kv else local
         self.peers = PeerDealers(self._on_peer_message, keys=self.keys)
         self.frame_sources["peers"] = self.peers.dropped
         self.frame_sources["kv"] = self.receiver.dropped   # refused KV connections and malformed KV frames
@@ -154,6 +160,8 @@ class DecodeNode(NodeService):
         await asyncio.gather(*tasks, return_exceptions=True)
         self.peers.close()
         self.receiver.close()
+        if self.rank_kv is not None:
+            self.rank_kv.close()
         if self.shm is not None:
             self.shm.close()
 
@@ -161,6 +169,7 @@ class DecodeNode(NodeService):
         info = super().node_info()
         info.kv_addr = self.receiver.address
         info.kv_backends = list(self.receiver.backends)
+        info.kv_rank_addrs = list(self.rank_kv.kv_addresses) if self.rank_kv else []
         return info
 
     def in_flight(self) -> Mapping[str, DecodeRequest]:
@@ -259,8 +268,6 @@ class DecodeNode(NodeService):
         resumed_ids = list(msg.resume_ids) if params.structured_outputs is not None else []
         if params.prompt_logprobs is not None or resumed_ids:   # prompt logprobs: the prompt's logits are needed here
             self._prefill_locally(req, resumed_ids, fetch)
-        elif self.engine.rank_sliced_pool:   # no KV can land in a TP device pool yet: its ranks prefill it
-            self._prefill_locally(req, fetch_blocks=fetch)
         elif peer is not None and peer.role == "prefill":
             self._prefill_remotely(req, peer, fetch)
         else:

@@ -27,6 +27,7 @@ from pdcluster.control.protocol import FetchKV, KVFetched
 from pdcluster.control.transport import PeerDealers
 from pdcluster.engine.engine_thread import EngineThread
 from pdcluster.kv_transfer import KVReceiver
+from pdcluster.kv_transfer.per_rank import RankedReceiver
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class Fetch:
 
 
 class PrefixFetches:
-    def __init__(self, node_id: str, receiver: KVReceiver, peers: PeerDealers, view: ClusterView,
+    def __init__(self, node_id: str, receiver: KVReceiver | RankedReceiver, peers: PeerDealers, view: ClusterView,
                  engine_thread: EngineThread, timeout: float, release_timeout: float,
                  registry: CollectorRegistry, spawn: Callable[..., None]) -> None:
         self.node_id = node_id

@@ -85,6 +85,10 @@ class EngineArgs:
                                                     "tensor-parallel")
     collective_timeout: float = knob(60.0, help="seconds a tensor-parallel collective (or a rank joining) may "
                                                 "take before the engine fails naming the rank")
+    kv_pool_per_rank: bool = knob(False, help="tensor parallelism: each rank allocates its own slice of the KV pool in "
+                                              "its own process and KV moves rank to rank, each over its own "
+                                              "channel (always so on a device); false on CPU: one shared pool "
+                                              "holds every rank's heads")
     attention_backend: str | None = knob(None, help="attention backend name; unset: chosen by device")
     enforce_eager: bool = knob(True, help="run the model eagerly; false: torch.compile the model body "
                                           "(tensor_parallel_size 1, cached on disk)")

@@ -21,7 +21,9 @@ planes per layer, rank r's K and V at 2r and 2r + 1; rank r holds the model's KV
 `device.rank_kv_heads(num_kv_heads, r, tp)`: an equal share, or a copy of one head when the model has fewer KV
 heads than ranks). KV transfer moves a block's planes unchanged between engines of the same tensor_parallel_size
 (rank i's heads land in rank i's planes) and regroups the heads between engines of different sizes
-(kv_transfer/regroup.py). A device rank's pool is its own slice (tp = 1 here).
+(kv_transfer/regroup.py). A device rank's pool is its own slice (tp = 1 here), and so is a CPU rank's with
+`kv_pool_per_rank`: each rank allocates its slice in its own process, and KV moves rank to rank over each rank's
+own channel (kv_transfer/per_rank/).
 
 A latent pool (an MLA model, `ModelConfig.kv_latent_dim` > 0: DeepSeek-V2/V3) has ONE plane per layer whatever
 the tensor-parallel size, `[num_layers, 1, num_blocks, block_size, 1, row]`: each (token, layer) row is the
@@ -204,12 +206,14 @@ class RankPools:
     dtype: torch.dtype
     shared: torch.Tensor | MappedFile | None = None  # CPU: rank 0's pool of every rank's heads; None: own slices
 
-    def pool(self, config: ModelConfig, device: torch.device, tp: int) -> KVCachePool:
-        """This rank's view: the shared pool (every rank's planes) or its own slice on `device`."""
+    def pool(self, config: ModelConfig, device: torch.device, tp: int, tensor: torch.Tensor | None = None
+             ) -> KVCachePool:
+        """This rank's view: the shared pool (every rank's planes) or its own slice on `device` (in `tensor` when
+        given: e.g. shared memory its rank agent made, engine/rank_agent.py)."""
         _, dim, latent = pool_geometry(config, tp)
         if self.shared is None:
             return KVCachePool(self.num_blocks, config.num_layers, self.block_size, self.kv_heads, dim,
-                               self.dtype, device, latent=latent)
+                               self.dtype, device, tensor=tensor, latent=latent)
         shape = pool_shape(self.num_blocks, config.num_layers, self.block_size, self.kv_heads,
                            row_size(dim, self.dtype), planes=kv_planes(tp, latent))
         t = self.shared if isinstance(self.shared, torch.Tensor) else self.shared.map(shape, self.dtype)
@@ -222,26 +226,38 @@ PoolFactory = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
 
 def make_pool(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device, tp: int,
               num_blocks_for: Callable[[int], int], tensor: torch.Tensor | None = None,
-              factory: PoolFactory | None = None) -> tuple[KVCachePool, RankPools | None]:
+              factory: PoolFactory | None = None, per_rank: bool = False) -> tuple[KVCachePool, RankPools | None]:
     """An engine's KV pool of `dtype`: `tensor` when given (its block count is its own), else one of
     `num_blocks_for(bytes per block)` blocks from `factory(shape, dtype)` (None: allocated here). With `tp` > 1
     also the `RankPools` of the other ranks: on CPU the pool holds every rank's heads (a latent pool: the one
-    plane they share) in memory they map (a torch shared-memory tensor, or a shared mapping of a file), on a
-    device each rank allocates its own slice (its own latent copy) of the same number of blocks."""
-    shared = tp > 1 and device.type == "cpu"
+    plane they share) in memory they map (a torch shared-memory tensor, or a shared mapping of a file); on a
+    device, or with `per_rank`, each rank allocates its own slice (its own latent copy) of the same number of
+    blocks, and this pool is rank 0's. A block's bytes, which the budget is divided by, are one rank's on a device
+    (each rank's budget is its own device's memory) and every rank's on CPU (the ranks share the host's)."""
+    shared = tp > 1 and device.type == "cpu" and not per_rank
     pool_tp = tp if shared else 1
+    kv_heads, dim, latent = pool_geometry(config, tp)
+
+    def shape_of(blocks: int) -> tuple[int, ...]:   # this pool's: every rank's planes, or one rank's slice
+        return pool_shape(blocks, config.num_layers, block_size, kv_heads, row_size(dim, dtype),
+                          planes=kv_planes(pool_tp, latent))
+
     if tensor is not None:
         num_blocks = tensor.shape[2]
     else:
-        num_blocks = num_blocks_for(KVCachePool.bytes_per_block(config, block_size, dtype, pool_tp))
-        shape = KVCachePool.shape_for(config, num_blocks, block_size, dtype, pool_tp)
+        if device.type == "cpu":   # the ranks share the host's memory: a block costs every rank's slice of it
+            per_block = torch.Size(shape_of(1)).numel() * torch.empty((), dtype=dtype).element_size()
+            per_block *= 1 if shared else tp
+        else:   # each rank its own device's (counted over the model's heads)
+            per_block = KVCachePool.bytes_per_block(config, block_size, dtype)
+        num_blocks = num_blocks_for(per_block)
+        shape = shape_of(num_blocks)
         if factory is not None:
             tensor = factory(shape, dtype)
             if tensor is not None and not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"kv_pool_factory: must return a torch.Tensor or None, got {type(tensor).__name__}")
         if tensor is None and shared:
             tensor = torch.zeros(shape, dtype=dtype).share_memory_()
-    kv_heads, dim, latent = pool_geometry(config, tp)
     pool = KVCachePool(num_blocks, config.num_layers, block_size, kv_heads, dim, dtype, device,
                        tensor=tensor, tp=pool_tp, latent=latent)
     pool.model_kv_heads = config.num_kv_heads if pool_tp == tp else None

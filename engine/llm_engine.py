@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdcluster.control.block_hash import hash_seed, lora_hash_seed
 from pdcluster.control.sampling_params import SamplingParams
@@ -31,6 +31,7 @@ from pdcluster.engine.lora.slots import LoRAUnavailable
 from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.engine.parallel import check_tensor_parallel
+from pdcluster.engine.rank_agent import RankAgentFactory
 from pdcluster.engine.scheduler import ScheduledBatch, Scheduler, resolve_batched_tokens
 from pdcluster.engine.sequence import Sequence, SequenceStatus
 from pdcluster.engine.speculative.head_proposer import HeadProposer
@@ -92,7 +93,7 @@ class LLMEngine:
             draft_bytes = self.proposer.kv_bytes_per_block(args.block_size) if self.proposer is not None else 0
             self.kv_pool, rank_pools = make_pool(cfg, args.block_size, kv_dtype, self.device, self.tp_size,
                                                  lambda per_block: self._num_blocks(per_block + draft_bytes),
-                                                 args.kv_pool_tensor, args.kv_pool_factory)
+                                                 args.kv_pool_tensor, args.kv_pool_factory, args.kv_pool_per_rank)
             if self.proposer is not None:
                 self.proposer.bind(self.kv_pool.num_blocks, self.kv_pool.block_size)
             if workers is not None:
@@ -141,7 +142,8 @@ class LLMEngine:
             return None
         if self.rank_sliced_pool:
             raise ValueError("kv_offload_*: the KV tiers need the whole pool in one tensor; with "
-                             "tensor_parallel_size > 1 on a device each rank holds its own slice (not supported yet)")
+                             "tensor_parallel_size > 1 on a device (or kv_pool_per_rank) each rank holds its own "
+                             "slice (not supported yet)")
         if self.proposer is not None and self.proposer.writes_kv:
             raise ValueError("kv_offload_*: not available with a speculative drafter that keeps its own KV "
                              "(draft_model): the tiers would restore the target's KV without the drafter's")
@@ -157,17 +159,33 @@ class LLMEngine:
 
     @property
     def rank_sliced_pool(self) -> bool:
-        """Tensor parallelism on a device: each rank's KV pool is its own slice in its own process, so rank 0's
-        pool is not the whole KV (no KV transfer, tier or lending of it)."""
-        return self.tp_size > 1 and self.device.type != "cpu"
+        """Tensor parallelism on a device, or with `kv_pool_per_rank`: each rank's KV pool is its own slice in its
+        own process, so rank 0's pool is not the whole KV: it moves rank by rank (each rank's KV agent,
+        `start_rank_agents`), and no tier or lending holds it."""
+        return self.tp_size > 1 and (self.device.type != "cpu" or self.args.kv_pool_per_rank)
 
     @property
     def copies_blocks(self) -> bool:
         """Whether a block of the pool is the whole of a prefix's KV, so copying it elsewhere (a tier, another
-        node) and back is exact: not with TP on a device (each rank a slice), a drafter's own KV, or StreamingLLM."""
+        node) and back is exact: not with a pool sliced per rank (rank 0's block is one slice), a drafter's own
+        KV, or StreamingLLM."""
         return not self.rank_sliced_pool \
             and not (self.proposer is not None and self.proposer.writes_kv) \
             and self.scheduler.block_manager.enable_prefix_caching
+
+    def start_rank_agents(self, factory: RankAgentFactory) -> list[Any]:
+        """Run `factory(this rank's KV pool tensor, rank, tensor_parallel_size)` in the process of every tensor-parallel
+        rank but 0 (engine/rank_agent.py); each agent's `info`, in rank order ([] without other ranks). Before the
+        engine thread starts."""
+        workers = self.runner.workers
+        return [] if workers is None else workers.start_agents(factory)
+
+    def tell_rank_agent(self, rank: int, message: Any) -> None:
+        """Hand `message` to rank `rank`'s agent in order with the steps: it gets it after the steps run before
+        this call and before the next one. The engine thread only (it alone writes to the ranks' pipes)."""
+        workers = self.runner.workers
+        assert workers is not None, "tell_rank_agent: this engine has no other tensor-parallel ranks"
+        workers.tell_agent(rank, message)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, kv_connector: KVConnector | None = None) -> "LLMEngine":

@@ -16,6 +16,7 @@ import pickle
 import threading
 import time
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 
@@ -24,6 +25,7 @@ from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.kv_cache import RankPools
 from pdcluster.engine.lora.request import LoRAConfig
 from pdcluster.engine.parallel import TPGroup, init_group, leave_group
+from pdcluster.engine.rank_agent import RankAgentFactory
 from pdcluster.engine.shm_collectives import ShmCollectives, supported
 from pdcluster.engine.shm_ring import BroadcastRing
 from pdcluster.engine.step_inputs import StepInputs, encode
@@ -107,6 +109,21 @@ class TPWorkers:
         for rank, reply in enumerate(self._replies(self.timeout_s), start=1):
             if reply[0] != "bound":
                 raise TPWorkerError(f"tensor-parallel rank {rank}: unexpected reply {reply!r}")
+
+    def start_agents(self, factory: RankAgentFactory) -> list[Any]:
+        """Every rank builds `factory(its KV pool tensor, rank, size)` (engine/rank_agent.py); their `info`s."""
+        self.ring.send_control(("agent", factory), self.conns)
+        infos = []
+        for rank, reply in enumerate(self._replies(self.timeout_s), start=1):
+            if reply[0] != "agent":
+                raise TPWorkerError(f"tensor-parallel rank {rank}: its KV agent did not start:\n{reply[1]}")
+            infos.append(reply[1])
+        return infos
+
+    def tell_agent(self, rank: int, message: Any) -> None:
+        """`message` to rank `rank`'s agent, in order with the steps (the engine thread only: it alone writes the
+        ranks' pipes)."""
+        self.ring.send_control(("to_agent", message), [self.conns[rank - 1]])
 
     def broadcast(self, inputs: StepInputs) -> None:
         if self.dead is not None:

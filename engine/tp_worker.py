@@ -12,9 +12,14 @@ import signal
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.lora.request import LoRAConfig
+
+if TYPE_CHECKING:   # (torch loads in main, after SIGINT is ignored)
+    from pdcluster.engine.kv_cache import RankPools
+    from pdcluster.engine.rank_agent import RankAgent, RankAgentFactory
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 1.0   # how often an idle worker checks that rank 0 is still there
@@ -79,6 +84,8 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
         reply(conn, "error", f"rank {spec.rank}: {traceback.format_exc()}")
         return 1
     reply(conn, "ready")
+    agent: RankAgent | None = None   # the node's code on this rank's KV slice (engine/rank_agent.py)
+    pools: RankPools | None = None
     try:
         while True:
             msg = ring.read(reader, conn, IDLE_POLL_S)
@@ -88,11 +95,17 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
                 continue
             kind, body = msg
             if kind == "step":
-                runner.execute(decode(body))
+                runner.execute(decode(body), agent.layer_hook() if agent is not None else None)
                 ring.mark_done(reader)
             elif body[0] == "pool":
-                runner.bind_kv_pool(body[1].pool(spec.config, device, spec.size))
+                pools = body[1]
+                runner.bind_kv_pool(pools.pool(spec.config, device, spec.size))
                 reply(conn, "bound")
+            elif body[0] == "agent":
+                agent = _start_agent(body[1], runner, pools, device, spec, conn)
+            elif body[0] == "to_agent":
+                if agent is not None:
+                    agent.on_message(body[1])
             elif body[0] == "stop":
                 return 0
     except (EOFError, OSError):   # rank 0 is gone
@@ -101,4 +114,27 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
         log.exception("tensor-parallel rank %d failed", spec.rank)
         return 1
     finally:
+        if agent is not None:
+            agent.close()
         leave_group()
+
+
+def _start_agent(factory: RankAgentFactory, runner, pools: RankPools | None, device, spec: WorkerSpec,
+                 conn: Connection) -> RankAgent | None:
+    """The node's agent on this rank's KV pool (moved into the agent's `kv_pool` if it has one); rank 0 hears its
+    `info`, or why it did not start."""
+    if pools is None:
+        reply(conn, "error", f"rank {spec.rank}: a KV agent before the KV pool was bound")
+        return None
+    agent = None
+    try:
+        agent = factory(runner.kv_pool.tensor, spec.rank, spec.size)
+        if agent.kv_pool is not None:
+            runner.bind_kv_pool(pools.pool(spec.config, device, spec.size, agent.kv_pool))
+    except Exception:
+        if agent is not None:
+            agent.close()
+        reply(conn, "error", f"rank {spec.rank}: {traceback.format_exc()}")
+        return None
+    reply(conn, "agent", agent.info)
+    return agent

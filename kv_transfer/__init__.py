@@ -5,7 +5,7 @@ state machine (reservations.py).
 
 Receiver (decode node): `KVReceiver(pool).reserve(rid, block_ids)` → `Destination` (a msgpack-able
 dict via to_dict) → the prefill node's `KVSender(pool).start(dst, src_ids)` → `send_layers`… →
-`finish()`; the receiver resolves the reservation (`await wait`, `poll`, or `on_done`).
+`finish()`; the receiver resolves the reservation (`await wait`, or `on_result`).
 """
 
 from pdcluster.kv_transfer.destination import Destination

@@ -35,9 +35,13 @@ DstRuns = list[tuple[int, int]]  # (dst_start, n), as a write header carries the
 class PoolViews:
     """A local KV pool and the views channels read and write it through (built once per endpoint)."""
 
-    def __init__(self, pool: torch.Tensor, total_kv_heads: int | None = None):
+    def __init__(self, pool: torch.Tensor, total_kv_heads: int | None = None,
+                 rank_slice: tuple[int, int] | None = None):
+        """`rank_slice`: (rank, ranks) when the pool is one rank's slice of an engine sliced per rank."""
         self.tensor = pool
         self.layout = KVLayout.of(pool, total_kv_heads)
+        if rank_slice is not None:
+            self.layout = self.layout.sliced(*rank_slice)
         self.words = words(byte_view(pool))  # [planes, blocks, words per plane]: numpy on CPU, torch else
         self.on_cpu = pool.device.type == "cpu"
         self.np_bytes: np.ndarray | None = None  # [planes, blocks, plane bytes] (CPU pools)

@@ -98,3 +98,9 @@ def checksum_bytes(flat: torch.Tensor) -> int:
 
 def combine(a: int, b: int) -> int:
     return (a + b) & MASK64
+
+
+def combine_ranks(checksums: list[int]) -> int:
+    """One checksum of a transfer made of one part per tensor-parallel rank (per_rank/), in rank order, weighted
+    1, 3, 5, ... like blocks so that a part landing in another rank's slice shows."""
+    return sum((2 * r + 1) * c for r, c in enumerate(checksums)) & MASK64

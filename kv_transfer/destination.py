@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -40,6 +40,9 @@ class Destination:
     # Seconds left when handed on (0: unknown). A sender's deadline is its own monotonic clock at receipt plus
     # this (`expires`); the receiver enforces its deadline anyway, this only saves writing in vain.
     timeout_s: float = 0.0
+    # A receiving engine whose KV pool is sliced per tensor-parallel rank: the destinations of its ranks 1, 2, ...
+    # (the same blocks in each rank's slice; this one is rank 0's). Empty: the pool holds all of the KV.
+    ranks: list["Destination"] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.expires = time.monotonic() + self.timeout_s if self.timeout_s > 0 else float("inf")
@@ -68,7 +71,10 @@ class Destination:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"destination: unknown fields {sorted(unknown)}")
-        return cls(**d)
+        ranks = d.get("ranks", [])
+        if not isinstance(ranks, list) or any(not isinstance(r, dict) or r.get("ranks") for r in ranks):
+            raise ValueError("destination.ranks: expected a list of destinations (of ranks, none with ranks)")
+        return cls(**{**d, "ranks": [cls.from_dict(r) for r in ranks]})
 
     @property
     def host_port(self) -> tuple[str, int]:

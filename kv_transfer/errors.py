@@ -7,6 +7,8 @@ Every failure is a `TransferError` carrying `code` (one of `CODES`). Codes cross
 
 from __future__ import annotations
 
+from typing import Protocol, Sequence, TypeVar
+
 
 class TransferError(RuntimeError):
     """A KV transfer failed: rejected, timed out, peer lost, or bytes corrupted."""
@@ -62,6 +64,24 @@ CODES: dict[str, type[TransferError]] = {
     "closed": TransferError,          # the receiver closed while the transfer was pending
     "failed": TransferError,          # anything else (an unexpected exception, a frame out of order)
 }
+
+
+# A transfer made of parts (one per tensor-parallel rank, per_rank/) stops every part when one fails: the others
+# then fail with these codes, which say what stopped them, not what went wrong.
+SECONDARY_CODES = frozenset({"aborted", "cancelled"})
+
+
+class _Coded(Protocol):
+    @property
+    def code(self) -> str | None: ...
+
+
+C = TypeVar("C", bound=_Coded)
+
+
+def root_cause(failures: Sequence[C]) -> C:
+    """The first of a transfer's failures that is not only another's knock-on (SECONDARY_CODES), else the first."""
+    return next((f for f in failures if f.code not in SECONDARY_CODES), failures[0])
 
 
 def from_code(code: object, message: str) -> TransferError:

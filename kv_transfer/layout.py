@@ -22,11 +22,16 @@ A latent pool (an MLA model: DeepSeek-V2/V3, `latent`) has ONE plane per layer w
 split by heads), so its tensor_parallel_size is 1: a prefill engine of any TP ships its one copy, and only the
 latent dim, dtype and block geometry must match. A latent and a per-head pool are refused at the handshake
 (`latent: sender True vs receiver False`), as are two latent pools of different dims (`kv_latent_dim: ...`).
+
+A pool sliced per rank (a device rank's, or a CPU rank's with `kv_pool_per_rank`) is one rank's part of its
+engine's KV: its layout is that of a one-rank pool of the rank's heads, plus `rank_slices` (how many ranks' slices
+the engine's KV is cut into; 1: the whole KV in this pool) and `rank_slice` (which one). Both are checked, so a
+slice moves only into the slice of the same rank of an engine cut the same way (per_rank/: rank r to rank r).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -36,7 +41,7 @@ from pdcluster.kv_transfer.errors import LayoutMismatchError
 
 LAYOUT_VERSION = 2
 _CHECKED_FIELDS = ("version", "dtype", "latent", "num_layers", "block_size", "total_kv_heads", "head_dim",
-                   "scale_bytes")
+                   "scale_bytes", "rank_slices", "rank_slice")
 _POSITIVE_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim", "tensor_parallel_size", "num_blocks",
                     "version", "total_kv_heads")
 
@@ -54,6 +59,8 @@ class KVLayout:
     scale_bytes: int = 0   # per (token, KV head) row, after its head_dim values: 2 for an int8 pool
     latent: bool = False   # an MLA pool: one plane of latent rows per layer (head_dim = kv_latent_dim, 1 head)
     total_kv_heads: int = 0   # the model's KV heads over all ranks; 0: num_kv_heads * tensor_parallel_size
+    rank_slices: int = 1   # a pool sliced per rank: the ranks whose slices make the engine's KV; 1: all of it here
+    rank_slice: int = 0    # ... and which of them this pool is
 
     def __post_init__(self) -> None:
         if not self.total_kv_heads:
@@ -93,6 +100,12 @@ class KVLayout:
         if not ok:
             raise ValueError(f"layout: {heads} KV heads per rank x tensor_parallel_size {tp} does not hold "
                              f"total_kv_heads {total}{' (a latent pool is 1 x 1 of 1)' if self.latent else ''}")
+
+    def sliced(self, rank: int, ranks: int) -> "KVLayout":
+        """This layout as rank `rank`'s slice of an engine whose `ranks` ranks each hold their own (ranks 1: as is)."""
+        if not 0 <= rank < ranks:
+            raise ValueError(f"rank_slice: expected 0 <= rank < {ranks}, got {rank}")
+        return replace(self, rank_slices=ranks, rank_slice=rank)
 
     def rank_heads(self, rank: int) -> range:
         """The model's KV heads rank `rank`'s planes hold, in plane order."""
@@ -159,7 +172,7 @@ class KVLayout:
             # absent from older peers: a float per-head pool of one rank
             layout = cls(**fields, tensor_parallel_size=d.get("tensor_parallel_size", 1),
                          scale_bytes=d.get("scale_bytes", 0), latent=d.get("latent", False),
-                         total_kv_heads=total)
+                         total_kv_heads=total, rank_slices=d.get("rank_slices", 1), rank_slice=d.get("rank_slice", 0))
         except KeyError as exc:
             raise ValueError(f"layout: missing field {exc.args[0]!r}") from None
         except TypeError:   # a non-int num_kv_heads or tensor_parallel_size in the default's product
@@ -168,6 +181,10 @@ class KVLayout:
             raise ValueError(f"layout.scale_bytes: expected an int >= 0, got {layout.scale_bytes!r}")
         if not isinstance(layout.latent, bool):
             raise ValueError(f"layout.latent: expected a bool, got {layout.latent!r}")
+        if not (isinstance(layout.rank_slice, int) and not isinstance(layout.rank_slice, bool)
+                and isinstance(layout.rank_slices, int) and 0 <= layout.rank_slice < layout.rank_slices):
+            raise ValueError(f"layout.rank_slice / rank_slices: expected ints 0 <= rank_slice < rank_slices, got "
+                             f"{layout.rank_slice!r} / {layout.rank_slices!r}")
         for name in _POSITIVE_FIELDS:
             value = getattr(layout, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

@@ -78,15 +78,17 @@ class KVReceiver:
         max_pending: int = 64,
         auth_timeout: float = 2.0,
         total_kv_heads: int | None = None,
+        rank_slice: tuple[int, int] | None = None,
     ):
         """`auth_key` (the cluster secret's KV key): a connection must prove it holds it before anything is
         done for it; None accepts any sender (no cluster secret configured). `io_timeout`: a sender
         connection's socket timeout (keepalive notices a silent peer sooner); `shm_grace_s`: how long a failed
         reservation a same-host copy may still touch holds its blocks; `auth_timeout`: how long an
         unauthenticated connection may take to send its hello; `total_kv_heads`: the model's KV heads, when fewer
-        than the pool's tensor-parallel ranks (KVLayout.of)."""
+        than the pool's tensor-parallel ranks (KVLayout.of); `rank_slice`: (rank, ranks) when the pool is one rank's
+        slice of an engine sliced per rank (per_rank/)."""
         self.pool = pool
-        self.views = PoolViews(pool, total_kv_heads)
+        self.views = PoolViews(pool, total_kv_heads, rank_slice)
         self.layout = self.views.layout
         self.io_timeout = io_timeout
         self.shm_name = shm_name
@@ -159,6 +161,11 @@ class KVReceiver:
         with self._lock:
             self._table.cancel(request_id)
         self._release_ready()
+
+    def on_result(self, request_id: str, fn: Callable[[TransferResult], None]) -> None:
+        """Call `fn` (on whichever thread resolves it, or now) with the reservation's result, as `wait` would
+        return it; the result is then taken (no `wait` gets it)."""
+        self._add_waiter(request_id, fn)
 
     async def wait(self, request_id: str, timeout: float) -> TransferResult:
         """The reservation's result once it resolved: complete (its blocks hold the sender's bytes), or

@@ -127,6 +127,11 @@ class Transfer:
         """The checksum the receiver acknowledged; None before the ack."""
         return self._checksum
 
+    @property
+    def sent_bytes(self) -> int:
+        """Wire bytes of the writes sent so far."""
+        return self._sent_bytes
+
     # ---- the caller's thread -----------------------------------------------------------------------
 
     def send_layers(self, l0: int, l1: int) -> None:
@@ -461,9 +466,11 @@ class KVSender:
         io_timeout: float = 10.0,
         auth_key: bytes | None = None,
         total_kv_heads: int | None = None,
+        rank_slice: tuple[int, int] | None = None,
     ):
         """`auth_key`: the cluster secret's KV key, proven to every receiver (and asked of it) in the handshake.
-        `total_kv_heads`: the model's KV heads, when fewer than the pool's tensor-parallel ranks (KVLayout.of)."""
+        `total_kv_heads`: the model's KV heads, when fewer than the pool's tensor-parallel ranks (KVLayout.of).
+        `rank_slice`: (rank, ranks) when the pool is one rank's slice of an engine sliced per rank (per_rank/)."""
         if backend != "auto" and backend not in CHANNELS:
             raise ValueError(f"backend: expected auto or one of {list(CHANNELS)}, got {backend!r}")
         if quant not in (None, "int8"):
@@ -471,7 +478,7 @@ class KVSender:
         if num_streams < 1:
             raise ValueError("num_streams: expected >= 1")
         self.pool = pool
-        self.views = PoolViews(pool, total_kv_heads)
+        self.views = PoolViews(pool, total_kv_heads, rank_slice)
         self.layout = self.views.layout
         for cls in set(CHANNELS.values()):
             cls.prepare(self.views)

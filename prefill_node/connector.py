@@ -18,6 +18,7 @@ import torch
 
 from pdcluster.engine.kv_connector import KVConnector, PromptInStep
 from pdcluster.kv_transfer import KVSender, Transfer
+from pdcluster.kv_transfer.per_rank import RankedSender, RankedTransfer
 from pdcluster.prefill_node.job import Outgoing
 
 log = logging.getLogger(__name__)
@@ -27,9 +28,9 @@ class TransferConnector(KVConnector):
     def __init__(self, layerwise: bool, handover: Callable[[Outgoing], None]) -> None:
         self.layerwise = layerwise
         self.handover = handover
-        self.sender: KVSender | None = None   # set by the node once the engine (and so its KV pool) exists
+        self.sender: KVSender | RankedSender | None = None   # set by the node once the engine (its KV pool) exists
         self.outgoing: dict[str, Outgoing] = {}   # prompts in the engine whose KV this node sends
-        self.streaming: list[Transfer] = []   # transfers whose prompt's last chunk runs in this step
+        self.streaming: list[Transfer | RankedTransfer] = []   # transfers whose prompt's last chunk runs in this step
 
     # ---- the node's calls (through engine_thread.call / post) ----------------------------------------
 
@@ -71,11 +72,13 @@ class TransferConnector(KVConnector):
                 transfer.send_all()
         self.handover(out)
 
-    def _start(self, out: Outgoing, block_table: list[int]) -> Transfer | None:
+    def _start(self, out: Outgoing, block_table: list[int]) -> Transfer | RankedTransfer | None:
+        """Start the prompt's transfer (a pool sliced per rank: every rank's, the others in order with the steps,
+        so when called before a step they stream its layers as rank 0 does)."""
         sender = self.sender
         assert sender is not None, "the node sets the sender before the engine runs"
         src = block_table[out.first_block:out.num_blocks]
-        out.nbytes = len(src) * sender.layout.block_bytes
+        out.nbytes = len(src) * sender.layout.block_bytes * sender.layout.rank_slices   # every rank's slice
         out.first_write = time.monotonic()
         try:
             # Tensors the sender creates here (e.g. its shm mapping of the destination pool) are written by

@@ -24,6 +24,7 @@ from typing import Any
 
 from pdcluster.control.lifecycle import check_move
 from pdcluster.kv_transfer import Destination, Transfer
+from pdcluster.kv_transfer.per_rank import RankedTransfer
 
 
 class JobState(enum.Enum):
@@ -51,7 +52,7 @@ class Outgoing:
     dst: Destination
     first_block: int  # the prompt's leading blocks the decode node already holds (not sent)
     num_blocks: int  # the prompt's blocks
-    transfer: Transfer | None = None
+    transfer: Transfer | RankedTransfer | None = None
     error: str | None = None  # why the transfer could not start
     nbytes: int = 0
     first_write: float = 0.0  # monotonic time the first write was queued

@@ -22,7 +22,9 @@ from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.kv_transfer import Destination, KVSender
+from pdcluster.kv_transfer.per_rank import RankedSender
 from pdcluster.node.config import NodeConfig, engine_args_from_config
+from pdcluster.node.rank_kv import RankKV
 from pdcluster.node.service import NodeService
 from pdcluster.node.threads import started_pool
 from pdcluster.prefill_node.connector import TransferConnector
@@ -43,9 +45,14 @@ class PrefillNode(NodeService):
         self.metrics = PrefillMetrics(self.registry)
         self.block_size = self.engine.block_size
         self.num_layers = self.engine.model_config.num_layers
-        self.sender = KVSender(self.engine.kv_pool.tensor, backend=config.kv_backend,
-                               connect_timeout=config.kv_connect_timeout, auth_key=self.kv_key,
-                               total_kv_heads=self.engine.kv_pool.model_kv_heads)
+        # A pool sliced per rank: every rank sends its own slice (pdcluster/node/rank_kv.py), rank 0 drives them
+        self.rank_kv = RankKV.start(self.engine, config, self.kv_key, receive=False) \
+            if self.engine.rank_sliced_pool else None
+        local = KVSender(self.engine.kv_pool.tensor, backend=config.kv_backend,
+                         connect_timeout=config.kv_connect_timeout, auth_key=self.kv_key,
+                         total_kv_heads=self.engine.kv_pool.model_kv_heads,
+                         rank_slice=self.rank_kv.rank_slice if self.rank_kv else None)
+        self.sender: KVSender | RankedSender = self.rank_kv.sender(local) if self.rank_kv else local
         self.connector.sender = self.sender
         self.max_jobs = max_jobs or 2 * config.max_num_seqs
         self.jobs: dict[str, PrefillJob] = {}  # not yet answered (CONNECTING, QUEUED, SENDING)
@@ -64,7 +71,7 @@ class PrefillNode(NodeService):
             live = [n.kv_addr for n in self.view.nodes_by_role("decode")]
             self._connects.submit(self.sender.keep_peers, live)
 
-    def kv_sender(self) -> KVSender:
+    def kv_sender(self) -> KVSender | RankedSender:
         return self.sender
 
     async def on_start(self) -> None:
@@ -77,6 +84,8 @@ class PrefillNode(NodeService):
         self._acks.shutdown(wait=True, cancel_futures=False)
         self._connects.shutdown(wait=False, cancel_futures=True)   # a connect in flight ends by its timeout
         self.sender.close()
+        if self.rank_kv is not None:
+            self.rank_kv.close()
 
     def in_flight(self) -> Mapping[str, PrefillJob]:
         return self.jobs

@@ -385,6 +385,8 @@ def test_registration_refuses_only_a_tp_mismatch_no_channel_can_regroup(role, de
                            speculative=lambda: "",
                            served_model_name=lambda: "m", view=SimpleNamespace(nodes_by_role=lambda r: [peer]))
     node._regroup_refusal = lambda p: NodeService._regroup_refusal(node, p)
+    node._slicing_refusal = lambda p: NodeService._slicing_refusal(node, p)
+    node.kv_rank_slices = lambda: NodeService.kv_rank_slices(node)
     why = NodeService._peer_mismatch(node)
     if refusal:
         assert why.startswith(f"tensor_parallel_size 1 differs from {other} node {other}-0's 2") and refusal in why
@@ -393,17 +395,31 @@ def test_registration_refuses_only_a_tp_mismatch_no_channel_can_regroup(role, de
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_prefill_node_whose_device_ranks_each_hold_a_slice_of_the_kv_does_not_register(role):
-    """TP on a device: rank 0's pool is one slice; until per-rank KV transfer exists a prefill node there refuses to
-    register (its KV could reach no decode node), whatever its peers; a decode node there registers and prefills
-    every prompt itself (decode_node/node.py)."""
+@pytest.mark.parametrize("peer_slices, peer_tp, refused", [(2, 2, False), (0, 2, True), (0, 1, True), (4, 4, True)])
+def test_pools_sliced_per_rank_pair_only_with_pools_sliced_over_as_many_ranks(role, peer_slices, peer_tp, refused):
+    """TP on a device (or kv_pool_per_rank): each rank holds its own slice of the KV and moves it to the same rank of
+    the peer (kv_transfer/per_rank/, tests/test_kv_per_rank.py), so a node registers only beside peers of the other
+    role sliced over as many ranks; anything else is refused naming both pools."""
     from types import SimpleNamespace
 
+    from pdcluster.control.records import Capacity, NodeInfo
     from pdcluster.node.service import NodeService
 
+    other = "decode" if role == "prefill" else "prefill"
+    peer = NodeInfo(node_id=f"{other}-0", role=other, model="m", kv_backends=["tcp"],
+                    capacity=Capacity(tensor_parallel_size=peer_tp, kv_rank_slices=peer_slices))
     node = SimpleNamespace(role=role, config=SimpleNamespace(tensor_parallel_size=2, kv_backend="auto"),
                            engine=SimpleNamespace(device=torch.device("cuda"), rank_sliced_pool=True),
                            speculative=lambda: "", served_model_name=lambda: "m",
-                           view=SimpleNamespace(nodes_by_role=lambda r: []))
+                           view=SimpleNamespace(nodes_by_role=lambda r: [peer]))
+    for name in ("_slicing_refusal", "_regroup_refusal", "kv_rank_slices"):
+        setattr(node, name, getattr(NodeService, name).__get__(node))
     why = NodeService._peer_mismatch(node)
-    assert ("per-rank KV transfer is not built yet" in why) is (role == "prefill")
+    if refused:
+        theirs = f"sliced per rank over {peer_slices} ranks" if peer_slices \
+            else f"one pool (tensor_parallel_size {peer_tp})"
+        assert why == (f"this node's KV is sliced per rank over 2 ranks, {other} node {other}-0's is {theirs} for "
+                       "model 'm': KV sliced per rank (kv_pool_per_rank, or tensor parallelism on a device) moves "
+                       "rank to rank, only between pools sliced over the same number of ranks; refusing to register")
+    else:
+        assert why == ""

@@ -197,7 +197,7 @@ class FakeTransfer:
 
 
 class FakeSender:
-    layout = SimpleNamespace(block_bytes=100)
+    layout = SimpleNamespace(block_bytes=100, rank_slices=1)
 
     def __init__(self, fail: bool = False) -> None:
         self.fail = fail

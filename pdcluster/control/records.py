@@ -44,6 +44,7 @@ class Capacity:
     max_num_seqs: int = 0
     max_model_len: int = 0  # longest sequence (prompt + output) the node runs; 0 = not said (older node)
     tensor_parallel_size: int = 0  # devices its engine spans (KV regroups between CPU pools of any); 0 = not said
+    kv_rank_slices: int = 0  # its KV pool is sliced per rank over this many ranks (moved rank to rank); 0 = whole
 
 
 @dataclass
@@ -58,6 +59,7 @@ class NodeInfo:
     load_addr: str = ""  # zmq PUB: Load reports at ~2 Hz
     kv_addr: str = ""  # KV transfer listener
     kv_backends: list[str] = field(default_factory=list)  # e.g. ["shm", "tcp"]
+    kv_rank_addrs: list[str] = field(default_factory=list)  # a pool sliced per rank: ranks 1..'s KV listeners
     metrics_addr: str = ""  # http://host:port/metrics
     version: str = PDCLUSTER_VERSION
     capacity: Capacity = field(default_factory=Capacity)
@@ -103,8 +105,10 @@ class NodeInfo:
                 raise ValueError(f"node record: {f.name} must be a non-negative integer")
         if not self.node_id:
             raise ValueError("node record: node_id is empty")
-        if not isinstance(self.kv_backends, list) or not all(isinstance(b, str) for b in self.kv_backends):
-            raise ValueError("node record: kv_backends must be a list of strings")
+        for name in ("kv_backends", "kv_rank_addrs"):
+            value = getattr(self, name)
+            if not isinstance(value, list) or not all(isinstance(b, str) for b in value):
+                raise ValueError(f"node record: {name} must be a list of strings")
         for f in dataclasses.fields(self.capacity):
             value = getattr(self.capacity, f.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

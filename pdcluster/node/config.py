@@ -116,6 +116,7 @@ class NodeConfig(CommonConfig):
     tensor_parallel_size: int = engine_knob("tensor_parallel_size")
     enable_expert_parallel: bool = engine_knob("enable_expert_parallel")
     collective_timeout: float = engine_knob("collective_timeout")
+    kv_pool_per_rank: bool = engine_knob("kv_pool_per_rank")
     attention_backend: str | None = engine_knob("attention_backend")
     enforce_eager: bool = engine_knob("enforce_eager")
     seed: int = engine_knob("seed")

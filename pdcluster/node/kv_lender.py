@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from pdcluster.control.protocol import FetchKV, KVFetched
 from pdcluster.kv_transfer import Destination, KVSender
+from pdcluster.kv_transfer.per_rank import RankedSender
 from pdcluster.node.threads import started_pool
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ MAX_LEND_S = 30.0  # the longest a copy may hold its pins, whatever the asking n
 
 
 class KVLender:
-    def __init__(self, engine_thread: EngineThread, sender: Callable[[], KVSender],
+    def __init__(self, engine_thread: EngineThread, sender: Callable[[], KVSender | RankedSender],
                  reply: Callable[[bytes, KVFetched], object]) -> None:
         self.engine_thread = engine_thread
         self.sender = sender            # the node's KVSender (made on first use on a decode node)
@@ -82,7 +83,7 @@ class KVLender:
         self.reply(identity, answer)
 
     @staticmethod
-    def _send(sender: KVSender, dst: Destination, blocks: list[int], timeout: float) -> tuple[int, str]:
+    def _send(sender: KVSender | RankedSender, dst: Destination, blocks: list[int], timeout: float) -> tuple[int, str]:
         transfer = sender.start(dst, blocks)   # connects (off the loop, in this pool's thread)
         transfer.send_all()
         return transfer.finish(timeout), transfer.backend

@@ -31,6 +31,7 @@ from pdcluster.engine.engine_thread import EngineThread
 from pdcluster.engine.stats import EngineStats
 from pdcluster.kv_transfer import KVSender
 from pdcluster.kv_transfer.backends import CHANNELS
+from pdcluster.kv_transfer.per_rank import RankedSender
 from pdcluster.monitor import DeviceUsageCollector
 from pdcluster.node.config import NodeConfig, check_host_is_here
 from pdcluster.node.kv_lender import KVLender
@@ -160,7 +161,7 @@ class NodeService:
             self._kv_snapshot_at = 0.0
         return {"kv_events": events, "kv_seq": self._kv_seq, "kv_snapshot": is_snapshot}
 
-    def kv_sender(self) -> KVSender:
+    def kv_sender(self) -> KVSender | RankedSender:
         """The KVSender that writes this node's pool blocks into other nodes' (made on first use; a prefill node
         has its own)."""
         if self._lend_sender is None:
@@ -223,7 +224,11 @@ class NodeService:
         engine = self.engine
         return Capacity(num_blocks=self.engine_stats().num_total_blocks, block_size=engine.block_size,
                         max_num_seqs=self.config.max_num_seqs, max_model_len=engine.model_config.max_model_len,
-                        tensor_parallel_size=self.config.tensor_parallel_size)
+                        tensor_parallel_size=self.config.tensor_parallel_size, kv_rank_slices=self.kv_rank_slices())
+
+    def kv_rank_slices(self) -> int:
+        """The ranks whose slices make this node's KV pool, each moved over its own channel; 0: one pool holds it."""
+        return self.config.tensor_parallel_size if self.engine.rank_sliced_pool else 0
 
     def speculative(self) -> str:
         spec = self.engine.args.speculative
@@ -243,19 +248,18 @@ class NodeService:
 
     def _peer_mismatch(self) -> str:
         """Why this node may not join, or "". KV moves between prefill and decode engines of one model of any
-        tensor_parallel_size as long as the heads can be regrouped on the way (`_regroup_refusal`). Decode nodes
-        run the proposer and rebuild its state, so a prefill node needs no speculative_config; one that has one
-        must have its decode nodes' (anything else is a deployment that does not do what it says)."""
+        tensor_parallel_size as long as the heads can be regrouped on the way (`_regroup_refusal`), and between
+        pools sliced per rank only rank to rank (`_slicing_refusal`). Decode nodes run the proposer and rebuild its
+        state, so a prefill node needs no speculative_config; one that has one must have its decode nodes'
+        (anything else is a deployment that does not do what it says)."""
         other = {"prefill": "decode", "decode": "prefill"}.get(self.role)
         mine, my_spec = self.config.tensor_parallel_size, self.speculative()
-        if self.role == "prefill" and self.engine.rank_sliced_pool:
-            return (f"tensor_parallel_size {mine} on {self.engine.device.type}: each rank holds its own slice of the "
-                    "KV and per-rank KV transfer is not built yet, so no decode node could receive this prefill "
-                    "node's KV; run prefill nodes with tensor_parallel_size 1 or on CPU, or let the decode nodes "
-                    "prefill; refusing to register")
         for peer in self.view.nodes_by_role(other) if other else []:
             if peer.model != self.served_model_name():
                 continue
+            sliced = self._slicing_refusal(peer)
+            if sliced:
+                return f"{sliced}; refusing to register"
             theirs = peer.capacity.tensor_parallel_size
             why = self._regroup_refusal(peer) if theirs and theirs != mine else ""
             if why:
@@ -269,10 +273,25 @@ class NodeService:
                         "speculative_config or its decode nodes'; refusing to register")
         return ""
 
+    def _slicing_refusal(self, peer: NodeInfo) -> str:
+        """Why KV cannot move between this node and `peer` when either pool is sliced per rank, or "": a slice moves
+        only into the same rank's slice of an engine sliced over as many ranks (kv_transfer/per_rank/)."""
+        mine, theirs = self.kv_rank_slices(), peer.capacity.kv_rank_slices
+        if mine == theirs:
+            return ""
+
+        def pool(slices: int, tp: int) -> str:
+            return f"sliced per rank over {slices} ranks" if slices else f"one pool (tensor_parallel_size {tp})"
+
+        return (f"this node's KV is {pool(mine, self.config.tensor_parallel_size)}, {peer.role} node {peer.node_id}'s "
+                f"is {pool(theirs, peer.capacity.tensor_parallel_size)} for model {peer.model!r}: KV sliced per rank "
+                "(kv_pool_per_rank, or tensor parallelism on a device) moves rank to rank, only between pools sliced "
+                "over the same number of ranks")
+
     def _regroup_refusal(self, peer: NodeInfo) -> str:
         """Why KV cannot move between this node and `peer` of another tensor_parallel_size, or "": only CPU pools
         regroup heads, over shm, tcp or tcp+int8 (kv_transfer/regroup.py); a device pool's collective channels
-        move rank planes unchanged (and a device engine under TP cannot transfer KV at all yet)."""
+        move rank planes unchanged (and a device engine under TP moves its KV rank to rank: `_slicing_refusal`)."""
         if self.engine.device.type != "cpu":
             return "KV moves between different tensor_parallel_size only between CPU pools (this one is on " \
                    f"{self.engine.device.type})"

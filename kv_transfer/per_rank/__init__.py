@@ -1,0 +1,15 @@
+"""KV transfer between engines whose KV pools are sliced per tensor-parallel rank (a device, where each rank's
+process allocates its own slice, or `kv_pool_per_rank` on CPU): each rank sends its slice over its own channel into
+the same rank's slice of the receiving engine, driven and combined by rank 0.
+
+- `endpoint.py`: a rank's KV endpoint, in the rank's process (an engine rank agent: engine/rank_agent.py)
+- `link.py`: the command link between rank 0 and each other rank's endpoint
+- `sender.py`, `receiver.py`: rank 0's `RankedSender` / `RankedReceiver`, which answer like KVSender / KVReceiver
+"""
+
+from pdcluster.kv_transfer.per_rank.endpoint import RankEndpoint, RankEndpointSpec
+from pdcluster.kv_transfer.per_rank.link import RankLinks
+from pdcluster.kv_transfer.per_rank.receiver import RankedReceiver
+from pdcluster.kv_transfer.per_rank.sender import RankedSender, RankedTransfer
+
+__all__ = ["RankEndpoint", "RankEndpointSpec", "RankLinks", "RankedReceiver", "RankedSender", "RankedTransfer"]

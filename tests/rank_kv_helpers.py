@@ -1,0 +1,111 @@
+"""A stand-in for one tensor-parallel rank of an engine whose KV pool is sliced per rank, in a real process: it
+holds its pool slice and runs the node's `RankEndpoint` on it, driven by the test as the engine drives a rank
+(engine/tp_worker.py): rank 0's messages in order with the steps, and per step the endpoint's layer hook after each
+layer. No model runs; the KV moves for real (sockets, the endpoint's own channels and link)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from multiprocessing.connection import Connection
+
+import torch
+
+from pdcluster.kv_transfer.per_rank import RankEndpointSpec
+
+START_TIMEOUT_S = 60.0
+
+
+def slice_kv(shape: tuple[int, ...], dtype: torch.dtype, seed: int | None) -> torch.Tensor:
+    """A rank's pool slice: random rows for `seed` (the same in every process), zeros for None."""
+    if seed is None:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _serve(spec: RankEndpointSpec, shape: tuple[int, ...], dtype: str, seed: int | None, rank: int, size: int,
+           conn: Connection, corrupt: str) -> None:
+    from contextlib import ExitStack
+
+    from pdcluster.kv_transfer.testing import corrupt_writes
+
+    with ExitStack() as stack:
+        if corrupt:
+            stack.enter_context(corrupt_writes(corrupt))
+        pool = slice_kv(shape, getattr(torch, dtype), seed)
+        endpoint = spec(pool, rank, size)
+        if endpoint.kv_pool is not None:   # the engine moves the (still empty) pool there
+            pool = endpoint.kv_pool
+        conn.send(endpoint.info)
+        while True:
+            kind, body = conn.recv()
+            if kind == "message":
+                endpoint.on_message(body)
+            elif kind == "step":
+                hook = endpoint.layer_hook()
+                for layer in range(shape[0]):
+                    if hook is not None:
+                        hook(layer)
+                conn.send(hook is not None)
+            elif kind == "pool":
+                conn.send(pool.clone())
+            elif kind == "stop":
+                endpoint.close()
+                conn.send("stopped")
+                return
+
+
+class RankProcess:
+    """Rank `rank` of `size`: its slice of `shape` (random for `seed`, else zeros) behind `spec`'s endpoint; with
+    `corrupt` (a channel name) every write it sends over that channel is damaged (kv_transfer/testing.py)."""
+
+    def __init__(self, spec: RankEndpointSpec, shape: tuple[int, ...], dtype: torch.dtype, seed: int | None,
+                 rank: int = 1, size: int = 2, corrupt: str = "") -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(spec, shape, str(dtype).removeprefix("torch."), seed, rank,
+                                                     size, child, corrupt), daemon=True)
+        self.proc.start()
+        child.close()
+        self.rank = rank
+        self._info: dict | None = None
+
+    @property
+    def info(self) -> dict:
+        """The endpoint's `info` (waits for it to start: build several RankProcess first, then ask)."""
+        if self._info is None:
+            if not self.conn.poll(START_TIMEOUT_S):
+                self.kill()
+                raise TimeoutError(f"rank {self.rank}'s endpoint did not start within {START_TIMEOUT_S} s")
+            self._info = self.conn.recv()
+        return self._info
+
+    def tell(self, message: dict) -> None:
+        """As LLMEngine.tell_rank_agent: a message in order with the steps."""
+        self.conn.send(("message", message))
+
+    def step(self) -> bool:
+        """One step's layers; whether the endpoint streamed any transfer during it."""
+        self.conn.send(("step", None))
+        return self.conn.recv()
+
+    def pool(self) -> torch.Tensor:
+        self.conn.send(("pool", None))
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("stop", None))
+                self.conn.poll(10) and self.conn.recv()
+            except (OSError, EOFError):
+                pass
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.kill()
