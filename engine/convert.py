@@ -75,9 +75,6 @@ def convert_model(src: str, output_dir: str, dtype: str = "float16", tensor_para
         if tp > 1:
             raise ValueError(f"quantization {quantization!r}: only at tensor_parallel_size 1 (the engine's ranks cut "
                              "their parts of a quantized checkpoint themselves)")
-        if calibration and (model_config.moe is not None or model_config.mla is not None):
-            raise ValueError(f"calibration: not for MoE or MLA models yet ({model_config.architecture}): each "
-                             "expert's inputs (and MLA's latent projections) would need their own smoothing")
         if scheme.group_size:   # one group size for every layer: the largest that divides all their inputs
             inputs = _linear_inputs(model_config)
             group = next((g for g in (scheme.group_size, 64, 32) if all(n % g == 0 for n in inputs)), 0)
