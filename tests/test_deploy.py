@@ -402,8 +402,10 @@ def check_node_instances(deployed: Deployment, host: str, role: str, groups: lis
         assert (config.etcd_ca, config.etcd_cert, config.etcd_key, config.etcd_password_file) == (
             str(tls / "ca.crt"), str(tls / "client.crt"), str(tls / "client.key"), str(tls / "etcd.password"))
         assert config.etcd_user == "pdcluster" and config.cluster_secret == str(tls / "cluster.secret")
-        for port in ("control", "load", "kv", "metrics"):
+        for port in ("control", "load", "metrics"):
             assert getattr(config, f"{port}_port") == deployed.ports[f"{role}_{port}"] + index
+        # a device group's ranks listen on kv_port + rank (per-rank KV transfer): the groups' ports do not overlap
+        assert config.kv_port == deployed.ports[f"{role}_kv"] + index * len(group)
 
         env = unit_environment(unit, instance)
         assert env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
