@@ -19,10 +19,11 @@ steps, so a load other processes put on the machine falls on every side alike:
   ngram   {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
   draft   {"method": "draft_model", ...}: the same model in bfloat16 drafting for a float32 target (a drafter
           that agrees often: the mechanism's gain and overhead; with --dtype bfloat16 it drafts for itself)
-Per workload and batch size (requests submitted together, at most --batch running): tokens/s per side (median
-over rounds), the per-round ratio to base (median [min-max]), acceptance rate and mean accepted length, and
-how many outputs equal base's (fp32: all expected; bf16 verification and decoding round differently, so a
-near-tie may flip).
+Per workload and batch size B: each round runs --requests x B requests with B in flight at a time (a new request
+as soon as one finishes, as a server at concurrency B does: one long answer does not hold up the others' seats);
+tokens/s per side (median over rounds), the per-round ratio to base (median [min-max]), acceptance rate and mean
+accepted length, and how many outputs equal base's (fp32: all expected; bf16 verification and decoding round
+differently, so a near-tie may flip).
 
     .venv/bin/python benchmarks/speculative.py                         # every workload, batch 1 and 8, 3 rounds
     .venv/bin/python benchmarks/speculative.py --batches 1 --rounds 5 --json
@@ -116,16 +117,27 @@ def prompts(tokenizer, workload: str, n: int, seed: int) -> list[list[int]]:
     return out
 
 
-def run(engines: dict[str, LLMEngine], batch: list[list[int]], tokens: int, tag: str,
+def run(engines: dict[str, LLMEngine], prompts_: list[list[int]], tokens: int, tag: str, concurrency: int,
         sampled: bool = False) -> dict[str, tuple[float, list[list[int]], int]]:
-    """Per side, (seconds, outputs, output tokens) of the requests run to the end together on its engine. The
-    engines step in turn (in the dict's order), each timed over its own steps only: a load that other processes
-    put on the machine hits every side within a step's time of each other."""
-    for engine in engines.values():
-        for i, p in enumerate(batch):
-            params = SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=tokens) if sampled \
-                else SamplingParams(temperature=0.0, max_tokens=tokens)
-            engine.add_request(f"{tag}-{i}", p, params)
+    """Per side, (seconds, outputs, output tokens) of the requests run to the end on its engine, at most
+    `concurrency` at a time (a closed-loop client: the next request is added as soon as one finishes, as a server
+    at that concurrency runs). The engines step in turn (in the dict's order), each timed over its own steps only:
+    a load that other processes put on the machine hits every side within a step's time of each other."""
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=1.0, top_p=0.95, seed=i, max_tokens=tokens) if sampled \
+            else SamplingParams(temperature=0.0, max_tokens=tokens)
+
+    added = dict.fromkeys(engines, 0)
+
+    def top_up(side: str, running: int) -> None:
+        while running < concurrency and added[side] < len(prompts_):
+            i = added[side]
+            engines[side].add_request(f"{tag}-{i}", prompts_[i], params(i))
+            added[side] += 1
+            running += 1
+
+    for side in engines:
+        top_up(side, 0)
     outs: dict[str, dict[str, list[int]]] = {side: {} for side in engines}
     seconds = dict.fromkeys(engines, 0.0)
     while True:
@@ -137,9 +149,10 @@ def run(engines: dict[str, LLMEngine], batch: list[list[int]], tokens: int, tag:
             done = engines[side].step()
             seconds[side] += time.perf_counter() - start
             outs[side].update((o.request_id, o.outputs[0].token_ids) for o in done if o.finished)
+            top_up(side, added[side] - len(outs[side]))
     result = {}
     for side in engines:
-        ordered = [outs[side][f"{tag}-{i}"] for i in range(len(batch))]
+        ordered = [outs[side][f"{tag}-{i}"] for i in range(len(prompts_))]
         result[side] = (seconds[side], ordered, sum(len(o) for o in ordered))
     return result
 
@@ -155,6 +168,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--sides", nargs="+", default=["ngram", "draft"], choices=["ngram", "draft"])
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=3,
+                    help="requests per round: this many times the batch size (kept --batch at a time)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--json", action="store_true")
@@ -184,12 +199,12 @@ def main() -> None:
             ratios: dict[str, list[float]] = {s: [] for s in engines if s != "base"}
             same: dict[str, list[int]] = {s: [0, 0] for s in ratios}
             before = {s: e.get_stats() for s, e in engines.items()}
-            run(engines, prompts(tokenizer, workload, batch, seed=999), 16, "warm")
+            run(engines, prompts(tokenizer, workload, batch, seed=999), 16, "warm", batch)
             for r in range(args.rounds):
-                batch_prompts = prompts(tokenizer, workload, batch, seed=r)
+                batch_prompts = prompts(tokenizer, workload, batch * args.requests, seed=r)
                 order = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]
                 ran = run({side: engines[side] for side in order}, batch_prompts, args.tokens,
-                          f"{workload}{batch}-{r}", sampled=workload == "sampled")
+                          f"{workload}{batch}-{r}", batch, sampled=workload == "sampled")
                 got = {}
                 for side, (seconds, outs, n) in ran.items():
                     rates[side].append(n / seconds)
@@ -197,7 +212,7 @@ def main() -> None:
                 for side in ratios:
                     ratios[side].append(rates[side][-1] / rates["base"][-1])
                     same[side][0] += sum(a == b for a, b in zip(got[side], got["base"], strict=True))
-                    same[side][1] += batch
+                    same[side][1] += len(batch_prompts)
             row = {"workload": workload, "batch": batch,
                    "tok_s": {s: round(statistics.median(v), 1) for s, v in rates.items()}}
             for side in ratios:
@@ -221,6 +236,7 @@ def main() -> None:
                 print(" | ".join(parts), flush=True)
     if args.json:
         print(json.dumps({"model": os.path.basename(model.rstrip("/")), "dtype": args.dtype, "k": args.k,
+                          "requests_per_batch_slot": args.requests,
                           "tokens": args.tokens, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
                           "cpus": os.cpu_count(), "load_average_start": load, "load_average_end": os.getloadavg(),
                           "results": results}))
