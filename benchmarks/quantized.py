@@ -32,6 +32,7 @@ from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.testing import make_tiny_model
 
 SCHEMES = ["w8a16", "w8a8", "w4a16"]
+KV_POOL_BYTES = 512 << 20   # per engine: batch 32 x (32 + 64) tokens of SmolLM2 take ~70 MiB
 
 
 def llama2048(path: str) -> str:
@@ -105,7 +106,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for model in args.models:
             dirs = checkpoints(model, root, schemes)
-            engines = {s: LLMEngine(EngineArgs(model=d, dtype="bfloat16", max_num_seqs=max(args.batches)))
+            # a small KV pool each: left unset, every engine takes up to 4 GiB, and five of them ran out of memory
+            engines = {s: LLMEngine(EngineArgs(model=d, dtype="bfloat16", max_num_seqs=max(args.batches),
+                                               kv_cache_memory=KV_POOL_BYTES))
                        for s, d in dirs.items()}
             sizes = {s: linear_bytes(e) for s, e in engines.items()}
             heads = {s: lm_head_bytes(e) for s, e in engines.items()}

@@ -114,12 +114,19 @@ def test_large_w8a8_layers_take_onednn_where_it_is_exact():
     assert packed.kernel == "int8mm" and packed.variant == ("onednn" if _onednn_int8_exact() else "int_mm")
 
 
-def test_shapes_the_fast_kernels_cannot_take_fall_back():
+def test_shapes_the_fast_kernels_cannot_take_fall_back(monkeypatch):
+    from pdcluster.engine.attention import native
+
+    monkeypatch.setattr(native, "load", lambda: None)   # no native library: W8A16 takes torch's int8pack_mm
     for scheme, in_features in ((QuantScheme(8), 200), (QuantScheme(4, 16), 256), (QuantScheme(4, 0), 200)):
         qw = _weight(scheme, 96, in_features)
         packed = pack(qw, scheme, CPU, torch.float32)
-        assert packed.kernel == "dequantized", scheme   # int8pack needs in % 16, int4pack groups of 32k
+        assert packed.kernel == "dequantized", scheme   # int8pack_mm needs in % 16, int4pack groups of 32k
         _check(packed, qw, scheme, torch.float32, in_features, torch.randn(96))
+    qw = _weight(QuantScheme(8), 96, 256)
+    packed = pack(qw, QuantScheme(8), CPU, torch.bfloat16)
+    assert (packed.kernel, packed.variant) == ("int8pack", "aten") and packed.weight.shape == (96, 256)
+    _check(packed, qw, QuantScheme(8), torch.bfloat16, 256, None)
 
 
 def test_packed_weights_take_their_bits():
@@ -259,40 +266,87 @@ def test_cuda_kernel_choice_follows_the_probes(works, monkeypatch):
         assert kernels._choose(qw, scheme, cuda, dtype) == (kernel if works else "dequantized"), (scheme, dtype)
 
 
-# ---- the native W8A16 decode GEMV (engine/quant/int8_gemv.c) ----------------------------------------------------
+# ---- the native W8A16 kernel (engine/quant/int8_gemv.c) --------------------------------------------------------
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("shape", [(96, 576), (40, 100), (17, 7)])   # whole 16-wide vectors and masked tails
-def test_native_int8_gemv_equals_the_reference(rows, shape):
-    from pdcluster.engine.attention.native import int8_gemv
+def _native():
+    from pdcluster.engine.attention import native
 
-    g = torch.Generator().manual_seed(rows)
-    n, k = shape
-    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
-    scales = torch.rand(n, generator=g) * 0.02
-    x = torch.randn(rows, k, generator=g)
-    want = x.double() @ (q.double() * scales.double()[:, None]).t()
-    got = int8_gemv(x, q, scales)
-    if got is None:
+    if native.load() is None:
         pytest.skip("no C compiler: the native kernels are not built")
-    portable = int8_gemv(x, q, scales, portable=True)
-    for y in (got, portable):
-        torch.testing.assert_close(y.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    with pytest.raises(ValueError, match="at most"):
-        int8_gemv(torch.randn(9, k), q, scales)
+    return native
 
 
-def test_w8a16_decode_rows_take_the_native_gemv_and_larger_batches_int8pack(monkeypatch):
-    from pdcluster.engine.quant import kernels
+def test_int8_blocks_layout():
+    native = _native()
+    q = torch.randint(-128, 128, (35, 9), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    w = native.int8_blocks(q)
+    assert w.shape == (3, 10, 16) and w.dtype == torch.int8    # ceil(35 / 16) blocks, 9 inputs padded to 10
+    for b, i, c in ((0, 0, 0), (0, 1, 0), (1, 7, 7), (2, 8, 2)):
+        assert w[b, i, c] == q[16 * b + c, i]
+    assert not w[2, :, 3:].any() and not w[:, 9].any()          # padding: channels 35.., input 9
 
+
+# (n, k): whole blocks and pairs, n not a multiple of 16, k odd, k = 1, and a k whose rows overflow a panel
+GEMM_SHAPES = [(96, 576), (40, 100), (17, 7), (33, 1), (20, 4099)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_native_int8_gemm_equals_the_reference(shape, dtype):
+    """Tiles of 1..16 rows and 16-row tiles with a remainder, one row in place and packed (odd k), the vector
+    paths (bf16 x from two rows: vdpbf16ps where the CPU has it) and the portable C path, against the fp64 product
+    of x and the dequantized weight."""
+    native = _native()
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    n, k = shape
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 0.02
+    w = native.int8_blocks(q)
+    for rows in (1, 2, 3, 4, 5, 8, 13, 40):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        want = x.double() @ (q.double() * scales.double()[:, None]).t()
+        rtol = 1e-5 if dtype == torch.float32 else 2 ** -8   # summation order; bf16: the output's rounding
+        for portable in (False, True):
+            got = native.int8_gemm(x, w, scales, portable=portable)
+            assert got is not None and got.dtype == dtype and got.shape == (rows, n)
+            torch.testing.assert_close(got.double(), want, rtol=rtol, atol=1e-5 * want.abs().max().item(),
+                                       msg=lambda m, r=rows, p=portable: f"{r} rows, portable {p}: {m}")
+
+
+def test_native_int8_gemm_threads_and_bad_arguments():
+    native = _native()
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-128, 128, (300, 256), generator=g, dtype=torch.int8)
+    scales, w = torch.rand(300, generator=g), native.int8_blocks(q)
+    x = torch.randn(5, 256, generator=g).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.int8_gemm(x, w, scales)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, native.int8_gemm(x, w, scales))   # each block's sums do not depend on the split
+    assert native.int8_gemm(x[:0], w, scales).shape == (0, 300)
+    with pytest.raises(ValueError, match="int8_blocks"):
+        native.int8_gemm(x, q, scales)                          # the row-major weight
+    with pytest.raises(ValueError, match="int8_blocks"):
+        native.int8_gemm(x[:, :200], w, scales)                 # another width
+
+
+def test_w8a16_on_cpu_takes_the_native_kernel_at_every_batch():
+    native = _native()
     scheme = QuantScheme(8, 0, True)
-    qw = quantize_weight(torch.randn(64, 576), scheme)
-    packed = pack(qw, scheme, torch.device("cpu"), torch.bfloat16)
-    calls = []
-    real = kernels.int8_gemv
-    monkeypatch.setattr(kernels, "int8_gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    for rows in (1, 2, 7, 8, 32):
-        x = torch.randn(rows, 576).bfloat16()
-        want = x.float() @ qw.dequantize().t()
-        torch.testing.assert_close(quant_linear(x, packed).float(), want, rtol=2e-2, atol=2e-2)
-    assert calls == [1, 2, 7]   # 8 x 576 inputs outgrow L1 (NATIVE_GEMV_MAX_ELEMS): torch's kernel
+    for in_features in (576, 200):   # any width (torch's int8pack_mm needs a multiple of 16)
+        qw = quantize_weight(torch.randn(72, in_features), scheme)
+        packed = pack(qw, scheme, CPU, torch.bfloat16)
+        assert (packed.kernel, packed.variant) == ("int8pack", "native")
+        assert torch.equal(packed.weight, native.int8_blocks(qw.qweight))
+        # resident: the int8 weight (72 channels padded to 80) and fp32 scales
+        assert resident_bytes(packed) == 80 * (in_features + in_features % 2) + 72 * 4
+        for rows in (1, 7, 32, 100):
+            x = torch.randn(rows, in_features).bfloat16()
+            want = x.float() @ qw.dequantize().t()
+            torch.testing.assert_close(quant_linear(x, packed).float(), want, rtol=2e-2, atol=2e-2)
+    fp16 = pack(qw, scheme, CPU, torch.float16)   # through the fp32 path
+    x = torch.randn(3, 200).half()
+    torch.testing.assert_close(quant_linear(x, fp16).float(), x.float() @ qw.dequantize().t(), rtol=2e-3, atol=2e-3)

@@ -1,5 +1,5 @@
 """Builds and loads the CPU native kernels with the system C compiler: paged attention (paged_decode.c,
-paged_prefill.c) and the W8A16 decode matrix-vector product (engine/quant/int8_gemv.c), one library.
+paged_prefill.c) and the W8A16 matrix product (engine/quant/int8_gemv.c), one library.
 
 Compiled once per machine and source version (`-march=native`, so the key includes the CPU's flags)
 into a user cache dir, then loaded with ctypes. Without a compiler, or if the build fails, `load()`
@@ -38,8 +38,9 @@ _PREFILL_SYMBOLS = {key: symbol.replace("paged_decode", "paged_prefill") for key
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
              ctypes.c_int]
-GEMV_MAX_ROWS = 8   # INT8_GEMV_MAX_ROWS in int8_gemv.c
-_GEMV_ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
+INT8_BLOCK = 16   # BLOCK in int8_gemv.c: output channels per block of the packed weight
+_INT8_X_TYPES = {torch.float32: 0, torch.bfloat16: 1}   # X_F32, X_BF16
+_GEMM_ARGTYPES = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_int]
 _PREFILL_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
                      ctypes.c_int]
 
@@ -98,7 +99,7 @@ def load() -> ctypes.CDLL | None:
         log.warning("native CPU attention kernels unavailable, using the torch path: %s", detail.strip()[-2000:])
         return None
     for symbols, argtypes in ((_SYMBOLS, _ARGTYPES), (_PREFILL_SYMBOLS, _PREFILL_ARGTYPES),
-                              ({"": "int8_gemv_f32", "s": "int8_gemv_f32_scalar"}, _GEMV_ARGTYPES)):
+                              ({"": "int8_gemm"}, _GEMM_ARGTYPES)):
         for symbol in symbols.values():
             fn = getattr(lib, symbol, None)
             if fn is not None:
@@ -106,21 +107,33 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def int8_gemv(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, portable: bool = False) -> torch.Tensor | None:
-    """x [m, k] float32 (1 <= m <= GEMV_MAX_ROWS) times the int8 weight q [n, k] with per-row float32 `scales`:
-    [m, n] float32 (engine/quant/int8_gemv.c); None without the native library. `portable`: the scalar path."""
+def int8_blocks(q: torch.Tensor) -> torch.Tensor:
+    """The int8 weight q [n, k] in int8_gemv.c's layout: [ceil(n / 16), k rounded up to even, 16], block b holding
+    output channels 16b .. 16b + 15 input by input (zero padded); the same bytes as q, give or take padding."""
+    n, k = q.shape
+    padded = torch.nn.functional.pad(q, (0, k % 2, 0, -n % INT8_BLOCK))
+    return padded.reshape(-1, INT8_BLOCK, k + k % 2).transpose(1, 2).contiguous()
+
+
+def int8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, portable: bool = False) -> torch.Tensor | None:
+    """x [m, k] (fp32 or bf16) times the int8 weight q [n, k] packed by `int8_blocks`, with per-channel fp32
+    `scales` [n]: [m, n] in x's dtype (engine/quant/int8_gemv.c); None without the native library.
+    `portable`: the plain C path."""
     lib = load()
-    fn = None if lib is None else getattr(lib, "int8_gemv_f32_scalar" if portable else "int8_gemv_f32", None)
+    fn = None if lib is None else getattr(lib, "int8_gemm", None)
     if fn is None:
         return None
     m, k = x.shape
-    n = q.shape[0]
-    if not (x.dtype == torch.float32 and x.is_contiguous() and q.dtype == torch.int8 and q.is_contiguous()
-            and tuple(q.shape) == (n, k) and scales.dtype == torch.float32 and scales.is_contiguous()):
-        raise ValueError("int8_gemv: x float32 [m, k], q int8 [n, k] and float32 scales [n], all contiguous")
-    y = torch.empty((m, n), dtype=torch.float32)
-    if fn(x.data_ptr(), m, k, q.data_ptr(), scales.data_ptr(), n, y.data_ptr(), torch.get_num_threads()) != 0:
-        raise ValueError(f"int8_gemv: {m} rows; at most {GEMV_MAX_ROWS}")
+    n = scales.shape[0]
+    if not (x.dtype in _INT8_X_TYPES and x.is_contiguous() and w.dtype == torch.int8 and w.is_contiguous()
+            and tuple(w.shape) == (-(-n // INT8_BLOCK), k + k % 2, INT8_BLOCK)
+            and scales.dtype == torch.float32 and scales.is_contiguous()):
+        raise ValueError("int8_gemm: x fp32/bf16 [m, k], w int8_blocks(q [n, k]) and fp32 scales [n], "
+                         "all contiguous")
+    y = torch.empty((m, n), dtype=x.dtype)
+    if fn(x.data_ptr(), _INT8_X_TYPES[x.dtype], m, k, w.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
+          torch.get_num_threads(), int(portable)) != 0:
+        raise MemoryError("int8_gemm: could not allocate the activation buffer")
     return y
 
 

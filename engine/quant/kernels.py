@@ -3,10 +3,13 @@
 `pack` picks a kernel from the device, the scheme and the activation dtype (PackedWeight.kernel says which):
 
 CPU
-- "int8pack" (W8A16, per-channel symmetric): aten `_weight_int8pack_mm(x, w [out, in] int8, scales [out])`. The
-  scales must be in the activation dtype (bf16 scales round the canonical fp32 ones, ~2^-9 relative). It
-  needs `in % 16 == 0` (other widths crash the process in torch 2.13, so they go to the fallback). Decode-sized
-  inputs (NATIVE_GEMV_MAX_ELEMS) go to our native GEMV instead (int8_gemv.c, fp32 scales and accumulation).
+- "int8pack" (W8A16, per-channel symmetric), variant "native": our kernel (engine/quant/int8_gemv.c, every row
+  count, any width): the weight packed at load into blocks of 16 output channels (int8, the same bytes give or
+  take padding), fp32 scales and accumulation; decode reads it faster than oneDNN reads bf16, where torch's kernel
+  reads int8 slower (docs/benchmarks.md). Variant "aten", where the native library is not built: aten
+  `_weight_int8pack_mm(x, w [out, in] int8, scales [out])`, scales in the activation dtype (bf16 scales round the
+  canonical fp32 ones, ~2^-9 relative); it needs `in % 16 == 0` (other widths crash the process in torch 2.13, so
+  they go to the fallback).
 - "int4pack" (W4A16, groups of a multiple of 32, per-channel included): aten `_convert_weight_to_int4pack_for_cpu`
   + `_weight_int4pack_mm_for_cpu(x, packed, kernel_group, scales_and_zeros)`. Found empirically, the
   convention is tinygemm's: w = (q_u4 - 8) * scale + zero, q_u4 in 0..15, scales_and_zeros [groups, out, 2]
@@ -62,7 +65,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pdcluster.engine.attention.native import GEMV_MAX_ROWS, int8_gemv
+from pdcluster.engine.attention import native
+from pdcluster.engine.attention.native import int8_blocks, int8_gemm
 from pdcluster.engine.quant.scheme import QuantizedWeight, QuantScheme
 
 KERNELS = ("int8pack", "int4pack", "int8mm", "npu_wqbmm", "npu_w8a8", "npu_w8a8_static", "dequantized")
@@ -70,10 +74,6 @@ _INT4_KERNEL_GROUPS = (256, 128, 64, 32)
 # oneDNN's int8 GEMM costs ~0.1 ms more per call than _int_mm: it pays off from about this many weights (measured:
 # faster at 2048x6144 and up, slower at SmolLM2's 576x1536)
 ONEDNN_INT8_MIN_WEIGHTS = 1 << 22
-# W8A16 on CPU: up to this many input values (rows x in_features; any 1 or 2 rows) the native GEMV of
-# engine/quant/int8_gemv.c, which streams the int8 weight once, beats _weight_int8pack_mm (measured 1.1-1.2x on
-# SmolLM2's and 2048-wide layers at one row, 2.8x on SmolLM2's LM head; slower once the rows outgrow L1)
-NATIVE_GEMV_MAX_ELEMS = 4096
 CUDA_INT_MM_MIN_ROWS = 17   # torch._int_mm on CUDA: "self.size(0) needs to be greater than 16"
 
 
@@ -92,7 +92,7 @@ class PackedWeight:
     input_scale: float = 1.0                     # int8_static
     input_offset: int = 0                        # int8_static
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    variant: str = ""                            # int8mm: "onednn" | "int_mm"
+    variant: str = ""                            # int8mm: "onednn" | "int_mm"; int8pack: "native" | "aten"
 
 
 def pack(qw: QuantizedWeight, scheme: QuantScheme, device: torch.device, act_dtype: torch.dtype,
@@ -110,6 +110,7 @@ def pack(qw: QuantizedWeight, scheme: QuantScheme, device: torch.device, act_dty
     if kernel == "int4pack":
         base.variant = variant or ("tinygemm" if device.type == "cuda" else "cpu")
     if kernel == "int8pack":
+        base.variant = variant or ("native" if device.type == "cpu" and native.load() is not None else "aten")
         return _pack_int8pack(base, qw)
     if kernel == "int4pack":
         return _pack_int4pack(base, qw)
@@ -135,7 +136,7 @@ def _choose(qw: QuantizedWeight, scheme: QuantScheme, device: torch.device, act_
             if per_channel and qw.zeros is None:
                 return "int8mm"
         elif scheme.weight_bits == 8:
-            if per_channel and qw.zeros is None and in_features % 16 == 0:
+            if per_channel and qw.zeros is None and (in_features % 16 == 0 or native.load() is not None):
                 return "int8pack"
         elif group % 32 == 0:
             return "int4pack"
@@ -170,10 +171,12 @@ def _set_static(packed: PackedWeight, qw: QuantizedWeight) -> None:
 
 
 def _pack_int8pack(p: PackedWeight, qw: QuantizedWeight) -> PackedWeight:
+    if p.variant == "native":
+        p.weight = int8_blocks(qw.qweight)
+        p.scales = qw.scales[:, 0].to(torch.float32).contiguous()
+        return p
     p.weight = qw.qweight.contiguous().to(p.device)
     p.scales = qw.scales[:, 0].to(p.act_dtype).contiguous().to(p.device)
-    if p.device.type == "cpu":   # the native decode GEMV (int8_gemv.c) takes the fp32 scales
-        p.extra["scales_f32"] = qw.scales[:, 0].to(torch.float32).contiguous()
     return p
 
 
@@ -339,12 +342,11 @@ def _add_bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def _run_int8pack(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.shape[0]
-    native = rows <= GEMV_MAX_ROWS and (rows <= 2 or rows * p.in_features <= NATIVE_GEMV_MAX_ELEMS)
-    if native and "scales_f32" in p.extra and p.weight is not None:
-        y = int8_gemv(x.to(torch.float32).contiguous(), p.weight, p.extra["scales_f32"])
-        if y is not None:
-            return _add_bias(y.to(x.dtype), bias)
+    assert p.weight is not None and p.scales is not None
+    if p.variant == "native":   # (the kernel takes fp32 or bf16 activations; fp16 through fp32)
+        y = int8_gemm(x if x.dtype == torch.bfloat16 else x.to(torch.float32), p.weight, p.scales)
+        assert y is not None   # packed "native" only where the library loaded
+        return _add_bias(y.to(x.dtype), bias)
     return _add_bias(torch.ops.aten._weight_int8pack_mm(x.to(p.act_dtype), p.weight, p.scales), bias)
 
 
