@@ -62,6 +62,21 @@ class _Conn:
             log.info("kv receiver: reply to a closed connection dropped: %s", exc)
 
 
+def result_future() -> tuple[asyncio.Future[TransferResult], Callable[[TransferResult], None]]:
+    """A future on the running loop and the function that resolves it from any thread (a waiter's pair)."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[TransferResult] = loop.create_future()
+
+    def deliver(r: TransferResult) -> None:
+        def resolve() -> None:
+            if not fut.done():
+                fut.set_result(r)
+
+        loop.call_soon_threadsafe(resolve)
+
+    return fut, deliver
+
+
 class KVReceiver:
     def __init__(
         self,
@@ -172,16 +187,7 @@ class KVReceiver:
         failed and no write can land any more. Raises the failure's TransferError subclass (its `code` says
         why; "missing": no such reservation, or its result was already taken) and TimeoutError (builtin)
         when `timeout` passes first. Each result is handed to one waiter."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[TransferResult] = loop.create_future()
-
-        def deliver(r: TransferResult) -> None:
-            def resolve() -> None:
-                if not fut.done():
-                    fut.set_result(r)
-
-            loop.call_soon_threadsafe(resolve)
-
+        fut, deliver = result_future()
         self._add_waiter(request_id, deliver)
         try:
             result = await asyncio.wait_for(fut, timeout)

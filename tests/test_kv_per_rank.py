@@ -291,3 +291,19 @@ def test_tp2_prefill_and_decode_nodes_sliced_per_rank_answer_like_tp1_and_transf
         assert whole.proc.wait(120) == 2
         assert "decode node decode-0's is sliced per rank over 2 ranks" in whole.log_path.read_text()
         assert "prefill-whole" not in asyncio.run(registered_nodes(cluster))
+
+
+def test_a_node_record_with_rank_addresses_that_are_not_strings_is_refused():
+    """A record read from etcd is anyone's bytes: kv_rank_addrs must be a list of strings, kv_rank_slices >= 0."""
+    import json
+
+    from pdcluster.control.records import NodeInfo
+
+    info = NodeInfo(node_id="d0", role="decode", kv_rank_addrs=["tcp://h:7401"])
+    body = json.loads(info.to_json())
+    assert NodeInfo.from_json(info.to_json()).kv_rank_addrs == ["tcp://h:7401"]
+    for bad in ("tcp://h:7401", [1], {"1": "x"}, None):
+        with pytest.raises(ValueError, match="kv_rank_addrs must be a list of strings"):
+            NodeInfo.from_json(json.dumps({**body, "kv_rank_addrs": bad}))
+    with pytest.raises(ValueError, match="non-negative integer"):
+        NodeInfo.from_json(json.dumps({**body, "capacity": {**body["capacity"], "kv_rank_slices": -1}}))

@@ -22,7 +22,7 @@ from pdcluster.kv_transfer.checksum import combine_ranks
 from pdcluster.kv_transfer.destination import Destination
 from pdcluster.kv_transfer.errors import TransferError, root_cause
 from pdcluster.kv_transfer.per_rank.link import RankLinks
-from pdcluster.kv_transfer.receiver import RESULT_TTL_S, KVReceiver
+from pdcluster.kv_transfer.receiver import RESULT_TTL_S, KVReceiver, result_future
 from pdcluster.kv_transfer.reservations import TransferResult
 
 
@@ -98,16 +98,7 @@ class RankedReceiver:
     async def wait(self, request_id: str, timeout: float) -> TransferResult:
         """As KVReceiver.wait: the combined result once every rank's part resolved; raises the failed part's
         TransferError (code "missing": no such reservation, or its result was taken) or TimeoutError."""
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[TransferResult] = loop.create_future()
-
-        def deliver(r: TransferResult) -> None:
-            def resolve() -> None:
-                if not fut.done():
-                    fut.set_result(r)
-
-            loop.call_soon_threadsafe(resolve)
-
+        fut, deliver = result_future()
         with self._lock:
             parts = self._parts.get(request_id)
             if parts is None:
