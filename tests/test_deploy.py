@@ -5,7 +5,7 @@ pdcluster config loader, and the etcd binary started from the rendered etcd unit
 Two inventory hosts, both local: `cpuhost` (etcd + router + prefill + decode, device cpu) and
 `npuhost` (prefill + decode on two NPUs, device npu) with a fake CANN set_env.sh and hccn.conf, so
 the Ascend path (captured CANN environment, HCCL settings, per-device instances) is rendered too. A second
-deployment runs with tensor_parallel_size 2 and four NPUs: two node processes per role on npuhost.
+deployment runs tensor parallelism per role: four NPUs, prefill TP 2 (two processes) and decode TP 1 on npuhost.
 """
 
 from __future__ import annotations
@@ -189,12 +189,16 @@ def deployed(tmp_path_factory) -> Deployment:
 
 @pytest.fixture(scope="module")
 def deployed_tp(tmp_path_factory) -> Deployment:
-    """tensor_parallel_size 2 on both hosts (host variables); npuhost lists four NPUs per role. It held
-    instances of tensor_parallel_size 1 before (their files are there): the run must remove them."""
+    """Tensor parallelism set per host and role: npuhost (four NPUs per role) prefills with tensor_parallel_size 2
+    and decodes with 1; cpuhost runs TP 2 for both roles with each rank's KV pool its own slice
+    (pdcluster_kv_pool_per_rank) and two decode processes. npuhost held instances of tensor_parallel_size 1 (and a
+    decode group of 4) before (their files are there): the run must remove those no longer in its groups."""
     tp = {"pdcluster_tensor_parallel_size": 2}
-    d = Deployment(tmp_path_factory.mktemp("deploy_tp"), TP_NPU_DEVICES, {"cpuhost": tp, "npuhost": tp})
+    d = Deployment(tmp_path_factory.mktemp("deploy_tp"), TP_NPU_DEVICES, {
+        "cpuhost": {**tp, "pdcluster_kv_pool_per_rank": True, "pdcluster_decode_devices": [0, 1]},
+        "npuhost": {**tp, "pdcluster_decode_tensor_parallel_size": 1}})
     d.config_dir("npuhost").mkdir(parents=True)
-    for name in ("prefill-0", "prefill-3", "decode-1"):
+    for name in ("prefill-0", "prefill-3", "decode-0-1-2-3"):
         for ext in ("yaml", "env"):
             (d.config_dir("npuhost") / f"{name}.{ext}").write_text("# from tensor_parallel_size 1\n")
     return deploy(d)
@@ -252,16 +256,13 @@ def test_bad_settings_fail_before_touching_the_host(tmp_path):
     # With tensor_parallel_size 2 each node process owns two devices: three NPUs cannot be split.
     out = refused("-e", '{"pdcluster_tensor_parallel_size": 2, "pdcluster_decode_devices": [0, 1, 2]}')
     assert ("npuhost: pdcluster_decode_devices=[0, 1, 2] lists 3 device(s), not a multiple of "
-            "pdcluster_tensor_parallel_size=2") in out, out[-3000:]
+            "pdcluster_decode_tensor_parallel_size=2") in out, out[-3000:]
     assert "cpuhost: pdcluster_decode_devices" not in out   # on CPU each listed id is one process of 2 ranks
+    out = refused("-e", '{"pdcluster_prefill_tensor_parallel_size": 4, "pdcluster_prefill_devices": [0, 1]}')
+    assert ("npuhost: pdcluster_prefill_devices=[0, 1] lists 2 device(s), not a multiple of "
+            "pdcluster_prefill_tensor_parallel_size=4") in out, out[-3000:]
 
-    # Prefill and decode hosts must agree (KV moves rank to rank); per-role overrides are refused too.
-    mixed = Deployment(tmp_path / "mixed", host_vars={"npuhost": {"pdcluster_tensor_parallel_size": 2}})
-    mixed.base.mkdir()
-    mixed.args = mixed.write_inputs()
-    out = refused(deployment=mixed)
-    assert not (mixed.npu / "etc").exists()
-    assert "differs between the prefill and decode hosts (cpuhost=1, npuhost=2)" in out, out[-3000:]
+    # The tensor-parallel size is set per role (pdcluster_<role>_tensor_parallel_size), not in a role's config.
     out = refused("-e", '{"pdcluster_decode_config": {"tensor_parallel_size": 2}}')
     assert "pdcluster_decode_config sets tensor_parallel_size" in out, out[-3000:]
     # One CPU list per node process of the role on the host (npuhost has two decode processes, cpuhost one).
@@ -359,8 +360,10 @@ def test_node_unit_runs_pdcluster_with_its_rendered_config(deployed, host, devic
 
 
 def check_node_instances(deployed: Deployment, host: str, role: str, groups: list[list[int]],
-                         tensor_parallel_size: int) -> None:
-    """The role's unit and the instances it runs on `host`: one per device group, with its config and env."""
+                         tensor_parallel_size: int, kv_pool_per_rank: bool = False,
+                         prefill_processes: int | None = None) -> None:
+    """The role's unit and the instances it runs on `host`: one per device group, with its config and env
+    (`prefill_processes`: the host's prefill node processes, when not as many as `groups`)."""
     unit = read_unit(deployed.unit_dir(host) / f"pdcluster-{role}@.service")
     config_dir = deployed.config_dir(host)
     overrides = group_vars(role)[f"pdcluster_{role}_config"]
@@ -404,8 +407,11 @@ def check_node_instances(deployed: Deployment, host: str, role: str, groups: lis
         assert config.etcd_user == "pdcluster" and config.cluster_secret == str(tls / "cluster.secret")
         for port in ("control", "load", "metrics"):
             assert getattr(config, f"{port}_port") == deployed.ports[f"{role}_{port}"] + index
-        # a device group's ranks listen on kv_port + rank (per-rank KV transfer): the groups' ports do not overlap
-        assert config.kv_port == deployed.ports[f"{role}_kv"] + index * len(group)
+        # ranks of a pool sliced per rank (a device's, or kv_pool_per_rank) listen on kv_port + rank (per-rank KV
+        # transfer): the processes' ports do not overlap
+        assert config.kv_pool_per_rank is kv_pool_per_rank
+        sliced = host == "npuhost" or kv_pool_per_rank
+        assert config.kv_port == deployed.ports[f"{role}_kv"] + index * (tensor_parallel_size if sliced else 1)
 
         env = unit_environment(unit, instance)
         assert env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
@@ -413,23 +419,27 @@ def check_node_instances(deployed: Deployment, host: str, role: str, groups: lis
             # Rank r of the node runs on the r-th listed device; npuhost's decode processes follow its
             # prefill processes in the HCCL port range (a host in both groups).
             assert env["ASCEND_RT_VISIBLE_DEVICES"] == ",".join(map(str, group))
-            assert env["HCCL_IF_BASE_PORT"] == str(60000 + 16 * ((len(groups) if role == "decode" else 0) + index))
+            before = (len(groups) if prefill_processes is None else prefill_processes) if role == "decode" else 0
+            assert env["HCCL_IF_BASE_PORT"] == str(60000 + 16 * (before + index))
             assert env["PYTORCH_NPU_ALLOC_CONF"] == "expandable_segments:True"
         else:
             assert not {"ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "HCCL_IF_BASE_PORT"} & env.keys()
 
 
 def test_tensor_parallel_nodes_own_consecutive_device_groups(deployed_tp):
-    # npuhost: four NPUs per role, tensor_parallel_size 2 -> two node processes per role, two devices each.
-    groups = [TP_NPU_DEVICES[:2], TP_NPU_DEVICES[2:]]
-    for role in ("prefill", "decode"):
-        check_node_instances(deployed_tp, "npuhost", role, groups, tensor_parallel_size=2)
-        # A CPU host has no devices to split: its one listed id is one process whose 2 ranks share the cores.
-        check_node_instances(deployed_tp, "cpuhost", role, [[0]], tensor_parallel_size=2)
-    # Exactly len(devices) / 2 instances per role; those of tensor_parallel_size 1 were removed.
+    # npuhost: four NPUs per role; prefill tensor_parallel_size 2 -> two processes of two devices, decode 1 -> four.
+    check_node_instances(deployed_tp, "npuhost", "prefill", [TP_NPU_DEVICES[:2], TP_NPU_DEVICES[2:]],
+                         tensor_parallel_size=2)
+    check_node_instances(deployed_tp, "npuhost", "decode", [[d] for d in TP_NPU_DEVICES], tensor_parallel_size=1,
+                         prefill_processes=2)
+    # A CPU host has no devices to split: each listed id is one process whose 2 ranks share the cores; with each
+    # rank's pool its own slice, the two decode processes' kv ports are 2 apart.
+    check_node_instances(deployed_tp, "cpuhost", "prefill", [[0]], tensor_parallel_size=2, kv_pool_per_rank=True)
+    check_node_instances(deployed_tp, "cpuhost", "decode", [[0], [1]], tensor_parallel_size=2, kv_pool_per_rank=True)
+    # Exactly the groups' instances; those of other sizes were removed.
     configs = sorted(p.name for p in deployed_tp.config_dir("npuhost").glob("*-*.*"))
-    assert configs == sorted(f"{role}-{instance}.{ext}" for role in ("prefill", "decode")
-                             for instance in ("0-1", "2-3") for ext in ("yaml", "env"))
+    instances = [("prefill", "0-1"), ("prefill", "2-3")] + [("decode", str(d)) for d in TP_NPU_DEVICES]
+    assert configs == sorted(f"{role}-{instance}.{ext}" for role, instance in instances for ext in ("yaml", "env"))
 
 
 def test_router_unit_and_config(deployed):
