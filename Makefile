@@ -42,8 +42,9 @@ test-deps:
 		apt-get install -y -q iproute2 nftables >/dev/null || \
 		(apt-get update -q && apt-get install -y -q iproute2 nftables >/dev/null); fi
 
+# --durations: the slowest tests at the end of the run, to keep the suite's time in view
 test: lint test-deps
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests --durations=30
 
 # Issue #15's CUDA checks on a machine with one CUDA GPU (benchmarks/gpu_check.py, ~3-8 min): its own venv
 # (reusing a CUDA torch already there), parity tests on cuda, offline benchmark bf16 vs transformers on the GPU,
