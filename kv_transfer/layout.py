@@ -25,8 +25,12 @@ latent dim, dtype and block geometry must match. A latent and a per-head pool ar
 
 A pool sliced per rank (a device rank's, or a CPU rank's with `kv_pool_per_rank`) is one rank's part of its
 engine's KV: its layout is that of a one-rank pool of the rank's heads, plus `rank_slices` (how many ranks' slices
-the engine's KV is cut into; 1: the whole KV in this pool) and `rank_slice` (which one). Both are checked, so a
-slice moves only into the slice of the same rank of an engine cut the same way (per_rank/: rank r to rank r).
+the engine's KV is cut into; 1: the whole KV in this pool), `rank_slice` (which one) and `model_kv_heads` (the
+model's KV heads; 0: num_kv_heads * rank_slices, no replicated heads). `engine_layout` is the layout of the whole
+engine the slice belongs to, `own_ranks` the engine ranks whose planes this pool holds: regroup.py maps heads
+between any two pools by them, so a slice moves into the slice of the same rank of an engine cut the same way
+unchanged, and into a pool cut otherwise (another number of slices, or a whole pool) regrouped: each pair of pools
+moves only the heads they have in common (a pair with none is refused: `rank_slice: ... no KV heads in common`).
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ from pdcluster.device import kv_planes, pool_shape, rank_kv_heads, row_scale_byt
 from pdcluster.kv_transfer.errors import LayoutMismatchError
 
 LAYOUT_VERSION = 2
+# total_kv_heads is compared between the engines' layouts (engine_layout: a slice's model heads); how the heads are
+# split (ranks, slices) is regroup.py's concern
 _CHECKED_FIELDS = ("version", "dtype", "latent", "num_layers", "block_size", "total_kv_heads", "head_dim",
-                   "scale_bytes", "rank_slices", "rank_slice")
+                   "scale_bytes")
 _POSITIVE_FIELDS = ("num_layers", "block_size", "num_kv_heads", "head_dim", "tensor_parallel_size", "num_blocks",
                     "version", "total_kv_heads")
 
@@ -61,6 +67,7 @@ class KVLayout:
     total_kv_heads: int = 0   # the model's KV heads over all ranks; 0: num_kv_heads * tensor_parallel_size
     rank_slices: int = 1   # a pool sliced per rank: the ranks whose slices make the engine's KV; 1: all of it here
     rank_slice: int = 0    # ... and which of them this pool is
+    model_kv_heads: int = 0   # a slice: the model's KV heads (0: num_kv_heads * rank_slices, none replicated)
 
     def __post_init__(self) -> None:
         if not self.total_kv_heads:
@@ -101,19 +108,58 @@ class KVLayout:
             raise ValueError(f"layout: {heads} KV heads per rank x tensor_parallel_size {tp} does not hold "
                              f"total_kv_heads {total}{' (a latent pool is 1 x 1 of 1)' if self.latent else ''}")
 
-    def sliced(self, rank: int, ranks: int) -> "KVLayout":
-        """This layout as rank `rank`'s slice of an engine whose `ranks` ranks each hold their own (ranks 1: as is)."""
+    def sliced(self, rank: int, ranks: int, model_kv_heads: int = 0) -> "KVLayout":
+        """This layout as rank `rank`'s slice of an engine whose `ranks` ranks each hold their own (ranks 1: as is);
+        `model_kv_heads`: the model's KV heads, needed only when it has fewer than ranks (each slice then holds a
+        copy of one head); default num_kv_heads * ranks."""
         if not 0 <= rank < ranks:
             raise ValueError(f"rank_slice: expected 0 <= rank < {ranks}, got {rank}")
-        return replace(self, rank_slices=ranks, rank_slice=rank)
+        sliced = replace(self, rank_slices=ranks, rank_slice=rank,
+                         model_kv_heads=0 if ranks == 1 or model_kv_heads == self.num_kv_heads * ranks
+                         else model_kv_heads)
+        sliced.engine_layout()   # ValueError when the heads do not split so
+        return sliced
+
+    def engine_layout(self) -> "KVLayout":
+        """The layout of the whole engine this pool belongs to: itself, or for a slice a pool of every rank's planes
+        (tensor_parallel_size = rank_slices, total_kv_heads = the model's); a latent pool's slice is a copy of the
+        whole (every rank holds the same latent rows)."""
+        if self.rank_slices == 1:
+            return self
+        if self.latent:
+            return replace(self, rank_slices=1, rank_slice=0, model_kv_heads=0)
+        if self.tensor_parallel_size != 1:
+            raise ValueError("layout: a pool sliced per rank holds one rank's K and V planes")
+        whole = replace(self, tensor_parallel_size=self.rank_slices, rank_slices=1, rank_slice=0, model_kv_heads=0,
+                        total_kv_heads=self.model_kv_heads or self.num_kv_heads * self.rank_slices)
+        whole.check_split()
+        return whole
+
+    def held_heads(self) -> list[int]:
+        """The model's KV heads this pool holds (of its own ranks)."""
+        whole = self.engine_layout()
+        return sorted({h for r in self.own_ranks() for h in whole.rank_heads(r)})
+
+    def own_ranks(self) -> range:
+        """The engine ranks (of `engine_layout`) whose planes this pool holds, in plane order."""
+        if self.rank_slices > 1 and not self.latent:
+            return range(self.rank_slice, self.rank_slice + 1)
+        return range(self.tensor_parallel_size)
 
     def rank_heads(self, rank: int) -> range:
         """The model's KV heads rank `rank`'s planes hold, in plane order."""
         return rank_kv_heads(self.total_kv_heads, rank, self.tensor_parallel_size)
 
     def same_planes(self, other: "KVLayout") -> bool:
-        """Whether blocks move plane for plane between the two (same split of the heads over ranks)."""
-        return (self.tensor_parallel_size, self.num_kv_heads) == (other.tensor_parallel_size, other.num_kv_heads)
+        """Whether blocks move plane for plane between the two (same split of the heads over ranks, the same slice;
+        two latent pools always: every slice of one is the whole latent)."""
+        if self.latent and other.latent:
+            return True
+
+        def split(lay: KVLayout) -> tuple[int, ...]:
+            return (lay.tensor_parallel_size, lay.num_kv_heads, lay.rank_slices, lay.rank_slice,
+                    lay.engine_layout().total_kv_heads)
+        return split(self) == split(other)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -172,7 +218,8 @@ class KVLayout:
             # absent from older peers: a float per-head pool of one rank
             layout = cls(**fields, tensor_parallel_size=d.get("tensor_parallel_size", 1),
                          scale_bytes=d.get("scale_bytes", 0), latent=d.get("latent", False),
-                         total_kv_heads=total, rank_slices=d.get("rank_slices", 1), rank_slice=d.get("rank_slice", 0))
+                         total_kv_heads=total, rank_slices=d.get("rank_slices", 1), rank_slice=d.get("rank_slice", 0),
+                         model_kv_heads=d.get("model_kv_heads", 0))
         except KeyError as exc:
             raise ValueError(f"layout: missing field {exc.args[0]!r}") from None
         except TypeError:   # a non-int num_kv_heads or tensor_parallel_size in the default's product
@@ -185,6 +232,9 @@ class KVLayout:
                 and isinstance(layout.rank_slices, int) and 0 <= layout.rank_slice < layout.rank_slices):
             raise ValueError(f"layout.rank_slice / rank_slices: expected ints 0 <= rank_slice < rank_slices, got "
                              f"{layout.rank_slice!r} / {layout.rank_slices!r}")
+        mh = layout.model_kv_heads
+        if not isinstance(mh, int) or isinstance(mh, bool) or mh < 0:
+            raise ValueError(f"layout.model_kv_heads: expected an int >= 0, got {mh!r}")
         for name in _POSITIVE_FIELDS:
             value = getattr(layout, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -192,18 +242,24 @@ class KVLayout:
         if not isinstance(getattr(torch, str(layout.dtype), None), torch.dtype):
             raise ValueError(f"layout.dtype: unknown dtype {layout.dtype!r}")
         layout.check_split()
+        layout.engine_layout()
         return layout
 
     def check_compatible(self, other: "KVLayout", *, mine: str = "receiver", theirs: str = "sender") -> None:
         """Raise LayoutMismatchError naming every field that differs (num_blocks may differ, and so may the split
-        of the heads over ranks: tensor_parallel_size and num_kv_heads per rank); between two latent pools
-        head_dim is named kv_latent_dim, what it holds."""
+        of the heads over ranks: tensor_parallel_size and num_kv_heads per rank, rank_slices / rank_slice; the
+        model's heads are compared between the engines, `engine_layout`), or naming both slices when the two pools
+        hold no KV head in common; between two latent pools head_dim is named kv_latent_dim, what it holds."""
+        a, b = self.engine_layout(), other.engine_layout()
         diffs = [
-            f"{_label(name, self.latent and other.latent)}: {theirs} {getattr(other, name)!r} vs {mine} "
-            f"{getattr(self, name)!r}"
+            f"{_label(name, self.latent and other.latent)}: {theirs} {getattr(b, name)!r} vs {mine} "
+            f"{getattr(a, name)!r}"
             for name in _CHECKED_FIELDS
-            if getattr(self, name) != getattr(other, name)
+            if getattr(a, name) != getattr(b, name)
         ]
+        if not diffs and not self.latent and not set(self.held_heads()) & set(other.held_heads()):
+            diffs.append(f"rank_slice: {theirs} {other.rank_slice} of {other.rank_slices} vs {mine} {self.rank_slice} "
+                         f"of {self.rank_slices}: no KV heads in common")
         if diffs:
             raise LayoutMismatchError("KV layout mismatch: " + "; ".join(diffs))
 

@@ -3,7 +3,11 @@
 A pool holds each rank's heads in that rank's K and V planes (layout.py); rank r holds the model's heads
 `KVLayout.rank_heads(r)`. Between a sender of one split and a receiver of another, each receiver (rank, head)
 slot takes its head from the first sender rank that holds it: `pieces` lists those as runs of consecutive heads,
-the same for every layer, K and V. Who moves the heads (docs/kv_transfer.md "Heterogeneous tensor parallelism"):
+the same for every layer, K and V. Either pool may be one rank's slice of its engine (layout.py `rank_slices`,
+kv_transfer/per_rank/): the heads are mapped between the engines (`engine_layout`) and a slice keeps its own rank's
+pieces, so a pair of pools moves the heads it has in common (a whole pool sends a receiving slice just its heads,
+row by row over tcp: `tiles`; a sending slice fills part of a receiving pool, whose checksum then covers just the
+slots it fills: `fills`). Who moves the heads (docs/kv_transfer.md "Heterogeneous tensor parallelism"):
 
 - shm (`copy`): the sender writes the receiver's layout straight into the mapped pool, one strided torch copy
   per (piece, K/V, run) covering the write's layers; no staging.
@@ -65,14 +69,19 @@ class Piece:
 
 class Regroup:
     def __init__(self, src: KVLayout, dst: KVLayout):
+        """Between two pools: each a whole engine's KV, or one rank's slice of it (layout.py `rank_slices`). The
+        heads are mapped between the engines (`engine_layout`); a pool that is a slice keeps the pieces of its own
+        rank only (ranks renumbered from 0: its planes), so a sender slice moves just the heads the receiving pool
+        takes from it, and a receiving slice takes just its heads. LayoutMismatchError when they share none."""
         self.src, self.dst = src, dst
+        se, de = src.engine_layout(), dst.engine_layout()
         holder: dict[int, tuple[int, int]] = {}   # model head -> (first sender rank holding it, its index there)
-        for r in range(src.tensor_parallel_size):
-            for i, head in enumerate(src.rank_heads(r)):
+        for r in range(se.tensor_parallel_size):
+            for i, head in enumerate(se.rank_heads(r)):
                 holder.setdefault(head, (r, i))
         pieces: list[Piece] = []
-        for r in range(dst.tensor_parallel_size):
-            for i, head in enumerate(dst.rank_heads(r)):
+        for r in range(de.tensor_parallel_size):
+            for i, head in enumerate(de.rank_heads(r)):
                 sr, si = holder[head]
                 last = pieces[-1] if pieces else None
                 if last is not None and (last.dst_rank, last.src_rank) == (r, sr) \
@@ -80,6 +89,13 @@ class Regroup:
                     pieces[-1] = Piece(r, last.dst_head, sr, last.src_head, last.n + 1)
                 else:
                     pieces.append(Piece(r, i, sr, si, 1))
+        s0, d0 = src.own_ranks().start, dst.own_ranks().start
+        pieces = [Piece(p.dst_rank - d0, p.dst_head, p.src_rank - s0, p.src_head, p.n) for p in pieces
+                  if p.src_rank in src.own_ranks() and p.dst_rank in dst.own_ranks()]
+        if not pieces:
+            raise LayoutMismatchError(
+                f"rank_slice: receiver {dst.rank_slice} of {dst.rank_slices} vs sender {src.rank_slice} of "
+                f"{src.rank_slices}: no KV heads in common (the sender's heads go to other ranks' slices)")
         first: dict[tuple[int, int], Piece] = {}
         self.pieces = []
         for p in pieces:
@@ -88,14 +104,22 @@ class Regroup:
             self.pieces.append(p if primary is p else Piece(p.dst_rank, p.dst_head, p.src_rank, p.src_head, p.n,
                                                             copy_of=primary))
         self.wire_ranks = sorted({p.src_rank for p in self.pieces})
-        # the pieces read off the wire, per sender rank in head order: they tile that rank's heads
+        # the pieces read off the wire, per sender rank in head order: they tile that rank's heads, or (a pool that
+        # takes only some of a sender rank's heads) the wire carries just theirs, row by row (`tiles`)
         self.primary = {r: sorted((p for p in self.pieces if p.src_rank == r and p.copy_of is None),
                                   key=lambda p: p.src_head) for r in self.wire_ranks}
+        self.tiles = {r: sum(p.n for p in ps) == src.num_kv_heads for r, ps in self.primary.items()}
+        # every receiver slot of every receiver rank filled (else: the other slots are other senders' to fill)
+        self.fills = all(sum(p.n for p in self.pieces if p.dst_rank == r) == dst.num_kv_heads
+                         for r in range(dst.tensor_parallel_size))
 
     @property
     def wire_layer_bytes(self) -> int:
-        """Bytes of one block's layer on the wire: K and V planes of each rank in `wire_ranks`."""
-        return 2 * len(self.wire_ranks) * self.src.plane_bytes
+        """Bytes of one block's layer on the wire: K and V of the heads read off the wire, of each rank in
+        `wire_ranks` (its whole planes when they tile it)."""
+        heads = sum(self.src.num_kv_heads if self.tiles[r] else sum(p.n for p in self.primary[r])
+                    for r in self.wire_ranks)
+        return 2 * heads * self.src.block_size * self.src.row * self.src.element_size
 
     def wire_planes(self, layer: int) -> list[int]:
         """The sender's planes of `layer` on the wire, in wire order."""
@@ -114,45 +138,37 @@ class Regroup:
     def sent_checksum(self, src_row_words: np.ndarray, src_runs: list[tuple[int, int]], l0: int, l1: int) -> int:
         """The checksum the receiver will sum over its slots, from the sender's rows (`checksum.row_words` of its
         pool, [planes, blocks, block_size, heads, words per row]): each row once per slot it goes to."""
-        stride = self.src.kv_planes
-        sums = np.zeros(sum(n for _, n in src_runs), dtype=np.int64)
-        for p in self.pieces:
-            for kv in (0, 1):
-                planes = slice(l0 * stride + 2 * p.src_rank + kv, l1 * stride, stride)
-                i = 0
-                for s, n in src_runs:
-                    rows = src_row_words[planes, s:s + n, :, p.src_head:p.src_head + p.n]
-                    sums[i:i + n] += rows.sum(axis=(2, 3, 4), dtype=np.int64).sum(axis=0, dtype=np.int64)
-                    i += n
-        return weighted(sums)
+        return _slot_checksum(src_row_words, self.src, [(2 * p.src_rank, p.src_head, p.n) for p in self.pieces],
+                              src_runs, l0, l1)
 
     # ---- tcp: the sender's planes on the wire, scattered into the receiver's slots ----------------------------
 
     def wire_views(self, src_flat: memoryview, src_runs: list[tuple[int, int]], l0: int,
                    l1: int) -> list[memoryview]:
-        """The sender's bytes in wire order: one contiguous view per (wire plane, run)."""
+        """The sender's bytes in wire order: one contiguous view per (wire plane, run) of a rank whose heads the
+        wire carries whole, else one per (token, piece), as `scatter_views` lands them."""
         step = self.src.plane_bytes
         plane = self.src.num_blocks * step
-        return [src_flat[q * plane + s * step:q * plane + (s + n) * step]
-                for layer in range(l0, l1) for q in self.wire_planes(layer) for s, n in src_runs]
+        views = []
+        for layer in range(l0, l1):
+            for r in self.wire_ranks:
+                if self.tiles[r]:
+                    views += [src_flat[q * plane + s * step:q * plane + (s + n) * step]
+                              for q in (layer * self.src.kv_planes + 2 * r, layer * self.src.kv_planes + 2 * r + 1)
+                              for s, n in src_runs]
+                else:
+                    views += _row_views(src_flat, self.src, [(r, p.src_head, p.n) for p in self.primary[r]],
+                                        src_runs, layer)
+        return views
 
     def scatter_views(self, dst_flat: memoryview, runs: list[tuple[int, int]], l0: int,
                       l1: int) -> list[memoryview]:
         """Views of the receiver's pool, in wire order, that the wire's bytes land in: one per (token, piece)."""
-        dst, bs = self.dst, self.dst.block_size
-        row = dst.row * dst.element_size
-        token = dst.num_kv_heads * row
-        tokens = [((d + np.arange(n))[:, None] * bs + np.arange(bs)).ravel() * token for d, n in runs]
         views = []
         for layer in range(l0, l1):
             for r in self.wire_ranks:
-                sizes = [p.n * row for p in self.primary[r]]
-                for kv in (0, 1):
-                    starts = np.array([(layer * dst.kv_planes + 2 * p.dst_rank + kv) * dst.num_blocks * bs * token
-                                       + p.dst_head * row for p in self.primary[r]])
-                    for offsets in tokens:   # per run: (block, token, piece) in wire order
-                        at = (offsets[:, None] + starts).ravel().tolist()
-                        views += [dst_flat[a:a + k] for a, k in zip(at, sizes * (len(at) // len(sizes)), strict=True)]
+                views += _row_views(dst_flat, self.dst, [(p.dst_rank, p.dst_head, p.n) for p in self.primary[r]],
+                                    runs, layer)
         return views
 
     def replicate(self, dst: torch.Tensor, runs: list[tuple[int, int]], l0: int, l1: int) -> None:
@@ -180,7 +196,68 @@ class Regroup:
                     i += n
 
     def landed_checksum(self, dst_row_words: np.ndarray, runs: list[tuple[int, int]], l0: int, l1: int) -> int:
-        """The checksum of the receiver's slots of the runs (what `sent_checksum` announced)."""
+        """The checksum of the receiver's slots of the runs that this sender fills (what `sent_checksum`
+        announced): every row of the blocks' planes when it fills them all."""
+        if not self.fills:
+            return _slot_checksum(dst_row_words, self.dst, [(2 * p.dst_rank, p.dst_head, p.n) for p in self.pieces],
+                                  runs, l0, l1)
         planes = dst_row_words.reshape(dst_row_words.shape[0], dst_row_words.shape[1], -1)
         r = self.dst.planes(l0, l1)
         return checksum_runs(planes, runs, r.start, r.stop)
+
+
+def _row_views(flat: memoryview, layout: KVLayout, pieces: list[tuple[int, int, int]], runs: list[tuple[int, int]],
+               layer: int) -> list[memoryview]:
+    """Views of `layout`'s pool, one per (K/V, run, block, token, piece): pieces (rank, first head, heads) of one
+    layer's planes, in wire order."""
+    bs = layout.block_size
+    row = layout.row * layout.element_size
+    token = layout.num_kv_heads * row
+    tokens = [((d + np.arange(n))[:, None] * bs + np.arange(bs)).ravel() * token for d, n in runs]
+    sizes = [n * row for _, _, n in pieces]
+    views = []
+    for kv in (0, 1):
+        starts = np.array([(layer * layout.kv_planes + 2 * r + kv) * layout.num_blocks * bs * token + h * row
+                           for r, h, _ in pieces])
+        for offsets in tokens:   # per run: (block, token, piece) in wire order
+            at = (offsets[:, None] + starts).ravel().tolist()
+            views += [flat[a:a + k] for a, k in zip(at, sizes * (len(at) // len(sizes)), strict=True)]
+    return views
+
+
+def _slot_checksum(row_words: np.ndarray, layout: KVLayout, slots: list[tuple[int, int, int]],
+                   runs: list[tuple[int, int]], l0: int, l1: int) -> int:
+    """The checksum (weighted per block, in run order) of the rows of `slots` (K plane, first head, heads) of
+    layers [l0, l1) of the runs' blocks."""
+    stride = layout.kv_planes
+    sums = np.zeros(sum(n for _, n in runs), dtype=np.int64)
+    for plane, h, n_heads in slots:
+        for kv in (0, 1):
+            planes = slice(l0 * stride + plane + kv, l1 * stride, stride)
+            i = 0
+            for s, n in runs:
+                rows = row_words[planes, s:s + n, :, h:h + n_heads]
+                sums[i:i + n] += rows.sum(axis=(2, 3, 4), dtype=np.int64).sum(axis=0, dtype=np.int64)
+                i += n
+    return weighted(sums)
+
+
+def writers(src: list[KVLayout], dst: list[KVLayout]) -> list[list[int]]:
+    """For an engine whose pools are `src` (its rank slices in rank order, or its one whole pool) sending to one
+    whose pools are `dst`: per receiving pool, the sending pools that fill some of its heads (a `Regroup` of the
+    pair has pieces), in rank order; a latent pool (every rank's slice the same latent rows) from one rank: rank r
+    into rank r between engines sliced alike."""
+    out: list[list[int]] = []
+    for i, d in enumerate(dst):
+        if d.latent:
+            out.append([i * len(src) // len(dst)])
+            continue
+        found = []
+        for p, s in enumerate(src):
+            try:
+                Regroup(s, d)
+            except LayoutMismatchError:
+                continue
+            found.append(p)
+        out.append(found)
+    return out

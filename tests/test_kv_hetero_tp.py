@@ -394,12 +394,16 @@ def test_registration_refuses_only_a_tp_mismatch_no_channel_can_regroup(role, de
         assert why == ""
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-@pytest.mark.parametrize("peer_slices, peer_tp, refused", [(2, 2, False), (0, 2, True), (0, 1, True), (4, 4, True)])
-def test_pools_sliced_per_rank_pair_only_with_pools_sliced_over_as_many_ranks(role, peer_slices, peer_tp, refused):
-    """TP on a device (or kv_pool_per_rank): each rank holds its own slice of the KV and moves it to the same rank of
-    the peer (kv_transfer/per_rank/, tests/test_kv_per_rank.py), so a node registers only beside peers of the other
-    role sliced over as many ranks; anything else is refused naming both pools."""
+@pytest.mark.parametrize("peer_slices, peer_tp, kv_heads", [(2, 2, 8), (0, 2, 8), (0, 1, 8), (4, 4, 8), (4, 4, 2)])
+def test_pools_sliced_per_rank_pair_only_where_each_decode_slice_has_one_prefill_rank(role, peer_slices, peer_tp,
+                                                                                        kv_heads, device):
+    """TP on a device (or kv_pool_per_rank): each rank holds its own slice of the KV and moves it to the receiving
+    slices that hold its heads (kv_transfer/per_rank/, tests/test_kv_per_rank.py, tests/test_kv_slice_regroup.py),
+    so a node registers beside peers of the other role sliced over as many ranks, or (prefill 2 -> decode 4) where
+    each decode slice takes its heads from one prefill rank and the heads can be regrouped (CPU pools); anything
+    else is refused naming both pools."""
     from types import SimpleNamespace
 
     from pdcluster.control.records import Capacity, NodeInfo
@@ -409,17 +413,29 @@ def test_pools_sliced_per_rank_pair_only_with_pools_sliced_over_as_many_ranks(ro
     peer = NodeInfo(node_id=f"{other}-0", role=other, model="m", kv_backends=["tcp"],
                     capacity=Capacity(tensor_parallel_size=peer_tp, kv_rank_slices=peer_slices))
     node = SimpleNamespace(role=role, config=SimpleNamespace(tensor_parallel_size=2, kv_backend="auto"),
-                           engine=SimpleNamespace(device=torch.device("cuda"), rank_sliced_pool=True),
+                           engine=SimpleNamespace(device=torch.device(device), rank_sliced_pool=True,
+                                                  model_config=SimpleNamespace(num_kv_heads=kv_heads, kv_latent_dim=0)),
                            speculative=lambda: "", served_model_name=lambda: "m",
                            view=SimpleNamespace(nodes_by_role=lambda r: [peer]))
     for name in ("_slicing_refusal", "_regroup_refusal", "kv_rank_slices"):
         setattr(node, name, getattr(NodeService, name).__get__(node))
     why = NodeService._peer_mismatch(node)
-    if refused:
-        theirs = f"sliced per rank over {peer_slices} ranks" if peer_slices \
-            else f"one pool (tensor_parallel_size {peer_tp})"
+    theirs = f"sliced per rank over {peer_slices} ranks" if peer_slices \
+        else f"one pool (tensor_parallel_size {peer_tp})"
+    if peer_slices == 2:
+        assert why == ""
+    elif peer_slices == 4 and role == "prefill" and kv_heads == 2:   # a decode slice would hold a copy of a head
+        assert why == ("this node's KV is sliced per rank over 2 ranks, decode node decode-0's is sliced per rank over "
+                       "4 ranks for model 'm': the model has 2 KV heads, fewer than the decode node's 4 rank slices "
+                       "(each would hold a copy of one): between pools sliced over different numbers of ranks that "
+                       "is not built; refusing to register")
+    elif peer_slices == 4 and role == "prefill":   # 2 -> 4: regrouped on CPU; a device's channels cannot
+        assert why == ("" if device == "cpu" else
+                       "tensor_parallel_size 2 differs from decode node decode-0's 4 for model 'm': KV moves between "
+                       "different tensor_parallel_size only between CPU pools (this one is on cuda); refusing to "
+                       "register")
+    else:
         assert why == (f"this node's KV is sliced per rank over 2 ranks, {other} node {other}-0's is {theirs} for "
                        "model 'm': KV sliced per rank (kv_pool_per_rank, or tensor parallelism on a device) moves "
-                       "rank to rank, only between pools sliced over the same number of ranks; refusing to register")
-    else:
-        assert why == ""
+                       "only between pools both sliced per rank, each decode slice fed by one prefill rank (prefill "
+                       "sliced over as many ranks as decode, or a divisor of them); refusing to register")

@@ -4,8 +4,9 @@ Runs in the rank's own process beside its model shard: an agent of the engine (e
 node starts with `LLMEngine.start_rank_agents(RankEndpointSpec(...))`. It holds a `KVReceiver` on the slice (a
 decode node: the reservations rank 0 asks for; on CPU the slice first moves into a `SharedKVPool`, so a sender on
 the same host copies into it over shm) and a `KVSender` (made on first use: a prefill node's pushes),
-both marked as this rank's slice (KVLayout.rank_slice), so they pair only with the same rank of an engine sliced
-the same way. Rank 0 drives it:
+both marked as this rank's slice (KVLayout.rank_slice), so the handshake maps its heads (regroup.py): plane for
+plane with the same rank of an engine sliced the same way, regrouped with a pool holding some of its heads.
+Rank 0 drives it:
 
 - over the link (link.py), answered from the link's thread: `reserve` / `cancel` / `active` (receiver),
   `connect` (on a thread of its own: a destination that does not answer delays no other), `send` (blocks already

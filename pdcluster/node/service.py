@@ -274,19 +274,34 @@ class NodeService:
         return ""
 
     def _slicing_refusal(self, peer: NodeInfo) -> str:
-        """Why KV cannot move between this node and `peer` when either pool is sliced per rank, or "": a slice moves
-        only into the same rank's slice of an engine sliced over as many ranks (kv_transfer/per_rank/)."""
+        """Why KV cannot move between this node and `peer` when either pool is sliced per rank, or "": between
+        pools sliced per rank each receiving slice takes its heads from one sending rank (kv_transfer/per_rank/:
+        rank r to rank r between engines sliced alike; prefill slices that each hold a whole number of decode
+        slices, e.g. 2 -> 4). Not built: a receiving pool filled by several sending ranks (prefill sliced over more
+        ranks than decode), and a pool that is not sliced feeding or fed by one that is."""
         mine, theirs = self.kv_rank_slices(), peer.capacity.kv_rank_slices
         if mine == theirs:
             return ""
+        prefill, decode = (mine, theirs) if self.role == "prefill" else (theirs, mine)
+        config = self.engine.model_config
+        heads = config.num_kv_heads
 
         def pool(slices: int, tp: int) -> str:
             return f"sliced per rank over {slices} ranks" if slices else f"one pool (tensor_parallel_size {tp})"
 
-        return (f"this node's KV is {pool(mine, self.config.tensor_parallel_size)}, {peer.role} node {peer.node_id}'s "
-                f"is {pool(theirs, peer.capacity.tensor_parallel_size)} for model {peer.model!r}: KV sliced per rank "
-                "(kv_pool_per_rank, or tensor parallelism on a device) moves rank to rank, only between pools sliced "
-                "over the same number of ranks")
+        pools = (f"this node's KV is {pool(mine, self.config.tensor_parallel_size)}, {peer.role} node {peer.node_id}'s "
+                 f"is {pool(theirs, peer.capacity.tensor_parallel_size)} for model {peer.model!r}")
+        if prefill and decode and decode % prefill == 0:
+            if config.kv_latent_dim or heads >= decode:
+                return ""
+            # a slice's layout tells its model heads only when none is replicated (KVLayout.model_kv_heads)
+            return (f"{pools}: the model has {heads} KV heads, fewer than the decode node's {decode} rank slices "
+                    "(each would hold a copy of one): between pools sliced over different numbers of ranks that "
+                    "is not built")
+        return (f"{pools}: KV sliced per rank "
+                "(kv_pool_per_rank, or tensor parallelism on a device) moves only between pools both sliced per "
+                "rank, each decode slice fed by one prefill rank (prefill sliced over as many ranks as decode, or a "
+                "divisor of them)")
 
     def _regroup_refusal(self, peer: NodeInfo) -> str:
         """Why KV cannot move between this node and `peer` of another tensor_parallel_size, or "": only CPU pools

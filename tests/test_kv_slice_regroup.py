@@ -1,0 +1,347 @@
+"""KV between pools sliced per tensor-parallel rank over different numbers of ranks, and between a slice and a whole
+(one-pool) engine (issue #34 item 3, pools of kv_transfer/per_rank/): the pair-level transfer.
+
+Each (sender pool, receiver pool) pair moves the heads the two have in common, and only those: the sender's slice
+holds the heads of its rank of the sending engine, the receiver's the heads of its rank of the receiving one, and
+regroup.py maps them between the engines (`KVLayout.engine_layout`) keeping the pair's own ranks. Over tcp the
+wire carries only the pair's heads (row by row when the receiver takes some of a sender rank's heads), over shm the
+sender writes the receiver's slots; the checksum of each pair covers just the slots it fills, so a receiver slice
+filled by two sender slices (prefill TP 2 -> decode TP 1) verifies each part on its own. After every pair moved,
+each receiving pool holds exactly what a whole pool of its engine would, and a pair with no heads in common is
+refused at the handshake naming both slices.
+
+Then driven by rank 0 (per_rank/sender.py plans one part per receiving pool, from the one sending rank holding its
+heads): a one-rank engine into two slices, TP 2 into TP 4 slices (rank 1 from its own process, layer by layer),
+one combined checksum on both sides; TP 2 into one pool (two writers for one reservation) refused naming it; and a
+cluster of a TP 2 prefill node feeding a TP 4 decode node, both sliced, token-exact with TP 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from test_kv_hetero_tp import model_kv, split
+
+from pdcluster.kv_transfer import KVLayout, KVReceiver, KVSender, LayoutMismatchError, SharedKVPool, TransferError
+from pdcluster.kv_transfer.regroup import Regroup
+
+pytestmark = pytest.mark.timeout(300)
+
+SRC, DST = [0, 1, 5, 6], [7, 8, 2, 3]
+# (model KV heads, sender ranks, receiver ranks, sender sliced, receiver sliced)
+PAIRINGS = [
+    (4, 2, 1, True, False),   # device TP 2 prefill -> TP 1 decode (one whole pool)
+    (4, 2, 1, True, True),    # ... into a pool sliced over one rank
+    (4, 1, 2, False, True),   # TP 1 prefill -> device TP 2 decode
+    (4, 2, 4, True, True),
+    (4, 4, 2, True, True),
+    (2, 1, 4, True, True),    # fewer KV heads than receiver ranks: each receiver slice holds a copy of one
+    (2, 4, 1, True, False),   # ... than sender ranks: the copies stay home
+]
+
+
+def _pools(kv: torch.Tensor, tp: int, sliced: bool) -> list[torch.Tensor]:
+    whole = split(kv, tp)
+    return [whole[:, 2 * r:2 * r + 2].contiguous() for r in range(tp)] if sliced else [whole]
+
+
+def _layouts(pools: list[torch.Tensor], total: int, tp: int, sliced: bool) -> list[KVLayout]:
+    if not sliced:
+        return [KVLayout.of(pools[0], total)]
+    return [KVLayout.of(p).sliced(r, tp, total) for r, p in enumerate(pools)]
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+@pytest.mark.parametrize("total, src_tp, dst_tp, src_sliced, dst_sliced", PAIRINGS)
+def test_every_pair_moves_its_common_heads_and_the_receiving_pools_hold_the_whole_kv(
+        backend, total, src_tp, dst_tp, src_sliced, dst_sliced):
+    dtype = torch.float32
+    kv = model_kv(total * 7 + src_tp, total, dtype)
+    src_pools = _pools(kv, src_tp, src_sliced)
+    src_layouts = _layouts(src_pools, total, src_tp, src_sliced)
+    expected = _pools(kv, dst_tp, dst_sliced)
+    shms = [SharedKVPool.create(tuple(e.shape), dtype) for e in expected]
+    dst_layouts = _layouts([s.tensor for s in shms], total, dst_tp, dst_sliced)
+    receivers, senders = [], []
+    try:
+        for d, shm in enumerate(shms):
+            receivers.append(KVReceiver(shm.tensor, shm_name=shm.name, total_kv_heads=None if dst_sliced else total,
+                                        rank_slice=(d, dst_tp, total) if dst_sliced else None))  # type: ignore[arg-type]
+        for p, pool in enumerate(src_pools):
+            senders.append(KVSender(pool, backend=backend, total_kv_heads=None if src_sliced else total,
+                                    rank_slice=(p, src_tp, total) if src_sliced else None))  # type: ignore[arg-type]
+        wire, layers = 0, kv.shape[0]
+        for d, rx in enumerate(receivers):
+            parts = 0
+            for p, tx in enumerate(senders):
+                try:
+                    pair = Regroup(src_layouts[p], dst_layouts[d])
+                except LayoutMismatchError as exc:   # no heads in common: the handshake refuses it too
+                    assert "no KV heads in common" in str(exc)
+                    with pytest.raises(LayoutMismatchError, match="rank_slice: .*no KV heads in common"):
+                        tx.send(rx.reserve(f"none-{p}-{d}", DST, timeout_s=20), SRC, timeout=10)
+                    asyncio.run(rx.settle(f"none-{p}-{d}", 10))
+                    continue
+                parts += 1
+                rid = f"r-{p}-{d}"   # one sender per reservation: a receiver filled by two takes two in turn
+                checksum = tx.send(rx.reserve(rid, DST, timeout_s=20), SRC, timeout=10)
+                res = asyncio.run(rx.wait(rid, 10))
+                assert res.ok and res.checksum == checksum
+                wire += res.nbytes
+                assert res.nbytes == len(SRC) * layers * pair.wire_layer_bytes
+            assert parts >= 1
+        for e, shm in zip(expected, shms, strict=True):
+            assert torch.equal(shm.tensor[:, :, DST], e[:, :, SRC])
+            untouched = [b for b in range(e.shape[2]) if b not in DST]
+            assert not shm.tensor[:, :, untouched].any()
+        if backend == "tcp" and total >= max(src_tp, dst_tp):
+            # the wire carried every head the receivers hold once, no head a pair does not share
+            row = kv.shape[-1] * kv.element_size()
+            assert wire == len(SRC) * layers * 2 * kv.shape[3] * total * row
+        assert all(rx.num_active_reservations == 0 for rx in receivers)
+    finally:
+        for tx in senders:
+            tx.close()
+        for rx in receivers:
+            rx.close()
+        for shm in shms:
+            shm.close()
+
+
+def test_a_sender_slice_writing_part_of_a_receiver_pool_checks_only_its_slots():
+    """Prefill TP 2 -> one whole pool: each sender slice's pair fills half the receiver's heads; its checksum sums
+    those slots only (whatever the other half holds), and over tcp its wire carries its own heads only."""
+    lay = KVLayout.of(torch.zeros(2, 2, 4, 4, 2, 8))
+    whole = KVLayout.of(torch.zeros(2, 2, 4, 4, 4, 8))
+    for p in (0, 1):
+        pair = Regroup(lay.sliced(p, 2), whole)
+        assert [(x.dst_rank, x.dst_head, x.src_rank, x.src_head, x.n) for x in pair.pieces] == [(0, 2 * p, 0, 0, 2)]
+        assert not pair.fills and pair.wire_layer_bytes == lay.layer_bytes
+    one_to_two = Regroup(whole, lay.sliced(1, 2))   # the whole pool sends rank 1's heads only, row by row
+    assert [(x.dst_head, x.src_head, x.n) for x in one_to_two.pieces] == [(0, 2, 2)]
+    assert not one_to_two.tiles[0] and one_to_two.fills and one_to_two.wire_layer_bytes == lay.layer_bytes
+    assert Regroup(lay.sliced(1, 2), lay.sliced(1, 2, 4)) is not None   # the default model heads: 2 x 2
+    with pytest.raises(LayoutMismatchError, match="rank_slice: receiver 0 of 2 vs sender 1 of 2"):
+        Regroup(lay.sliced(1, 2), lay.sliced(0, 2))
+    with pytest.raises(LayoutMismatchError, match="no KV heads in common"):
+        lay.sliced(0, 2).check_compatible(lay.sliced(1, 2))
+    with pytest.raises(LayoutMismatchError, match="total_kv_heads: sender 4 vs receiver 8"):
+        lay.sliced(0, 4).check_compatible(lay.sliced(0, 2))
+
+
+def test_latent_slices_are_copies_of_the_whole_latent_and_move_rank_to_rank():
+    """An MLA pool under TP on a device: each rank's slice holds every latent row; slices pair plane for plane."""
+    from pdcluster.kv_transfer.regroup import regroup_for, writers
+    from pdcluster.kv_transfer.tcp_channel import TcpChannel
+
+    latent = KVLayout.of(torch.zeros(2, 1, 4, 4, 1, 40))
+    a, b = latent.sliced(1, 2), latent.sliced(1, 2)
+    a.check_compatible(b)
+    assert a.same_planes(latent.sliced(0, 2)) and regroup_for(TcpChannel, a, b) is None
+    assert writers([latent.sliced(0, 2), a], [latent.sliced(0, 2), b]) == [[0], [1]]
+    assert writers([latent.sliced(r, 2) for r in (0, 1)], [latent.sliced(r, 4) for r in range(4)]) == \
+        [[0], [0], [1], [1]]
+
+
+# ---- driven by rank 0: RankedSender into RankedReceiver (ranks >= 1 in processes of their own) ----------------
+
+L, NB, BS, HD = 3, 10, 4, 8   # layers, blocks, block size, head dim of the engines below (4 model KV heads)
+SEEDS = (21, 22)   # the sending engine's two rank slices (2 heads each); a one-rank engine holds both, joined
+
+
+def _slice_shape(heads: int) -> tuple[int, ...]:
+    return (L, 2, NB, BS, heads, HD)
+
+
+class _Receiving:
+    """A receiving engine of `n` ranks sliced per rank (4 model heads): rank 0's slice here, the others' in
+    processes."""
+
+    def __init__(self, stack, n: int, shm: bool) -> None:
+        from rank_kv_helpers import RankProcess, slice_kv
+
+        from pdcluster.kv_transfer.per_rank import RankedReceiver, RankEndpointSpec, RankLinks
+
+        shape = _slice_shape(4 // n)
+        self.procs = [RankProcess(RankEndpointSpec(receive=True, shared_memory=shm), shape, torch.float32, None,
+                                  rank=r, size=n) for r in range(1, n)]
+        for proc in self.procs:
+            stack.callback(proc.close)
+        seg = SharedKVPool.create(shape, torch.float32) if shm else None
+        if seg is not None:
+            stack.callback(seg.close)
+        self.rx0 = seg.tensor if seg is not None else slice_kv(shape, torch.float32, None)
+        links = RankLinks([p.info["link"] for p in self.procs])
+        stack.callback(links.close)
+        local = KVReceiver(self.rx0, shm_name=seg.name if seg is not None else None, rank_slice=(0, n))
+        stack.callback(local.close)
+        self.receiver = RankedReceiver(local, links, [p.info["kv_addr"] for p in self.procs])
+
+    def pools(self) -> list[torch.Tensor]:
+        return [self.rx0, *(p.pool() for p in self.procs)]
+
+
+def _model_kv() -> torch.Tensor:
+    from rank_kv_helpers import slice_kv
+
+    return torch.cat([slice_kv(_slice_shape(2), torch.float32, seed) for seed in SEEDS], dim=4)
+
+
+def _receiving_pools_hold(rx: _Receiving, n: int) -> bool:
+    kv, per = _model_kv(), 4 // n
+    return all(torch.equal(pool[:, :, DST], kv[:, :, SRC, :, d * per:(d + 1) * per])
+               for d, pool in enumerate(rx.pools()))
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_a_one_rank_engine_pushes_into_an_engine_sliced_over_two_ranks(backend):
+    """TP 1 prefill -> TP 2 decode sliced per rank: rank 0's sender (no links) writes each receiving slice its
+    heads; the decode side completes with the combined checksum the sender computed."""
+    from contextlib import ExitStack
+
+    from pdcluster.kv_transfer.per_rank import RankedSender, RankLinks
+
+    with ExitStack() as stack:
+        rx = _Receiving(stack, 2, shm=backend == "shm")
+        whole = KVSender(_model_kv().contiguous(), backend="auto" if backend == "shm" else "tcp")
+        stack.callback(whole.close)
+        sender = RankedSender(whole, RankLinks([]), lambda rank, message: None)
+        dst = rx.receiver.reserve("w", DST, timeout_s=20)
+        sender.connect(dst.to_dict())
+        t = sender.start(dst.to_dict(), SRC, connect=False)
+        for layer in range(L):
+            t.send_layers(layer, layer + 1)
+        checksum = t.finish(timeout=20)
+        result = asyncio.run(rx.receiver.wait("w", 10))
+        assert result.ok and result.checksum == checksum and t.backend == backend
+        assert result.nbytes == sender.bytes_sent == len(SRC) * L * 2 * BS * 4 * HD * 4   # every head once
+        assert _receiving_pools_hold(rx, 2)
+        assert rx.receiver.num_active_reservations == 0
+
+
+def test_an_engine_sliced_over_two_ranks_pushes_into_one_sliced_over_four():
+    """TP 2 -> TP 4, both sliced: each sending rank writes the two receiving slices whose heads it holds (rank 1
+    from its own process during its step), one combined checksum on both sides; then the pairings that would
+    need two writers in one receiving pool (TP 2 -> TP 1) are refused naming both."""
+    from contextlib import ExitStack
+
+    from rank_kv_helpers import RankProcess, slice_kv
+
+    from pdcluster.kv_transfer.per_rank import RankedSender, RankEndpointSpec, RankLinks
+
+    with ExitStack() as stack:
+        rx = _Receiving(stack, 4, shm=False)
+        tx1 = RankProcess(RankEndpointSpec(receive=False, backend="tcp"), _slice_shape(2), torch.float32, SEEDS[1])
+        stack.callback(tx1.close)
+        links = RankLinks([tx1.info["link"]])
+        stack.callback(links.close)
+        local = KVSender(slice_kv(_slice_shape(2), torch.float32, SEEDS[0]), backend="tcp", rank_slice=(0, 2))
+        stack.callback(local.close)
+        sender = RankedSender(local, links, lambda rank, message: tx1.tell(message))
+        dst = rx.receiver.reserve("q", DST, timeout_s=20)
+        sender.connect(dst.to_dict())
+        t = sender.start(dst.to_dict(), SRC, connect=False)
+        for layer in range(L):
+            t.send_layers(layer, layer + 1)
+        assert tx1.step()
+        checksum = t.finish(timeout=20)
+        result = asyncio.run(rx.receiver.wait("q", 10))
+        assert result.ok and result.checksum == checksum
+        assert result.nbytes == sender.bytes_sent == len(SRC) * L * 2 * BS * 4 * HD * 4
+        assert _receiving_pools_hold(rx, 4)
+        assert rx.receiver.num_active_reservations == 0
+
+        # sending rank 1 dies mid-transfer: both sides fail at once (its two receiving slices' parts and rank 0's),
+        # the decode side settles, nothing stays reserved on any receiving rank
+        dst = rx.receiver.reserve("dead", DST, timeout_s=30)
+        sender.connect(dst)
+        t = sender.start(dst, SRC, connect=False)
+        tx1.kill()
+        began = time.monotonic()
+        for layer in range(L):
+            t.send_layers(layer, layer + 1)
+        with pytest.raises(TransferError) as failed:
+            t.finish(timeout=20)
+        assert failed.value.code in ("lost", "aborted", "cancelled")
+        with pytest.raises(TransferError) as landed:
+            asyncio.run(rx.receiver.wait("dead", 10))
+        assert landed.value.code in ("lost", "aborted", "cancelled")
+        assert time.monotonic() - began < 10, "waited for a dead rank"
+        assert asyncio.run(rx.receiver.settle("dead", 10))
+        assert rx.receiver.num_active_reservations == 0
+
+        whole = KVReceiver(torch.zeros(_slice_shape(4)))
+        stack.callback(whole.close)
+        one = whole.reserve("one", DST, timeout_s=20)
+        with pytest.raises(LayoutMismatchError, match="its pool 0 of 1 takes KV heads from 2 of this engine's 2"):
+            sender.start(one.to_dict(), SRC)
+        asyncio.run(whole.settle("one", 10))
+        assert whole.num_active_reservations == 0
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_tp2_prefill_node_feeds_a_tp4_decode_node_both_sliced_per_rank(tmp_path):
+    """CPU ranks sliced per rank (kv_pool_per_rank): prefill TP 2 -> decode TP 4, each prefill rank writing the two
+    decode slices of its heads; greedy output is the offline TP 1 engine's, every prompt prefilled remotely, no
+    transfer failure, nothing left reserved or in use."""
+    import uuid
+
+    from cluster_helpers import client, complete, node_metrics, total, wait_idle
+    from engine_helpers import make_prompts
+    from transformers import AutoTokenizer
+
+    from pdcluster.cli.supervisor import LocalCluster
+    from pdcluster.control.sampling_params import SamplingParams
+    from pdcluster.engine import LLM
+    from pdcluster.engine.testing import make_tiny_model
+
+    model = make_tiny_model(str(tmp_path / "tiny-gqa"), "llama", num_attention_heads=8, num_key_value_heads=4,
+                            hidden_size=64, intermediate_size=128)
+    prompts = make_prompts([12, 40, 77], seed=7)
+    n = 10
+    llm = LLM(model=model, dtype="float32", device="cpu", num_gpu_blocks_override=256)
+    want = [list(o.outputs[0].token_ids)
+            for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = [tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) for ids in want]
+    node = {"kv_cache_memory": "8MiB", "max_num_seqs": 8, "device": "cpu", "dtype": "float32",
+            "tensor_parallel_size": 2, "kv_pool_per_rank": True}
+    (tmp_path / "cluster").mkdir()
+    with LocalCluster(model=model, work_dir=tmp_path / "cluster", num_prefill=1, num_decode=0, port=0,
+                      cluster=f"slice-regroup-{uuid.uuid4().hex[:6]}", lease_ttl=2, threads_per_node=1,
+                      node_config=node, router_config={"disagg_min_tokens": 0}) as cluster:
+        cluster.start_node("decode", "decode-0", tensor_parallel_size=4)
+        cluster.wait_ready(1, 1, timeout=300, serving=True)
+
+        async def slices() -> dict[str, int]:
+            from pdcluster.control.etcd_client import close_quietly, connect
+            from pdcluster.control.queries import list_nodes
+
+            etcd = await connect([cluster.etcd])
+            try:
+                return {n.role: n.capacity.kv_rank_slices for n in await list_nodes(etcd, cluster.cluster)
+                        if n.role != "router"}
+            finally:
+                await close_quietly(etcd)
+
+        assert asyncio.run(slices()) == {"prefill": 2, "decode": 4}
+
+        async def serve() -> list[str]:
+            api = client(cluster)
+            outs = [await complete(api, "tiny-gqa", p, n, stream=i % 2 == 0) for i, p in enumerate(prompts)]
+            assert all(o.usage == n for o in outs)
+            return [o.text for o in outs]
+
+        assert asyncio.run(serve()) == texts
+        decode, prefill = node_metrics(cluster, "decode"), node_metrics(cluster, "prefill")
+        assert decode["decode-0"].get('pdcluster_node_prefills_total{path="remote"}', 0.0) == len(prompts)
+        sent = total(prefill, "pdcluster_kv_transfer_bytes_total{")
+        assert sent == total(decode, "pdcluster_kv_received_bytes_total{") > 0
+        after = wait_idle(cluster)
+        assert total(after, "pdcluster_kv_transfer_failures_total") == 0
+        assert total(after, 'pdcluster_node_prefills_total{path="local"}') == 0
