@@ -45,6 +45,8 @@ def kernels(in_features: int, out_features: int) -> dict[str, tuple[Callable[[to
     variants = [("w8a16 native", QuantScheme(8), None), ("w8a16 aten", QuantScheme(8), "aten"),
                 (f"w4a16 g{group}", QuantScheme(4, group), None),
                 (f"w4a16 g{group} asym", QuantScheme(4, group, symmetric=False), None),
+                ("w8a8 dyn native", QuantScheme(8, 0, True, "int8_dynamic"), "native"),
+                ("w8a8 static native", QuantScheme(8, 0, True, "int8_static"), "native"),
                 ("w8a8 dyn onednn", QuantScheme(8, 0, True, "int8_dynamic"), "onednn"),
                 ("w8a8 dyn int_mm", QuantScheme(8, 0, True, "int8_dynamic"), "int_mm"),
                 ("w8a8 static onednn", QuantScheme(8, 0, True, "int8_static"), "onednn")]

@@ -14,9 +14,12 @@ import torch.nn.functional as F
 
 from pdcluster.engine.quant.kernels import (
     ONEDNN_INT8_MIN_WEIGHTS,
+    _native_w8a8,
     _onednn_int8_exact,
     pack,
     quant_linear,
+    quantize_activations_dynamic,
+    quantize_activations_static,
     resident_bytes,
 )
 from pdcluster.engine.quant.scheme import QuantizedWeight, QuantScheme, quantize_weight
@@ -91,27 +94,31 @@ def test_cpu_kernels_equal_the_reference(scheme, kernel, shape, dtype):
     bias = torch.randn(out_features).to(dtype) if out_features == 200 else None
     packed = pack(qw, scheme, CPU, dtype)
     assert packed.kernel == kernel                 # the fast kernel, not the fallback
-    if kernel == "int8mm":
-        assert packed.variant == "int_mm"          # small layers: oneDNN's per-call overhead is not worth it
+    if kernel == "int8mm":   # ours wherever it builds; else small layers: oneDNN's per-call overhead is not worth it
+        assert packed.variant == ("native" if _native_w8a8() else "int_mm")
     _check(packed, qw, scheme, dtype, in_features, bias)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("scheme", [W8A8_DYNAMIC, W8A8_STATIC], ids=["dynamic", "static"])
-@pytest.mark.parametrize("kernel, variant", [("int8mm", "int_mm"), ("int8mm", "onednn"), ("dequantized", None)])
+@pytest.mark.parametrize("kernel, variant", [("int8mm", "int_mm"), ("int8mm", "onednn"), ("int8mm", "native"),
+                                             ("dequantized", None)])
 def test_every_w8a8_path_equals_the_integer_reference(scheme, kernel, variant, dtype):
     if variant == "onednn" and not _onednn_int8_exact():
         pytest.skip("oneDNN's u8 x s8 GEMM saturates on this CPU")
+    if variant == "native" and not _native_w8a8():
+        pytest.skip("the native library did not build")
     qw = _weight(scheme, 200, 512)
     bias = torch.randn(200).to(dtype)
     packed = pack(qw, scheme, CPU, dtype, kernel=kernel, variant=variant)
     _check(packed, qw, scheme, dtype, 512, bias)
 
 
-def test_large_w8a8_layers_take_onednn_where_it_is_exact():
+def test_large_w8a8_layers_take_native_else_onednn_where_it_is_exact():
     qw = quantize_weight(torch.randn(ONEDNN_INT8_MIN_WEIGHTS // 1024, 1024), W8A8_DYNAMIC)
     packed = pack(qw, W8A8_DYNAMIC, CPU, torch.bfloat16)
-    assert packed.kernel == "int8mm" and packed.variant == ("onednn" if _onednn_int8_exact() else "int_mm")
+    want = "native" if _native_w8a8() else "onednn" if _onednn_int8_exact() else "int_mm"
+    assert packed.kernel == "int8mm" and packed.variant == want
 
 
 def test_shapes_the_fast_kernels_cannot_take_fall_back(monkeypatch):
@@ -350,3 +357,89 @@ def test_w8a16_on_cpu_takes_the_native_kernel_at_every_batch():
     fp16 = pack(qw, scheme, CPU, torch.float16)   # through the fp32 path
     x = torch.randn(3, 200).half()
     torch.testing.assert_close(quant_linear(x, fp16).float(), x.float() @ qw.dequantize().t(), rtol=2e-3, atol=2e-3)
+
+
+# (n, k): k not a multiple of 4 or 16, k = 1, n not a multiple of 16, a k whose rows overflow a panel of rows
+W8A8_SHAPES = [(96, 576), (40, 101), (17, 7), (33, 1), (200, 258), (24, 70001)]
+
+
+def _w8a8_reference(x, q, scales, bias, static):
+    """_run_int_mm's arithmetic: torch's quantization, an exact int32 product, ((float)acc * x_scale) * w_scale,
+    + bias, in fp32, then x's dtype. (The int64 product: torch._int_mm is wrong on CPU for k = 1, torch 2.13.)"""
+    if static is None:
+        xq, x_scale = quantize_activations_dynamic(x)
+        acc = (xq.long() @ q.long().t()).int()
+    else:
+        xq = quantize_activations_static(x, *static)
+        acc = (xq.long() @ q.long().t()).int() - static[1] * q.int().sum(dim=1, dtype=torch.int32)
+        x_scale = torch.tensor(static[0], dtype=torch.float32)
+    y = acc.to(torch.float32).mul_(x_scale).mul_(scales)
+    if bias is not None:
+        y = y.add_(bias)
+    return y.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", W8A8_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_native_w8a8_gemm_is_bit_exact_with_the_torch_reference(shape, dtype):
+    """Tiles of 1..16 rows and a remainder, dynamic and static (offset -3) activations, with and without bias, the
+    VNNI and the portable C paths: every output equals the torch reference's bit for bit."""
+    native = _native()
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    n, k = shape
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 0.02
+    w, wsum = native.w8a8_blocks(q)
+    assert w.shape == (-(-n // 16), -(-k // 4), 16, 4) and torch.equal(wsum, q.int().sum(dim=1))
+    for rows in ((1, 2, 3, 16, 17, 40) if k > 10000 else (1, 2, 3, 4, 5, 8, 13, 16, 17, 40)):
+        x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+        x[0, 0] = 0.5 * 3 * 0.02   # some value near a rounding tie under the static scale
+        for bias in (None, torch.randn(n, generator=g)):
+            for static in (None, (0.021, -3)):
+                want = _w8a8_reference(x, q, scales, bias, static)
+                for portable in (False, True):
+                    got = native.w8a8_gemm(x, w, scales, wsum, bias, *(static or (None, 0)), portable=portable)
+                    assert got is not None and got.dtype == dtype and got.shape == (rows, n)
+                    assert torch.equal(got, want), (rows, bias is not None, static, portable,
+                                                     (got.float() - want.float()).abs().max())
+
+
+def test_native_w8a8_layout_threads_and_bad_arguments():
+    native = _native()
+    q = torch.randint(-128, 128, (35, 9), generator=torch.Generator().manual_seed(1), dtype=torch.int8)
+    w, _ = native.w8a8_blocks(q)
+    assert w.shape == (3, 3, 16, 4)                              # ceil(35 / 16) blocks, ceil(9 / 4) groups
+    for b, i, c in ((0, 0, 0), (0, 5, 0), (1, 7, 7), (2, 8, 2)):
+        assert w[b, i // 4, c, i % 4] == q[16 * b + c, i]
+    assert not w[2, :, 3:].any() and not w[:, 2, :, 1:].any()    # padding: channels 35.., inputs 9..
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(-128, 128, (300, 256), generator=g, dtype=torch.int8)
+    scales, (w, wsum) = torch.rand(300, generator=g), native.w8a8_blocks(q)
+    x = torch.randn(37, 256, generator=g).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.w8a8_gemm(x, w, scales, wsum)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, native.w8a8_gemm(x, w, scales, wsum))
+    assert native.w8a8_gemm(x[:0], w, scales, wsum).shape == (0, 300)
+    with pytest.raises(ValueError, match="w8a8_blocks"):
+        native.w8a8_gemm(x, q, scales, wsum)                     # the row-major weight
+    with pytest.raises(ValueError, match="w8a8_blocks"):
+        native.w8a8_gemm(x[:, :200], w, scales, wsum)            # another width
+
+
+@pytest.mark.parametrize("scheme", [W8A8_DYNAMIC, W8A8_STATIC], ids=["dynamic", "static"])
+def test_w8a8_native_variant_equals_int_mm_bit_for_bit(scheme):
+    """quant_linear through the native variant (bf16, fp32 and fp16 activations, bias) equals the "int_mm" one."""
+    _native()
+    qw = _weight(scheme, 200, 330)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        ours = pack(qw, scheme, CPU, dtype)
+        assert (ours.kernel, ours.variant) == ("int8mm", "native")
+        theirs = pack(qw, scheme, CPU, dtype, kernel="int8mm", variant="int_mm")
+        bias = torch.randn(200).to(dtype)
+        for lead in ((1,), (7,), (3, 11)):
+            x = torch.randn(*lead, 330).to(dtype)
+            assert torch.equal(quant_linear(x, ours, bias), quant_linear(x, theirs, bias)), (dtype, lead)

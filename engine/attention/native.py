@@ -1,5 +1,5 @@
 """Builds and loads the CPU native kernels with the system C compiler: paged attention (paged_decode.c,
-paged_prefill.c) and the W8A16 matrix product (engine/quant/int8_gemv.c), one library.
+paged_prefill.c) and the W8A16 and W8A8 matrix products (engine/quant/int8_gemv.c, int8_w8a8.c), one library.
 
 Compiled once per machine and source version (`-march=native`, so the key includes the CPU's flags)
 into a user cache dir, then loaded with ctypes. Without a compiler, or if the build fails, `load()`
@@ -27,7 +27,8 @@ from pdcluster.device import row_size
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("paged_prefill.c"),
-           Path(__file__).parent.parent / "quant" / "int8_gemv.c"]   # one library
+           Path(__file__).parent.parent / "quant" / "int8_gemv.c",
+           Path(__file__).parent.parent / "quant" / "int8_w8a8.c"]   # one library
 HEADERS = [Path(__file__).with_name("paged_simd.h")]   # included by both; part of the build key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # (q dtype, cache dtype) -> symbol; an int8 cache holds D int8 values + an fp16 scale per row (engine/kv_cache.py)
@@ -41,6 +42,8 @@ _ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, _
 INT8_BLOCK = 16   # BLOCK in int8_gemv.c: output channels per block of the packed weight
 _INT8_X_TYPES = {torch.float32: 0, torch.bfloat16: 1}   # X_F32, X_BF16
 _GEMM_ARGTYPES = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_int]
+_W8A8_ARGTYPES = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_float,
+                  ctypes.c_int, _ptr, ctypes.c_int, ctypes.c_int]
 _PREFILL_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
                      ctypes.c_int]
 
@@ -99,7 +102,7 @@ def load() -> ctypes.CDLL | None:
         log.warning("native CPU attention kernels unavailable, using the torch path: %s", detail.strip()[-2000:])
         return None
     for symbols, argtypes in ((_SYMBOLS, _ARGTYPES), (_PREFILL_SYMBOLS, _PREFILL_ARGTYPES),
-                              ({"": "int8_gemm"}, _GEMM_ARGTYPES)):
+                              ({"": "int8_gemm"}, _GEMM_ARGTYPES), ({"": "w8a8_gemm"}, _W8A8_ARGTYPES)):
         for symbol in symbols.values():
             fn = getattr(lib, symbol, None)
             if fn is not None:
@@ -134,6 +137,46 @@ def int8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, portable: 
     if fn(x.data_ptr(), _INT8_X_TYPES[x.dtype], m, k, w.data_ptr(), scales.data_ptr(), n, y.data_ptr(),
           torch.get_num_threads(), int(portable)) != 0:
         raise MemoryError("int8_gemm: could not allocate the activation buffer")
+    return y
+
+
+def w8a8_blocks(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 weight q [n, k] in int8_w8a8.c's layout, [ceil(n / 16), ceil(k / 4), 16, 4] (block b, group g:
+    inputs 4g .. 4g + 3 of channels 16b .. 16b + 15, zero padded), and the int32 sums of q's rows [n]."""
+    n, k = q.shape
+    padded = torch.nn.functional.pad(q, (0, -k % 4, 0, -n % INT8_BLOCK))
+    blocks = padded.reshape(-(-n // INT8_BLOCK), INT8_BLOCK, (k + 3) // 4, 4).transpose(1, 2).contiguous()
+    return blocks, q.to(torch.int32).sum(dim=1, dtype=torch.int32).contiguous()
+
+
+def w8a8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, wsum: torch.Tensor,
+              bias: torch.Tensor | None = None, input_scale: float | None = None, input_offset: int = 0,
+              portable: bool = False) -> torch.Tensor | None:
+    """x [m, k] (fp32 or bf16), quantized to int8 in the call (per row, dynamic; or per tensor with `input_scale`
+    and `input_offset`), times the int8 weight q [n, k] packed by `w8a8_blocks` (w, wsum), per-channel fp32
+    `scales` [n], plus an optional fp32 `bias` [n]: [m, n] in x's dtype (engine/quant/int8_w8a8.c); None without
+    the native library. `portable`: the plain C path."""
+    lib = load()
+    fn = None if lib is None else getattr(lib, "w8a8_gemm", None)
+    if fn is None:
+        return None
+    m, k = x.shape
+    n = scales.shape[0]
+    if not (x.dtype in _INT8_X_TYPES and x.is_contiguous() and w.dtype == torch.int8 and w.is_contiguous()
+            and tuple(w.shape) == (-(-n // INT8_BLOCK), -(-k // 4), INT8_BLOCK, 4)
+            and scales.dtype == torch.float32 and scales.is_contiguous()
+            and wsum.dtype == torch.int32 and wsum.is_contiguous() and wsum.shape == (n,)
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous() and bias.shape == (n,)))):
+        raise ValueError("w8a8_gemm: x fp32/bf16 [m, k], w8a8_blocks(q [n, k]), fp32 scales [n] and bias [n], "
+                         "all contiguous")
+    if k == 0:   # (no inputs: the kernel's buffers would be empty)
+        return (torch.zeros(m, n) if bias is None else bias.expand(m, n)).to(x.dtype)
+    y = torch.empty((m, n), dtype=x.dtype)
+    static = input_scale is not None
+    if fn(x.data_ptr(), _INT8_X_TYPES[x.dtype], m, k, w.data_ptr(), scales.data_ptr(), wsum.data_ptr(), n,
+          None if bias is None else bias.data_ptr(), int(static), float(input_scale or 1.0), int(input_offset),
+          y.data_ptr(), torch.get_num_threads(), int(portable)) != 0:
+        raise MemoryError("w8a8_gemm: could not allocate the activation buffer")
     return y
 
 

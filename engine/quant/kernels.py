@@ -17,13 +17,26 @@ CPU
   symmetric int4 (-8..7): q_u4 = q + 8, zero = 0. Asymmetric (q 0..15, w = (q - z) * s): q_u4 = q,
   zero = (8 - z) * s. Larger canonical groups (per-channel) repeat their scale over kernel groups. The kernel
   wants out % 16 == 0: other widths are padded with zero rows and the output is sliced.
-- "int8mm" (W8A8, dynamic and static), variant "onednn": oneDNN `onednn::qlinear_pointwise`, weight prepacked by
+- "int8mm" (W8A8, dynamic and static), variant "native": our kernel (engine/quant/int8_w8a8.c, any shape), taken
+  for every layer and batch wherever the native library loads. The weight packed at load for AVX-512 VNNI's
+  vpdpbusd (blocks of 16 output channels, 4 consecutive inputs per channel lane), with its fp32 scales and the
+  int32 sums of its rows; the activations quantized inside the call (per-token dynamic or per-tensor static, the
+  same fp32 formula and round-half-even as quantize_activations_*), fed as x_q + 128 (u8 x s8 products) and the
+  sums corrected by (128 + offset) * row sums; int32 accumulation, then ((float)acc * x_scale) * w_scale + bias
+  in fp32 as "int_mm" does: the output is bit-identical to it. A portable C path without AVX-512 VNNI. Why: on
+  SmolLM2's small layers the separate torch ops of quantization and rescale cost more than the product, and
+  neither _int_mm nor oneDNN's int8 GEMM beat oneDNN bf16 at 32 rows. Measured (benchmarks/quant_kernels.py,
+  2 threads, time vs dense bf16 at 1 / 32 rows): SmolLM2 576->1536 0.55 / 0.65 and 1536->576 0.56 / 0.54
+  (_int_mm 1.5 / 1.1, oneDNN int8 3.0 / 1.3); 2048->11008 0.23 / 0.61 and 11008->2048 0.17 / 0.68 (oneDNN int8
+  0.38 / 0.62 and 0.30 / 0.62, even within that run's noise) (docs/benchmarks.md).
+  Variant "onednn": oneDNN `onednn::qlinear_pointwise`, weight prepacked by
   `onednn::qlinear_prepack`. The activations go in as uint8 with zero point 128 + offset (x_u8 = x_q + 128):
   int8 activations take a reference path in oneDNN that is ~300x slower. Per-token scales are not accepted
   (only a per-tensor one), so dynamic runs with x_scale 1 and fp32 output, then multiplies by the token
   scales; static passes its per-tensor scale and zero point and gets the act dtype straight out.
-  Used for layers of at least ONEDNN_INT8_MIN_WEIGHTS weights, when a probe at first use shows the u8 x s8
-  products are not saturated (CPUs without VNNI accumulate pairs in int16); else variant "int_mm":
+  Used, where the native library did not load, for layers of at least ONEDNN_INT8_MIN_WEIGHTS weights, when a
+  probe at first use shows the u8 x s8 products are not saturated (CPUs without VNNI accumulate pairs in int16);
+  else variant "int_mm":
   `torch._int_mm(x_q, w_q^T)` (int32, no shape constraints on CPU), rescale by
   x_scale[:, None] * w_scale[None, :]; static subtracts input_offset * row sums of w_q (computed at pack time).
   Measured (benchmarks/quant_kernels.py, 1 thread): on 2048x6144..11008x2048 oneDNN is 0.5-0.75x dense bf16 at
@@ -66,7 +79,7 @@ import torch
 import torch.nn.functional as F
 
 from pdcluster.engine.attention import native
-from pdcluster.engine.attention.native import int8_blocks, int8_gemm
+from pdcluster.engine.attention.native import int8_blocks, int8_gemm, w8a8_blocks, w8a8_gemm
 from pdcluster.engine.quant.scheme import QuantizedWeight, QuantScheme
 
 KERNELS = ("int8pack", "int4pack", "int8mm", "npu_wqbmm", "npu_w8a8", "npu_w8a8_static", "dequantized")
@@ -92,7 +105,7 @@ class PackedWeight:
     input_scale: float = 1.0                     # int8_static
     input_offset: int = 0                        # int8_static
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    variant: str = ""                            # int8mm: "onednn" | "int_mm"; int8pack: "native" | "aten"
+    variant: str = ""                            # int8mm: "native" | "onednn" | "int_mm"; int8pack: "native" | "aten"
 
 
 def pack(qw: QuantizedWeight, scheme: QuantScheme, device: torch.device, act_dtype: torch.dtype,
@@ -106,7 +119,8 @@ def pack(qw: QuantizedWeight, scheme: QuantScheme, device: torch.device, act_dty
     if kernel == "int8mm":
         big = out_features * in_features >= ONEDNN_INT8_MIN_WEIGHTS
         onednn = device.type == "cpu" and big and _onednn_int8_exact()
-        base.variant = variant or ("onednn" if onednn else "int_mm")
+        ours = device.type == "cpu" and _native_w8a8()
+        base.variant = variant or ("native" if ours else "onednn" if onednn else "int_mm")
     if kernel == "int4pack":
         base.variant = variant or ("tinygemm" if device.type == "cuda" else "cpu")
     if kernel == "int8pack":
@@ -219,7 +233,9 @@ def tinygemm_inner_k_tiles(in_features: int) -> int:
 def _pack_w8a8(p: PackedWeight, qw: QuantizedWeight) -> PackedWeight:
     _set_static(p, qw)
     w_scale = qw.scales[:, 0].to(torch.float32).contiguous()
-    if p.variant == "onednn":
+    if p.variant == "native":
+        p.weight, p.extra["wsum"] = w8a8_blocks(qw.qweight)
+    elif p.variant == "onednn":
         p.weight = torch.ops.onednn.qlinear_prepack(qw.qweight.contiguous(), None)
         p.extra["w_zero"] = torch.zeros(p.out_features, dtype=torch.int32)
     else:
@@ -295,6 +311,11 @@ def _cuda_kernel_works(kind: str, device: torch.device) -> bool:
         return False
 
 
+def _native_w8a8() -> bool:
+    lib = native.load()
+    return lib is not None and getattr(lib, "w8a8_gemm", None) is not None
+
+
 @functools.cache
 def _onednn_int8_exact() -> bool:
     """Whether oneDNN's u8 x s8 GEMM is exact for the extreme int8 values (on CPUs without VNNI it sums pairs
@@ -361,6 +382,14 @@ def _run_int4pack(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -
 def _run_int8mm(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     if p.variant == "int_mm":
         return _run_int_mm(x, p, bias)
+    if p.variant == "native":   # (fp32 or bf16 activations; fp16 through fp32, exactly)
+        assert p.weight is not None and p.scales is not None
+        static = p.scheme.activations == "int8_static"
+        y = w8a8_gemm(x if x.dtype == torch.bfloat16 else x.to(torch.float32), p.weight, p.scales, p.extra["wsum"],
+                      None if bias is None else bias.to(torch.float32).contiguous(),
+                      p.input_scale if static else None, p.input_offset)
+        assert y is not None   # packed "native" only where the library loaded
+        return y.to(x.dtype)
     w_zero = p.extra["w_zero"]
     if p.scheme.activations == "int8_dynamic":
         xq, x_scale = quantize_activations_dynamic(x)
