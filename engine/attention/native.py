@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("paged_prefill.c"),
            Path(__file__).parent.parent / "quant" / "int8_gemv.c",
            Path(__file__).parent.parent / "quant" / "int8_w8a8.c"]   # one library
-HEADERS = [Path(__file__).with_name("paged_simd.h")]   # included by both; part of the build key
+HEADERS = [Path(__file__).with_name("paged_simd.h")]   # included by every source; part of the build key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # (q dtype, cache dtype) -> symbol; an int8 cache holds D int8 values + an fp16 scale per row (engine/kv_cache.py)
 _SYMBOLS = {(torch.float32, torch.float32): "paged_decode_f32", (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",

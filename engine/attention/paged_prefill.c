@@ -22,14 +22,7 @@
 INLINE void store16(char *p, __m512 x, int kind) {
     if (kind == KIND_F32) _mm512_storeu_ps(p, x);
     else if (kind == KIND_F16) _mm256_storeu_si256((__m256i *)p, _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-    else {   /* bf16, round to nearest even as torch does (NaN kept a NaN) */
-        __m512i u = _mm512_castps_si512(x);
-        __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-        __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
-        r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-        _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
-    }
+    else _mm256_storeu_si256((__m256i *)p, float16_to_bf16(x));
 }
 
 INLINE float f16_scale(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }

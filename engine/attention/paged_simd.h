@@ -1,5 +1,6 @@
-/* What the CPU paged attention kernels (paged_decode.c, paged_prefill.c) share: the dtype kinds of queries and
- * pool rows, and the AVX-512 loads and exp they both use. Static inline: each kernel file compiles its own copy. */
+/* What the CPU native kernels share (paged_decode.c, paged_prefill.c; the bf16 conversions also the quantized
+ * matmuls in engine/quant/): the dtype kinds of queries and pool rows, bf16 <-> fp32 as torch rounds, and the
+ * AVX-512 loads and exp. Static inline: each kernel file compiles its own copy. */
 #ifndef PDCLUSTER_PAGED_SIMD_H
 #define PDCLUSTER_PAGED_SIMD_H
 
@@ -16,12 +17,37 @@
 enum { KIND_F32, KIND_BF16, KIND_F16, KIND_I8 };
 #define SCALE_BYTES 2   /* fp16 scale after each int8 row */
 
+INLINE float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+INLINE uint16_t float_to_bf16(float f) {   /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);   /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
 INLINE int64_t elem_size(int kind) { return kind == KIND_F32 ? 4 : kind == KIND_I8 ? 1 : 2; }
 
 /* Elements from one KV head's row to the next in the cache. */
 INLINE int64_t head_stride(int64_t d, int ckind) { return ckind == KIND_I8 ? d + SCALE_BYTES : d; }
 
 #ifdef __AVX512F__
+/* 16 fp32 lanes as bf16, rounded to nearest even as torch does (NaN kept a NaN). */
+INLINE __m256i float16_to_bf16(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
 /* 16 values of `kind` at p, widened to fp32 (int8: the raw values, the row scale applied by the caller). */
 INLINE __m512 load16(const char *p, int kind) {
     if (kind == KIND_F32) return _mm512_loadu_ps(p);

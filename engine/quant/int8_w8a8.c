@@ -25,33 +25,12 @@
  *
  * Compiled with the other kernels by engine/attention/native.py (cc -O3 -march=native -fopenmp).
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "../attention/paged_simd.h"   /* bf16 <-> fp32 as torch rounds (and the system headers) */
 
 enum { X_F32, X_BF16 };
 #define BLOCK 16
 #define TILE_ROWS 16
 #define PANEL_BYTES (256 * 1024)
-
-static inline float bf16_to_f32_(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16_(float f) {   /* round to nearest even, as torch does; NaN stays NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* Row i of x quantized into its tile of the panel buffer xp (see above); returns its scale (dynamic) or
  * input_scale (static). row: a k-float scratch. */
@@ -65,7 +44,7 @@ static float quantize_row(const void *x, int xtype, int64_t i, int64_t rows, int
         src = (const float *)x + i * k;
     } else {
         const uint16_t *h = (const uint16_t *)x + i * k;
-        for (int64_t j = 0; j < k; j++) row[j] = bf16_to_f32_(h[j]);
+        for (int64_t j = 0; j < k; j++) row[j] = bf16_to_float(h[j]);
         src = row;
     }
     float scale, lo = -127.0f, hi = 127.0f, off = 0.0f;
@@ -188,12 +167,7 @@ static void store_tile(void *y, int xtype, int64_t n, int64_t row, int64_t col, 
                 _mm512_mask_storeu_ps((float *)y + at, mask, v);
                 continue;
             }
-            __m512i u = _mm512_castps_si512(v);
-            __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-            __m512i h = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-            __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-            h = _mm512_mask_or_epi32(h, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-            _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, _mm512_cvtepi32_epi16(h));
+            _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, float16_to_bf16(v));
         }
         return;
     }
@@ -206,7 +180,7 @@ static void store_tile(void *y, int xtype, int64_t n, int64_t row, int64_t col, 
             if (bias) v += bias[col + c];
             int64_t at = (row + r) * n + col + c;
             if (xtype == X_F32) ((float *)y)[at] = v;
-            else ((uint16_t *)y)[at] = f32_to_bf16_(v);
+            else ((uint16_t *)y)[at] = float_to_bf16(v);
         }
 }
 
