@@ -17,6 +17,7 @@ import uuid
 
 import pytest
 import torch
+from kv_pool_helpers import BLOCK_SIZE, BLOCKS, HEAD_DIM, LAYERS, model_kv, pool_shape, split
 
 from pdcluster.device import rank_kv_heads
 from pdcluster.kv_transfer import (
@@ -31,37 +32,9 @@ from pdcluster.kv_transfer import (
 from pdcluster.kv_transfer.regroup import Regroup
 from pdcluster.kv_transfer.testing import corrupt_writes
 
-LAYERS, BLOCKS, BLOCK_SIZE, HEAD_DIM = 3, 12, 4, 8
 # (model KV heads, sender TP, receiver TP): GQA splits both ways, and replicated heads on either side
 SPLITS = [(4, 2, 1), (4, 1, 2), (4, 4, 2), (2, 1, 4), (1, 2, 1), (2, 4, 1), (1, 2, 4)]
 DTYPES = [torch.float32, torch.bfloat16, torch.int8]
-
-
-def pool_shape(total: int, tp: int, dtype: torch.dtype) -> tuple[int, ...]:
-    """The engine's pool shape (engine/kv_cache.py) for a model of `total` KV heads at `tp` ranks."""
-    from pdcluster.engine.kv_cache import KVCachePool
-
-    heads = len(rank_kv_heads(total, 0, tp))
-    return KVCachePool(BLOCKS, LAYERS, BLOCK_SIZE, heads, HEAD_DIM, dtype, tp=tp).tensor.shape
-
-
-def model_kv(seed: int, total: int, dtype: torch.dtype) -> torch.Tensor:
-    """[layers, K|V, blocks, block_size, model KV heads, row] of random rows (an int8 pool's: values + scale)."""
-    from pdcluster.engine.kv_cache import quantize_rows
-
-    g = torch.Generator().manual_seed(seed)
-    rows = torch.randn(LAYERS, 2, BLOCKS, BLOCK_SIZE, total, HEAD_DIM, generator=g)
-    return quantize_rows(rows) if dtype == torch.int8 else rows.to(dtype)
-
-
-def split(kv: torch.Tensor, tp: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The pool a `tp`-rank engine holds of model KV `kv`: rank r's heads in planes 2r (K) and 2r + 1 (V)."""
-    total = kv.shape[4]
-    pool = torch.zeros(pool_shape(total, tp, kv.dtype), dtype=kv.dtype) if out is None else out
-    for r in range(tp):
-        heads = rank_kv_heads(total, r, tp)
-        pool[:, 2 * r:2 * r + 2] = kv[:, :, :, :, heads.start:heads.stop]
-    return pool
 
 
 def joined(pool: torch.Tensor, total: int) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ import time
 
 import pytest
 import torch
-from test_kv_hetero_tp import model_kv, split
+from kv_pool_helpers import model_kv, split
 
 from pdcluster.kv_transfer import KVLayout, KVReceiver, KVSender, LayoutMismatchError, SharedKVPool, TransferError
 from pdcluster.kv_transfer.regroup import Regroup
