@@ -109,3 +109,28 @@ class RankProcess:
         self.proc.join(10)
         if self.proc.is_alive():
             self.kill()
+
+
+def serve_every_prompt_remotely(cluster, prompts: list[list[int]], n: int, texts: list[str]) -> dict:
+    """A P/D cluster of nodes sliced per rank ("tiny-gqa") answers `prompts` (every other one streamed) with
+    `texts`, every prompt prefilled on the prefill node, the bytes sent = the bytes received, and afterwards no
+    KV block used or reserved on either node and no transfer failure. Returns the nodes' metrics then."""
+    import asyncio
+
+    from cluster_helpers import client, complete, node_metrics, total, wait_idle
+
+    async def serve() -> list[str]:
+        api = client(cluster)
+        outs = [await complete(api, "tiny-gqa", p, n, stream=i % 2 == 0) for i, p in enumerate(prompts)]
+        assert all(o.usage == n for o in outs)
+        return [o.text for o in outs]
+
+    assert asyncio.run(serve()) == texts
+    decode, prefill = node_metrics(cluster, "decode"), node_metrics(cluster, "prefill")
+    assert decode["decode-0"].get('pdcluster_node_prefills_total{path="remote"}', 0.0) == len(prompts)
+    # every rank's slice: rank 0's from its pool, the others' from their own processes
+    sent = total(prefill, "pdcluster_kv_transfer_bytes_total{")
+    assert sent == total(decode, "pdcluster_kv_received_bytes_total{") > 0
+    after = wait_idle(cluster)   # no KV block used or reserved on either node
+    assert total(after, "pdcluster_kv_transfer_failures_total") == 0
+    return after

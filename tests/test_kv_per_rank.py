@@ -19,7 +19,7 @@ from contextlib import ExitStack
 
 import pytest
 import torch
-from rank_kv_helpers import RankProcess, slice_kv
+from rank_kv_helpers import RankProcess, serve_every_prompt_remotely, slice_kv
 
 from pdcluster.kv_transfer import (
     ChecksumError,
@@ -242,7 +242,7 @@ def test_a_cpu_engine_sliced_per_rank_generates_exactly_as_tp1(tmp_path, make_en
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_tp2_prefill_and_decode_nodes_sliced_per_rank_answer_like_tp1_and_transformers(tmp_path):
-    from cluster_helpers import client, complete, node_metrics, registered_nodes, total, wait_idle
+    from cluster_helpers import registered_nodes, total
     from engine_helpers import hf_greedy, make_prompts
     from transformers import AutoTokenizer
 
@@ -269,20 +269,7 @@ def test_tp2_prefill_and_decode_nodes_sliced_per_rank_answer_like_tp1_and_transf
                       node_config=node, router_config={"disagg_min_tokens": 0}) as cluster:
         cluster.wait_ready(1, 1, timeout=240, serving=True)
 
-        async def serve() -> list[str]:
-            api = client(cluster)
-            outs = [await complete(api, "tiny-gqa", p, n, stream=i % 2 == 0) for i, p in enumerate(prompts)]
-            assert all(o.usage == n for o in outs)
-            return [o.text for o in outs]
-
-        assert asyncio.run(serve()) == texts
-        decode, prefill = node_metrics(cluster, "decode"), node_metrics(cluster, "prefill")
-        assert decode["decode-0"].get('pdcluster_node_prefills_total{path="remote"}', 0.0) == len(prompts)
-        # every rank's slice: rank 0's from its pool (shm on one host), the other's from its own process (tcp)
-        sent = total(prefill, "pdcluster_kv_transfer_bytes_total{")
-        assert sent == total(decode, "pdcluster_kv_received_bytes_total{") > 0
-        after = wait_idle(cluster)   # no KV block used or reserved on either node
-        assert total(after, "pdcluster_kv_transfer_failures_total") == 0
+        after = serve_every_prompt_remotely(cluster, prompts, n, texts)
         assert total(after, 'pdcluster_node_prefills_total{path="local"}') == 0
 
         # A prefill node whose KV is one pool may not feed decode nodes sliced per rank (nor the reverse)

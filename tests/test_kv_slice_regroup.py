@@ -291,8 +291,9 @@ def test_a_tp2_prefill_node_feeds_a_tp4_decode_node_both_sliced_per_rank(tmp_pat
     transfer failure, nothing left reserved or in use."""
     import uuid
 
-    from cluster_helpers import client, complete, node_metrics, total, wait_idle
+    from cluster_helpers import total
     from engine_helpers import make_prompts
+    from rank_kv_helpers import serve_every_prompt_remotely
     from transformers import AutoTokenizer
 
     from pdcluster.cli.supervisor import LocalCluster
@@ -331,17 +332,5 @@ def test_a_tp2_prefill_node_feeds_a_tp4_decode_node_both_sliced_per_rank(tmp_pat
 
         assert asyncio.run(slices()) == {"prefill": 2, "decode": 4}
 
-        async def serve() -> list[str]:
-            api = client(cluster)
-            outs = [await complete(api, "tiny-gqa", p, n, stream=i % 2 == 0) for i, p in enumerate(prompts)]
-            assert all(o.usage == n for o in outs)
-            return [o.text for o in outs]
-
-        assert asyncio.run(serve()) == texts
-        decode, prefill = node_metrics(cluster, "decode"), node_metrics(cluster, "prefill")
-        assert decode["decode-0"].get('pdcluster_node_prefills_total{path="remote"}', 0.0) == len(prompts)
-        sent = total(prefill, "pdcluster_kv_transfer_bytes_total{")
-        assert sent == total(decode, "pdcluster_kv_received_bytes_total{") > 0
-        after = wait_idle(cluster)
-        assert total(after, "pdcluster_kv_transfer_failures_total") == 0
+        after = serve_every_prompt_remotely(cluster, prompts, n, texts)
         assert total(after, 'pdcluster_node_prefills_total{path="local"}') == 0
