@@ -334,3 +334,17 @@ def test_a_tp2_prefill_node_feeds_a_tp4_decode_node_both_sliced_per_rank(tmp_pat
 
         after = serve_every_prompt_remotely(cluster, prompts, n, texts)
         assert total(after, 'pdcluster_node_prefills_total{path="local"}') == 0
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("model_kv_heads", -1, "model_kv_heads"), ("model_kv_heads", "4", "model_kv_heads"),
+    ("model_kv_heads", True, "model_kv_heads"), ("model_kv_heads", 3, "total_kv_heads 3"),
+    ("rank_slice", 2, "rank_slice"), ("rank_slices", "2", "rank_slice")])
+def test_a_peer_layout_with_bad_slice_fields_is_refused_naming_them(field, value, named):
+    """The layout handshake is a peer's message: slice fields of the wrong type, out of range, or model heads that do
+    not split over the slices (3 over 2 slices of 2 heads) are a ValueError naming the field, never a pool."""
+    good = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32", num_blocks=8)
+    sliced = good.sliced(0, 2).to_dict()
+    KVLayout.from_dict(sliced)   # the untouched record parses
+    with pytest.raises(ValueError, match=named):
+        KVLayout.from_dict({**sliced, field: value})
