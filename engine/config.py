@@ -28,20 +28,48 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return getattr(torch, dtype_name(dtype))
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device, model_dir: str) -> torch.dtype:
-    """`EngineArgs.dtype` as a torch dtype. "auto" (as in vLLM): float32 on CPU (bf16 GEMV is slow there),
-    else the checkpoint's `torch_dtype` (bfloat16 when config.json names none); on cuda a float32 checkpoint
-    runs in bfloat16 too (FlashInfer's kernels and the tensor cores take 16-bit types)."""
-    if dtype != "auto":
-        return parse_dtype(dtype)
-    if device.type == "cpu":
-        return torch.float32
+def cpu_computes_natively(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` in hardware through oneDNN (bf16: AVX512-BF16 / AMX; fp16:
+    AVX512-FP16 / AMX-FP16). Where it does not, oneDNN emulates the type and is slower than float32."""
+    if dtype == torch.float32:
+        return True
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        if dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if dtype == torch.float16:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        pass
+    return False
+
+
+def checkpoint_dtype(model_dir: str) -> torch.dtype | None:
+    """The `torch_dtype` (transformers 5: `dtype`) a checkpoint's config.json names; None if it names none."""
     try:
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
     except (OSError, ValueError):
-        return torch.bfloat16
-    found = parse_dtype(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+        return None
+    name = cfg.get("torch_dtype") or cfg.get("dtype") if isinstance(cfg, dict) else None
+    try:
+        return parse_dtype(name) if isinstance(name, str) else None
+    except (ValueError, AttributeError):
+        return None
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, model_dir: str) -> torch.dtype:
+    """`EngineArgs.dtype` as a torch dtype. "auto" is the checkpoint's `torch_dtype` (bfloat16 when config.json
+    names none), as in vLLM, except: on cuda a float32 checkpoint runs in bfloat16 (FlashInfer's kernels and the
+    tensor cores take 16-bit types); on CPU a 16-bit checkpoint runs in its dtype only where the CPU computes it
+    natively (`cpu_computes_natively`), else in float32, and a float32 checkpoint stays float32 (vLLM downcasts
+    it to bfloat16: pass `dtype: bfloat16` for that; the tests' references are float32 checkpoints)."""
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    found = checkpoint_dtype(model_dir) or torch.bfloat16
+    if device.type == "cpu":
+        return found if cpu_computes_natively(found) else torch.float32
     return torch.bfloat16 if device.type == "cuda" and found == torch.float32 else found
 
 

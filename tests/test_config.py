@@ -398,13 +398,41 @@ def test_dtype_auto_is_resolved_by_the_engine(tmp_path):
     from pdcluster.engine.config import resolve_dtype
 
     (tmp_path / "config.json").write_text('{"torch_dtype": "float16"}')
-    assert resolve_dtype("auto", torch.device("cpu"), str(tmp_path)) == torch.float32
     assert resolve_dtype("auto", torch.device("cuda", 0), str(tmp_path)) == torch.float16
     assert resolve_dtype("auto", torch.device("cuda", 0), str(tmp_path / "missing")) == torch.bfloat16
     assert resolve_dtype("bf16", torch.device("cpu"), str(tmp_path)) == torch.bfloat16
     assert EngineArgs(model="/m", dtype="auto").dtype == "auto"
     with pytest.raises(ValueError, match="dtype"):
         EngineArgs(model="/m", dtype="int8")
+
+
+@pytest.mark.parametrize("saved", ["float32", "bfloat16", "float16", None])
+def test_dtype_auto_on_cpu_keeps_a_16_bit_checkpoint_where_the_cpu_computes_it(tmp_path, monkeypatch, saved):
+    """As `vllm serve` does with a bf16 / fp16 checkpoint; float32 where the CPU would emulate the type, and for a
+    float32 checkpoint (which vLLM would downcast)."""
+    import torch
+
+    from pdcluster.engine import config
+
+    if saved:
+        (tmp_path / "config.json").write_text(f'{{"torch_dtype": "{saved}"}}')
+    cpu = torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(config, "cpu_computes_natively", lambda dtype, native=native: native or
+                            dtype == torch.float32)
+        expected = getattr(torch, saved or "bfloat16") if native else torch.float32
+        assert config.resolve_dtype("auto", cpu, str(tmp_path)) == expected
+        assert config.resolve_dtype("float16", cpu, str(tmp_path)) == torch.float16   # asked for: as asked
+
+
+def test_cpu_computes_natively_agrees_with_onednn():
+    import torch
+
+    from pdcluster.engine.config import cpu_computes_natively
+
+    assert cpu_computes_natively(torch.float32)
+    assert cpu_computes_natively(torch.bfloat16) == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert cpu_computes_natively(torch.float16) == bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
 
 
 def _doc_table_keys(text: str, heading: str) -> set[str]:

@@ -39,13 +39,9 @@ def default_model_dtype(device: str | None) -> str:
     there, docs/benchmarks.md); float32 on other CPUs, where bf16 is emulated and slower. Imports torch."""
     import torch
 
+    from pdcluster.engine.config import cpu_computes_natively
     from pdcluster.engine.device import detect_device
 
     kind = detect_device() if device in (None, "auto") else device
-    if kind != "cpu":
-        return "bfloat16"
-    try:
-        native_bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        native_bf16 = False
+    native_bf16 = kind != "cpu" or cpu_computes_natively(torch.bfloat16)
     return "bfloat16" if native_bf16 else "float32"
