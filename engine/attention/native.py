@@ -1,5 +1,6 @@
 """Builds and loads the CPU native kernels with the system C compiler: paged attention (paged_decode.c,
-paged_prefill.c) and the W8A16 and W8A8 matrix products (engine/quant/int8_gemv.c, int8_w8a8.c), one library.
+paged_prefill.c), the W8A16 and W8A8 matrix products (engine/quant/int8_gemv.c, int8_w8a8.c) and the bf16
+GEMV (engine/layers/bf16_gemv.c), one library.
 
 Compiled once per machine and source version (`-march=native`, so the key includes the CPU's flags)
 into a user cache dir, then loaded with ctypes. Without a compiler, or if the build fails, `load()`
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("paged_prefill.c"),
            Path(__file__).parent.parent / "quant" / "int8_gemv.c",
-           Path(__file__).parent.parent / "quant" / "int8_w8a8.c"]   # one library
+           Path(__file__).parent.parent / "quant" / "int8_w8a8.c",
+           Path(__file__).parent.parent / "layers" / "bf16_gemv.c"]   # one library
 HEADERS = [Path(__file__).with_name("paged_simd.h")]   # included by every source; part of the build key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # (q dtype, cache dtype) -> symbol; an int8 cache holds D int8 values + an fp16 scale per row (engine/kv_cache.py)
@@ -44,6 +46,8 @@ _INT8_X_TYPES = {torch.float32: 0, torch.bfloat16: 1}   # X_F32, X_BF16
 _GEMM_ARGTYPES = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_int]
 _W8A8_ARGTYPES = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_float,
                   ctypes.c_int, _ptr, ctypes.c_int, ctypes.c_int]
+_BF16_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_int]
+BF16_BLOCK = 64   # output channels per block of oneDNN's packed bf16 weight on AVX512-BF16 CPUs (BA16a64b2a)
 _PREFILL_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
                      ctypes.c_int]
 
@@ -102,7 +106,8 @@ def load() -> ctypes.CDLL | None:
         log.warning("native CPU attention kernels unavailable, using the torch path: %s", detail.strip()[-2000:])
         return None
     for symbols, argtypes in ((_SYMBOLS, _ARGTYPES), (_PREFILL_SYMBOLS, _PREFILL_ARGTYPES),
-                              ({"": "int8_gemm"}, _GEMM_ARGTYPES), ({"": "w8a8_gemm"}, _W8A8_ARGTYPES)):
+                              ({"": "int8_gemm"}, _GEMM_ARGTYPES), ({"": "w8a8_gemm"}, _W8A8_ARGTYPES),
+                              ({"": "bf16_gemm"}, _BF16_ARGTYPES)):
         for symbol in symbols.values():
             fn = getattr(lib, symbol, None)
             if fn is not None:
@@ -177,6 +182,40 @@ def w8a8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, wsum: torc
           None if bias is None else bias.data_ptr(), int(static), float(input_scale or 1.0), int(input_offset),
           y.data_ptr(), torch.get_num_threads(), int(portable)) != 0:
         raise MemoryError("w8a8_gemm: could not allocate the activation buffer")
+    return y
+
+
+def bf16_blocks(w: torch.Tensor, block: int = BF16_BLOCK, kpad: int | None = None) -> torch.Tensor:
+    """The bf16 weight w [n, k] in the layout bf16_gemv.c reads (oneDNN's BA16a64b2a for block 64):
+    [ceil(n / block), kpad / 2, block, 2], block b holding output channels block * b .. block * (b + 1) - 1 input
+    pair by input pair, zero padded (kpad: k rounded up to even by default)."""
+    n, k = w.shape
+    kpad = kpad or k + k % 2
+    padded = torch.nn.functional.pad(w.detach(), (0, kpad - k, 0, -n % block))
+    return padded.reshape(-1, block, kpad // 2, 2).transpose(1, 2).contiguous()
+
+
+def bf16_gemm(x: torch.Tensor, w: int, n: int, block: int, kpad: int, bias: torch.Tensor | None = None,
+              portable: bool = False) -> torch.Tensor | None:
+    """x [m, k] bf16 times the bf16 weight W [n, k] packed as `bf16_blocks(W, block, kpad)` at address `w` (a
+    oneDNN-packed weight's buffer, or a tensor's data_ptr; kept alive by the caller), plus an optional bf16 `bias`
+    [n]: [m, n] bf16, fp32 sums rounded once (engine/layers/bf16_gemv.c); None without the native library.
+    `portable`: the plain C path."""
+    lib = load()
+    fn = None if lib is None else getattr(lib, "bf16_gemm", None)
+    if fn is None:
+        return None
+    m, k = x.shape
+    if not (x.dtype == torch.bfloat16 and x.is_contiguous() and k <= kpad
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous() and bias.shape == (n,)))):
+        raise ValueError("bf16_gemm: x bf16 [m, k <= kpad] and bf16 bias [n], contiguous")
+    y = torch.empty((m, n), dtype=torch.bfloat16)
+    rc = fn(x.data_ptr(), m, k, w, block, kpad, None if bias is None else bias.data_ptr(), n, y.data_ptr(),
+            torch.get_num_threads(), int(portable))
+    if rc == -2:
+        raise ValueError(f"bf16_gemm: no path for blocks of {block} channels, {kpad} inputs")
+    if rc != 0:
+        raise MemoryError("bf16_gemm: could not allocate the packed activations")
     return y
 
 

@@ -5,10 +5,16 @@
 
 A quantized checkpoint (engine/quant/) hands a layer `QuantizedWeight`s instead (`load_quantized`, per shard
 of a MergedLinear); `prepack` then packs them for the device's kernel (`quant`) and drops the float weight,
-which was never written (its pages were never touched), and `forward` multiplies by the packed weight."""
+which was never written (its pages were never touched), and `forward` multiplies by the packed weight.
+
+bf16 on CPU: up to GEMV_MAX_ROWS rows (decode) the product runs in the native GEMV (engine/layers/bf16_gemv.c),
+which reads oneDNN's packed weight in place (no second copy), faster than oneDNN's own matmul there; more rows
+take oneDNN's. Eager only: a compiled body calls oneDNN's op (engine/compiled.py). `PDCLUSTER_BF16_GEMV=0` in
+the environment when a model is loaded turns the native GEMV off for its layers (for A/B measurements)."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,15 +32,48 @@ if TYPE_CHECKING:
 def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight in oneDNN's blocked layout for CPU matmuls; None on other devices (their own BLAS).
     F.linear re-packs the weight on every call, so the packed matmul is faster (measured in
-    docs/benchmarks.md); bf16 results are bitwise equal, fp32 ones equal up to summation order.
+    docs/benchmarks.md); bf16 results are bitwise equal (except up to GEMV_MAX_ROWS rows, where the native GEMV
+    reads it: equal up to summation order), fp32 ones equal up to summation order.
     `torch.backends.mkldnn.enabled = False` turns it off."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
             or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
         return None
     try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 128)   # hint: a typical decode batch
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 128)   # hint: a typical decode batch
     except RuntimeError:   # e.g. fp16 on a CPU without avx512_fp16 / avx_ne_convert: plain F.linear then
         return None
+    packed.gemv = gemv_layout(packed, weight)   # (read by `linear`)
+    return packed
+
+
+# Rows up to which a bf16 CPU matmul over a oneDNN-packed weight runs in the native GEMV: measured faster than
+# oneDNN up to here (benchmarks/bf16_gemv.py, docs/benchmarks.md "bf16 GEMV (#27)")
+GEMV_MAX_ROWS = 8
+
+
+def gemv_layout(packed: torch.Tensor, weight: torch.Tensor) -> tuple[int, int] | None:
+    """(buffer address, padded input count) of a oneDNN-packed bf16 weight that the native GEMV reads in place, or
+    None (not bf16, no native library, PDCLUSTER_BF16_GEMV=0, or a layout it does not take). oneDNN's layout is
+    opaque, so it is taken from the buffer size and checked once by a product against oneDNN's own."""
+    from pdcluster.engine.attention import native
+
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or os.environ.get("PDCLUSTER_BF16_GEMV", "1") == "0" \
+            or native.load() is None:
+        return None
+    try:
+        address, nbytes = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
+    except (AttributeError, RuntimeError):   # (ops of torch's mkldnn build)
+        return None
+    n, k = weight.shape
+    kpad, rest = divmod(nbytes // 2, -(-n // native.BF16_BLOCK) * native.BF16_BLOCK)
+    if rest or kpad < k or kpad % 2 or n == 0 or k == 0:
+        return None
+    x = torch.randn(2, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
+    got = native.bf16_gemm(x, address, n, native.BF16_BLOCK, kpad)
+    if got is None or (got.float() - want).abs().max() > 2 ** -6 * want.abs().max():   # another layout
+        return None
+    return address, kpad
 
 
 def release(weight: nn.Parameter) -> None:
@@ -50,8 +89,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             from pdcluster.engine.compiled import packed_linear
 
             return packed_linear(x, packed, bias)
+        gemv = getattr(packed, "gemv", None)   # (set by onednn_packed)
+        if gemv is not None and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and x.dtype == torch.bfloat16 \
+                and (bias is None or bias.dtype == torch.bfloat16):
+            return _gemv(x, packed, bias, gemv)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, layout: tuple[int, int]) -> torch.Tensor:
+    from pdcluster.engine.attention.native import BF16_BLOCK, bf16_gemm
+
+    n, k = packed.shape
+    y = bf16_gemm(x.reshape(-1, k).contiguous(), layout[0], n, BF16_BLOCK, layout[1],
+                  None if bias is None else bias.contiguous())
+    assert y is not None   # (gemv_layout found the library)
+    return y.reshape(*x.shape[:-1], n)
 
 
 class Linear(nn.Module):
