@@ -56,9 +56,9 @@ from pdcluster.decode_node.request import DecodeRequest, RemoteFailure, State
 from pdcluster.engine.kv_connector import KVConnector
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
-from pdcluster.kv_transfer import KVReceiver, SharedKVPool, sweep_dead_pools
+from pdcluster.kv_transfer import KVReceiver, KVSender, SharedKVPool, sweep_dead_pools
 from pdcluster.kv_transfer.errors import ChecksumError
-from pdcluster.kv_transfer.per_rank import RankedReceiver
+from pdcluster.kv_transfer.per_rank import RankedReceiver, RankedSender
 from pdcluster.node.config import NodeConfig, engine_args_from_config
 from pdcluster.node.rank_kv import RankKV
 from pdcluster.node.service import NodeService
@@ -112,6 +112,7 @@ class DecodeNode(NodeService):
         shm_name = self.shm.name if self.shm is not None and pool.device.type == "cpu" else None
         # A pool sliced per rank: every rank receives its own slice (pdcluster/node/rank_kv.py), on kv_port + rank
         self.rank_kv = RankKV.start(engine, config, self.kv_key, receive=True) if engine.rank_sliced_pool else None
+        self._rank_lend_sender: RankedSender | None = None   # lends every rank's slice (`kv_sender`)
         # A device pool: the collective backend (hccl/nccl) writes into it, no shm.
         local = KVReceiver(pool, host=config.host, port=config.kv_port, shm_name=shm_name, auth_key=self.kv_key,
                            total_kv_heads=engine.kv_pool.model_kv_heads,
@@ -160,10 +161,25 @@ class DecodeNode(NodeService):
         await asyncio.gather(*tasks, return_exceptions=True)
         self.peers.close()
         self.receiver.close()
+        if self._rank_lend_sender is not None:
+            self._rank_lend_sender.close()
         if self.rank_kv is not None:
             self.rank_kv.close()
         if self.shm is not None:
             self.shm.close()
+
+    def kv_sender(self) -> KVSender | RankedSender:
+        """A pool sliced per rank lends every rank's slice, each over its own channel (pdcluster/node/rank_kv.py);
+        made on first use."""
+        if self.rank_kv is None:
+            return super().kv_sender()
+        if self._rank_lend_sender is None:
+            cfg = self.config
+            local = KVSender(self.engine.kv_pool.tensor, backend=cfg.kv_backend,
+                             connect_timeout=cfg.kv_connect_timeout, auth_key=self.kv_key,
+                             total_kv_heads=self.engine.kv_pool.model_kv_heads, rank_slice=self.rank_kv.rank_slice)
+            self._rank_lend_sender = self.rank_kv.sender(local)
+        return self._rank_lend_sender
 
     def node_info(self) -> NodeInfo:
         info = super().node_info()
@@ -310,6 +326,7 @@ class DecodeNode(NodeService):
     def _prefill_remotely(self, req: DecodeRequest, peer: NodeInfo, fetch_blocks: int = 0) -> None:
         req.move(State.RESERVING)
         req.prefill_addr = peer.control_addr
+        req.prefill_slices = peer.capacity.kv_rank_slices
         req.remote_started = time.monotonic()
         rid, prompt, params, lora = req.rid, req.prompt_ids, req.params, req.lora
         fut = self.engine_thread.call(lambda e: e.add_request(rid, prompt, params, remote_kv=True,
@@ -328,7 +345,9 @@ class DecodeNode(NodeService):
         skip = num_cached_tokens // self.block_size
         req.num_cached_tokens = num_cached_tokens
         try:
-            dst = self.receiver.reserve(rid, block_ids[skip:], timeout_s=self.prefill_timeout)
+            # a prefill engine sliced per rank: each of its ranks holding some of a pool's heads writes them
+            dst = self.receiver.reserve(rid, block_ids[skip:], timeout_s=self.prefill_timeout,
+                                        sender_slices=req.prefill_slices)
         except Exception as exc:
             log.exception("request %s: the receiver refused the reservation", rid)
             self._remote_failed(req, RemoteFailure.INTERNAL, str(exc))

@@ -6,6 +6,8 @@ channel, the end-to-end checksum: decode_node/prefix_fetch.py) into its prefix c
 request id the router will use next (`LLMEngine.prefetch`), then answers `PreCopied`. Then the router has S hand
 the request back at its next block boundary and sends `Generate` here with that id: the engine finds the held
 blocks as prefix hits and fetches only the blocks S filled since (the stop-and-copy), so nothing is recomputed.
+Nodes whose KV pool is sliced per tensor-parallel rank move it the same way, every rank its slice over its own
+channel (S's RankedSender into this node's per-rank reservations).
 
 A hold has an owner (the router that asked) and a deadline (`PreCopy.timeout_s`): it ends when the request's first
 output comes, when the request ends, or at the deadline, whichever is first. A failed copy holds nothing and says

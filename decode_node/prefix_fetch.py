@@ -3,9 +3,11 @@
 The engine picks the blocks to fill when the request is admitted (`KVConnector.on_fetch`, engine thread); here, on
 the event loop: a reservation of those blocks in this node's KV receiver (under `<rid>#fetch`, its own deadline),
 FetchKV to the holder, which writes the blocks it has into the first reserved ones (pinned there meanwhile:
-pdcluster/node/kv_lender.py) and answers KVFetched with their count and the checksum its writes were acknowledged
-with. The engine then hears `kv_fetch_done(rid, blocks, n)`: the n blocks join the prefix cache and the rest of the
-prompt is computed (here, or on a prefill node after the reservation that follows).
+pdcluster/node/kv_lender.py; a pool sliced per tensor-parallel rank on either side moves rank by rank, the
+reservation expecting as many writers per slice as the holder's `Capacity.kv_rank_slices` call for) and answers
+KVFetched with their count and the checksum its writes were acknowledged with. The engine then hears
+`kv_fetch_done(rid, blocks, n)`: the n blocks join the prefix cache and the rest of the prompt is computed
+(here, or on a prefill node after the reservation that follows).
 
 Whatever goes wrong (no answer within `timeout`, the holder errs, lacks the blocks, leaves the cluster, or the
 landed checksum differs, or the request is aborted) ends the fetch with 0 blocks, and only once no write can land
@@ -75,7 +77,8 @@ class PrefixFetches:
             self._end(f, 0, f"holder {source!r} is not in the cluster")
             return
         try:
-            dst = self.receiver.reserve(f.key, blocks, timeout_s=self.timeout)
+            dst = self.receiver.reserve(f.key, blocks, timeout_s=self.timeout,
+                                        sender_slices=peer.capacity.kv_rank_slices)
         except Exception as exc:
             self._end(f, 0, f"the receiver refused the reservation: {exc}")
             return

@@ -84,6 +84,7 @@ class DecodeRequest:
     deadline: float  # time.monotonic() seconds (0: none); from the message's timeout_s at receipt
     prefill_node: str  # the prefill node the router chose ("": prefill here)
     prefill_addr: str = ""  # its control address, from the cluster view at admission
+    prefill_slices: int = 0  # its KV pool's rank slices (Capacity.kv_rank_slices; 0: one pool), each a KV writer
     kv_source: str = ""  # the node holding more of the prompt's prefix (Generate.kv_source): fetched from it
     lora: Any = None  # the engine's LoRARequest of the request's adapter (Generate.lora_name); None: the base model
     lora_hash: str = ""  # that adapter's content hash on this node (Prefill.lora_hash)

@@ -161,16 +161,17 @@ class LLMEngine:
     def rank_sliced_pool(self) -> bool:
         """Tensor parallelism on a device, or with `kv_pool_per_rank`: each rank's KV pool is its own slice in its
         own process, so rank 0's pool is not the whole KV: it moves rank by rank (each rank's KV agent,
-        `start_rank_agents`), and no tier or lending holds it."""
+        `start_rank_agents`: P/D, prefix fetch, live migration), and no KV tier holds it (`_make_tiers`)."""
         return self.tp_size > 1 and (self.device.type != "cpu" or self.args.kv_pool_per_rank)
 
     @property
     def copies_blocks(self) -> bool:
-        """Whether a block of the pool is the whole of a prefix's KV, so copying it elsewhere (a tier, another
-        node) and back is exact: not with a pool sliced per rank (rank 0's block is one slice), a drafter's own
-        KV, or StreamingLLM."""
-        return not self.rank_sliced_pool \
-            and not (self.proposer is not None and self.proposer.writes_kv) \
+        """Whether a prefix's blocks may be copied to another node and back exactly (prefix fetch, live
+        migration): not with a drafter's own KV or StreamingLLM. A pool sliced per rank copies too, each rank its
+        slice over its own channel (the node's RankedSender / RankedReceiver): block ids are the same in every
+        slice and only rank 0's scheduler hands them out, so `pin_cached` here holds every rank's. The KV tiers
+        still need the whole pool in one tensor (`_make_tiers` refuses a sliced one)."""
+        return not (self.proposer is not None and self.proposer.writes_kv) \
             and self.scheduler.block_manager.enable_prefix_caching
 
     def start_rank_agents(self, factory: RankAgentFactory) -> list[Any]:

@@ -8,8 +8,10 @@ checked the reservation for that write like any other (`begin_write`), copies th
 mapped pool into its own blocks (one strided copy per run covering the write's planes) and sums what landed.
 So the channel is not `direct`: nothing lands in a pool without the receiver's check, and the sender's "sent"
 checksum against the receiver's "landed" one catches a source that changed under the copy (blocks released
-by a sender that gave up). The sender synchronises its device before announcing a write, so the bytes it names
-are computed. Chosen by `kv_backend=auto` when both pools are on the same physical GPU (same host, same
+by a sender that gave up). Between pools whose heads are split over other ranks (regroup.py) the receiver's
+copy goes from the sender's rank planes straight into its own head slices (`Regroup.copy`, as shm does on the
+sender), so regrouping costs no staging. The sender synchronises its device before announcing a write, so the
+bytes it names are computed. Chosen by `kv_backend=auto` when both pools are on the same physical GPU (same host, same
 device UUID in the destination); two GPUs of one host keep nccl.
 
 CPU path (tests; never picked by auto): a CPU pool is shared through torch's file_system strategy instead (the
@@ -104,6 +106,7 @@ def _sync(device: torch.device) -> None:
 class CudaIpcChannel(Channel):
     name = "cuda_ipc"
     offer = "cuda_ipc"
+    regroups = True   # the receiver copies the sender's heads into its own slices (regroup.py `copy`)
 
     def __init__(self, wire: Wire, pool: PoolViews, remote: torch.Tensor | None = None):
         super().__init__(wire, pool)
@@ -144,10 +147,11 @@ class CudaIpcChannel(Channel):
             raise FrameError("cuda_ipc: expected the sender's ipc_pool frame")
         try:
             remote = open_pool(frame["pool"], pool.tensor.device)
-            mine = pool.tensor
-            if (remote.shape[:2], remote.shape[3:], remote.dtype) != (mine.shape[:2], mine.shape[3:], mine.dtype):
+            mine = pool.tensor   # planes and heads per plane may differ (another split): checked per write
+            if (remote.shape[0], remote.shape[3], remote.shape[5], remote.dtype) != \
+                    (mine.shape[0], mine.shape[3], mine.shape[5], mine.dtype):
                 raise FrameError(f"cuda_ipc: the sender's pool {tuple(remote.shape)} {remote.dtype} does not match "
-                                 f"this pool's planes ({tuple(mine.shape)} {mine.dtype})")
+                                 f"this pool's layers, block size and rows ({tuple(mine.shape)} {mine.dtype})")
         except (FrameError, RuntimeError) as exc:
             wire.send({"op": "error", "rid": None, "code": "failed", "error": str(exc)})
             raise FrameError(str(exc)) from None
@@ -160,8 +164,9 @@ class CudaIpcChannel(Channel):
         _sync(self.pool.tensor.device)   # the layers named are computed before the receiver reads them
         src_runs = [(s, n) for _, s, n in part]
         p0, p1 = self.pool.plane_range(l0, l1)
-        return IpcStaged(checksum_runs(self.pool.words, src_runs, p0, p1),
-                         self.wire_bytes(sum(n for _, n in src_runs), l0, l1), src=[s for s, _ in src_runs])
+        checksum = checksum_runs(self.pool.words, src_runs, p0, p1) if self.regroup is None \
+            else self.regroup.sent_checksum(self.pool.row_words, src_runs, l0, l1)
+        return IpcStaged(checksum, self.wire_bytes(sum(n for _, n in src_runs), l0, l1), src=[s for s, _ in src_runs])
 
     def ship(self, body: dict[str, Any], staged: Staged) -> None:
         assert isinstance(staged, IpcStaged), "cuda_ipc ships what its own stage made"
@@ -173,15 +178,24 @@ class CudaIpcChannel(Channel):
         src = frame.get("src")
         if not isinstance(src, list) or len(src) != len(runs) or not all(isinstance(s, int) for s in src):
             raise FrameError("write.src: expected one source block per run")
-        remote = self.remote_planes
+        remote = self.remote
         assert remote is not None, "a write before the handshake mapped the sender's pool"
-        blocks = remote.shape[1]
+        blocks = remote.shape[2]
         for s, (_, n) in zip(src, runs, strict=True):
             if not 0 <= s <= blocks - n:
                 raise FrameError(f"write.src: blocks {s}..{s + n - 1} outside the sender's {blocks}-block pool")
+        sender = self.pool.layout if self.regroup is None else self.regroup.src
+        if (remote.shape[1], remote.shape[4]) != (sender.kv_planes, sender.num_kv_heads):
+            raise FrameError(f"cuda_ipc: the sender's pool {tuple(remote.shape)} is not the layout it announced "
+                             f"({sender.kv_planes} planes of {sender.num_kv_heads} heads)")
+        if self.regroup is not None:
+            self.regroup.copy(self.pool.tensor, remote, [(d, s, n) for s, (d, n) in zip(src, runs, strict=True)],
+                              l0, l1)
+            return self.regroup.landed_checksum(self.pool.row_words, list(runs), l0, l1)
         p0, p1 = self.pool.plane_range(l0, l1)
+        assert self.remote_planes is not None
         for s, (d, n) in zip(src, runs, strict=True):
-            self.pool.planes[p0:p1, d:d + n].copy_(remote[p0:p1, s:s + n])
+            self.pool.planes[p0:p1, d:d + n].copy_(self.remote_planes[p0:p1, s:s + n])
         return checksum_runs(self.pool.words, runs, p0, p1)   # reads the landed bytes back (after the copies)
 
     def discard(self, nbytes: int) -> None:

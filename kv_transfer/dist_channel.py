@@ -4,8 +4,12 @@ No global init_process_group: the receiver hosts a TCPStore on a free port (its 
 sender in hello_ok) and both sides build the backend's process group directly on a PrefixStore, so any
 number of prefill/decode pairs can come and go. Write headers go over the socket; the bytes follow as
 send/recv on the group: one tensor per (plane, run) straight from/into the pool (a run of consecutive
-blocks is contiguous in each plane), no staging. gloo (CPU) is exercised by the tests; nccl (CUDA) and
-hccl (Ascend, via torch_npu) are built the same way but untested here.
+blocks is contiguous in each plane), no staging. Between pools whose heads are split over other ranks
+(regroup.py) the sender sends the planes of the ranks the receiver needs, whole, straight from its pool, and
+the receiver takes them into one staging tensor per write on its device and copies each head into its slot
+(`Regroup.land`): a collective moves contiguous tensors only, and a receiving plane interleaves several
+sending ranks' heads per token. gloo (CPU) is exercised by the tests; nccl (CUDA) and hccl (Ascend, via
+torch_npu) are built the same way but untested here.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pdcluster.kv_transfer.tcp import FrameError, Wire
 
 class DistChannel(Channel):
     device: str  # the pool device type this backend serves
+    regroups = True  # whole sending planes into a staging tensor, landed in the receiver's head slices
     rank_for_auto: int | None = 1  # picked by "auto" for a pool on `device` ahead of tcp
 
     def __init__(self, wire: Wire, pool: PoolViews, group: Any, store: Any):
@@ -72,11 +77,20 @@ class DistChannel(Channel):
         wire.send({**hello_ok, "store_port": store.port})
         return cls(wire, pool, cls._group(store, 0, wire, timeout, session), store)
 
+    def wire_bytes(self, nblocks: int, l0: int, l1: int) -> int:
+        if self.regroup is None:
+            return super().wire_bytes(nblocks, l0, l1)
+        return nblocks * (l1 - l0) * self.regroup.plane_layer_bytes
+
     def stage(self, token: str, part: Runs, l0: int, l1: int) -> Staged:
         src_runs = [(s, n) for _, s, n in part]
+        nbytes = self.wire_bytes(sum(n for _, n in src_runs), l0, l1)
+        if self.regroup is not None:
+            tensors = [self.pool.planes[q, s:s + n] for layer in range(l0, l1)
+                       for q in self.regroup.wire_planes(layer) for s, n in src_runs]
+            return Staged(self.regroup.sent_checksum(self.pool.row_words, src_runs, l0, l1), nbytes, tensors=tensors)
         p0, p1 = self.pool.plane_range(l0, l1)
         tensors = _run_views(self.pool, src_runs, p0, p1)
-        nbytes = self.wire_bytes(sum(n for _, n in src_runs), l0, l1)
         return Staged(checksum_runs(self.pool.words, src_runs, p0, p1), nbytes, tensors=tensors)
 
     def ship(self, body: dict[str, Any], staged: Staged) -> None:
@@ -85,10 +99,28 @@ class DistChannel(Channel):
             self.group.send([x], 1 - self.group.rank(), 0).wait()
 
     def receive_runs(self, runs: DstRuns, l0: int, l1: int, frame: dict[str, Any]) -> int:
+        if self.regroup is not None:
+            return self._receive_regrouped(list(runs), l0, l1)
         p0, p1 = self.pool.plane_range(l0, l1)
         for view in _run_views(self.pool, list(runs), p0, p1):
             self._recv(view)
         return checksum_runs(self.pool.words, runs, p0, p1)
+
+    def _receive_regrouped(self, runs: list[tuple[int, int]], l0: int, l1: int) -> int:
+        regroup = self.regroup
+        assert regroup is not None
+        src, pool = regroup.src, self.pool.tensor
+        staging = torch.empty((l1 - l0, len(regroup.wire_ranks), 2, sum(n for _, n in runs), src.block_size,
+                               src.num_kv_heads, src.row), dtype=pool.dtype, device=pool.device)
+        for layer in range(l1 - l0):   # in the sender's wire order: layer, wire rank, K/V, run
+            for w in range(len(regroup.wire_ranks)):
+                for kv in (0, 1):
+                    i = 0
+                    for _, n in runs:
+                        self._recv(staging[layer, w, kv, i:i + n])
+                        i += n
+        regroup.land(pool, staging, runs, l0, l1)
+        return regroup.landed_checksum(self.pool.row_words, runs, l0, l1)
 
     def _recv(self, tensor: torch.Tensor) -> None:
         self.group.recv([tensor], 1 - self.group.rank(), 0).wait()

@@ -33,7 +33,7 @@ from pdcluster.kv_transfer.destination import Destination, host_id
 from pdcluster.kv_transfer.errors import LayoutMismatchError, TransferError
 from pdcluster.kv_transfer.handshake import Gate, hello_ok_mac
 from pdcluster.kv_transfer.layout import KVLayout
-from pdcluster.kv_transfer.regroup import regroup_for
+from pdcluster.kv_transfer.regroup import regroup_for, writer_count
 from pdcluster.kv_transfer.reservations import Reservation, ReservationTable, State, TransferResult
 from pdcluster.kv_transfer.shm import block_tags, token_tag
 from pdcluster.kv_transfer.tcp import FrameError, IdleTimeout, Wire, configure
@@ -151,9 +151,14 @@ class KVReceiver:
         with self._lock:
             return len(self._table)
 
-    def reserve(self, request_id: str, block_ids: list[int], timeout_s: float = 30.0) -> Destination:
+    def reserve(self, request_id: str, block_ids: list[int], timeout_s: float = 30.0,
+                sender_slices: int = 1) -> Destination:
+        """Hold the blocks for the sending engine: `sender_slices` is the number of rank slices its KV pool is cut
+        into (its `kv_rank_slices`; 0 or 1: one pool), whose ranks holding this pool's heads each write their part
+        (regroup.writer_count), the reservation completing once every one of them did."""
+        writers = writer_count(self.layout, sender_slices)
         with self._lock:
-            res = self._table.reserve(request_id, block_ids, timeout_s)
+            res = self._table.reserve(request_id, block_ids, timeout_s, writers)
             if self._tags is not None:  # open to same-host senders holding the token
                 self._tags[res.block_ids] = token_tag(res.token)
             self._results.pop(request_id, None)
@@ -250,13 +255,14 @@ class KVReceiver:
                 self._waiters.pop(request_id, None)
 
     def _failed_locked(self, res: Reservation) -> None:
-        """The table's on_fail: close the blocks to shm writers at once and answer a pending done."""
+        """The table's on_fail: close the blocks to shm writers at once and answer every pending done."""
         self._clear_tags(res)
         log.warning("kv receiver: reservation %s failed: %s", res.request_id, res.error)
-        if res.notify is not None:
-            conn, xid = res.notify
-            conn.reply(_error_frame(res.request_id, xid, res.code, res.error))
-            res.notify = None
+        for w in res.writers.values():
+            if w.notify is not None:
+                conn, xid = w.notify
+                conn.reply(_error_frame(res.request_id, xid, res.code, res.error))
+                w.notify = None
 
     def _clear_tags(self, res: Reservation) -> None:
         if self._tags is not None:
@@ -271,9 +277,11 @@ class KVReceiver:
 
     def _complete_locked(self, res: Reservation) -> Callable[[], None]:
         self._bytes_received += res.nbytes
-        if res.notify is not None:
-            conn, xid = res.notify
-            conn.reply({"op": "ack", "rid": res.request_id, "xid": xid, "checksum": res.landed_checksum})
+        for w in res.writers.values():   # each writer's ack: what landed of its own writes
+            if w.notify is None:
+                continue
+            conn, xid = w.notify
+            conn.reply({"op": "ack", "rid": res.request_id, "xid": xid, "checksum": w.landed_checksum})
         return self._resolved_locked(res)
 
     def _resolved_locked(self, res: Reservation) -> Callable[[], None]:
@@ -431,24 +439,25 @@ class KVReceiver:
         rid, xid = frame.get("rid"), frame.get("xid")
         with self._lock:
             try:
-                res = self._table.begin_write(rid, frame.get("token"), conn.session, runs, conn.channel.direct)
+                write = self._table.begin_write(rid, frame.get("token"), conn.session, runs, conn.channel.direct)
             except TransferError as exc:
-                res, refusal = None, exc
-        if res is None:
+                write, refusal = None, exc
+        if write is None:
             log.warning("kv receiver: write rejected: %s", refusal)
             conn.reply(_error_frame(rid, xid, refusal.code, str(refusal)))
             conn.channel.discard(nbytes)
             return
+        res = write.reservation
         try:
             landed = conn.channel.receive_runs(runs, l0, l1, frame)
         except BaseException as exc:
             with self._lock:
-                self._table.abort_write(res, f"sender lost mid-transfer: {exc}")
+                self._table.abort_write(write, f"sender lost mid-transfer: {exc}")
             raise
         completed = None
         with self._lock:
             try:
-                self._table.end_write(res, nbytes, checksum, landed)
+                self._table.end_write(write, nbytes, checksum, landed)
                 if done is not None:
                     self._table.done(rid, frame.get("token"), conn.session, *done, (conn, xid))
                 if res.state is State.COMPLETE:

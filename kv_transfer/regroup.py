@@ -18,8 +18,12 @@ slots it fills: `fills`). Who moves the heads (docs/kv_transfer.md "Heterogeneou
   off the wire is copied to the others (`replicate`), an in-pool copy of those heads only.
 - tcp+int8 (`land`): the receiver already stages (it dequantizes the payload); the dequantized sender-layout
   tensor is copied into the slots instead of into the same planes.
-- the collective channels and cuda_ipc move whole plane runs as tensors and do not regroup: refused at the
-  handshake.
+- the collective channels (gloo, nccl, hccl: `wire_planes` / `land`): a collective moves contiguous tensors only,
+  and a receiving plane interleaves the heads of several sending ranks per token, so the wire carries the sending
+  ranks' whole planes (`wire_planes`; straight from the pool, no staging on the sender) into one staging tensor
+  per write on the receiver's device, which `land` copies into the slots: a device-local copy of the write, never
+  a host hop.
+- cuda_ipc (`copy`): the receiver copies from the sender's mapped pool straight into its slots, as shm does.
 
 Checksum: a write's checksum is, per block (weighted as checksum.py does), the sum over the receiver's slots of
 their bytes as words no wider than one (token, head) row (`checksum.row_words`), so it does not depend on the
@@ -29,13 +33,15 @@ to (`sent_checksum`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from pdcluster.kv_transfer.checksum import checksum_runs, weighted
+from pdcluster.device import rank_kv_heads
+from pdcluster.kv_transfer.checksum import Words, checksum_runs, weighted
 from pdcluster.kv_transfer.errors import LayoutMismatchError
 from pdcluster.kv_transfer.layout import KVLayout
 
@@ -121,6 +127,12 @@ class Regroup:
                     for r in self.wire_ranks)
         return 2 * heads * self.src.block_size * self.src.row * self.src.element_size
 
+    @property
+    def plane_layer_bytes(self) -> int:
+        """Bytes of one block's layer when the wire carries the whole planes of each rank in `wire_ranks` (the
+        collective channels)."""
+        return 2 * len(self.wire_ranks) * self.src.plane_bytes
+
     def wire_planes(self, layer: int) -> list[int]:
         """The sender's planes of `layer` on the wire, in wire order."""
         return [layer * self.src.kv_planes + 2 * r + kv for r in self.wire_ranks for kv in (0, 1)]
@@ -135,7 +147,7 @@ class Regroup:
                     dst[l0:l1, 2 * p.dst_rank + kv, d:d + n, :, p.dst_head:p.dst_head + p.n].copy_(
                         src[l0:l1, 2 * p.src_rank + kv, s:s + n, :, p.src_head:p.src_head + p.n])
 
-    def sent_checksum(self, src_row_words: np.ndarray, src_runs: list[tuple[int, int]], l0: int, l1: int) -> int:
+    def sent_checksum(self, src_row_words: Words, src_runs: list[tuple[int, int]], l0: int, l1: int) -> int:
         """The checksum the receiver will sum over its slots, from the sender's rows (`checksum.row_words` of its
         pool, [planes, blocks, block_size, heads, words per row]): each row once per slot it goes to."""
         return _slot_checksum(src_row_words, self.src, [(2 * p.src_rank, p.src_head, p.n) for p in self.pieces],
@@ -195,7 +207,7 @@ class Regroup:
                         wire[:, w, kv, i:i + n, :, p.src_head:p.src_head + p.n])
                     i += n
 
-    def landed_checksum(self, dst_row_words: np.ndarray, runs: list[tuple[int, int]], l0: int, l1: int) -> int:
+    def landed_checksum(self, dst_row_words: Words, runs: list[tuple[int, int]], l0: int, l1: int) -> int:
         """The checksum of the receiver's slots of the runs that this sender fills (what `sent_checksum`
         announced): every row of the blocks' planes when it fills them all."""
         if not self.fills:
@@ -225,19 +237,25 @@ def _row_views(flat: memoryview, layout: KVLayout, pieces: list[tuple[int, int, 
     return views
 
 
-def _slot_checksum(row_words: np.ndarray, layout: KVLayout, slots: list[tuple[int, int, int]],
+def _slot_checksum(row_words: Words, layout: KVLayout, slots: list[tuple[int, int, int]],
                    runs: list[tuple[int, int]], l0: int, l1: int) -> int:
     """The checksum (weighted per block, in run order) of the rows of `slots` (K plane, first head, heads) of
     layers [l0, l1) of the runs' blocks."""
     stride = layout.kv_planes
-    sums = np.zeros(sum(n for _, n in runs), dtype=np.int64)
+    count = sum(n for _, n in runs)
+    on_host = isinstance(row_words, np.ndarray)
+    sums: Any = np.zeros(count, dtype=np.int64) if on_host else torch.zeros(count, dtype=torch.int64,
+                                                                        device=row_words.device)
     for plane, h, n_heads in slots:
         for kv in (0, 1):
             planes = slice(l0 * stride + plane + kv, l1 * stride, stride)
             i = 0
             for s, n in runs:
                 rows = row_words[planes, s:s + n, :, h:h + n_heads]
-                sums[i:i + n] += rows.sum(axis=(2, 3, 4), dtype=np.int64).sum(axis=0, dtype=np.int64)
+                if isinstance(rows, np.ndarray):
+                    sums[i:i + n] += rows.sum(axis=(2, 3, 4), dtype=np.int64).sum(axis=0, dtype=np.int64)
+                else:   # torch sums integers into int64, wrapping modulo 2**64 as numpy does
+                    sums[i:i + n] += rows.sum(dim=(2, 3, 4)).sum(dim=0)
                 i += n
     return weighted(sums)
 
@@ -261,3 +279,23 @@ def writers(src: list[KVLayout], dst: list[KVLayout]) -> list[list[int]]:
             found.append(p)
         out.append(found)
     return out
+
+
+def writer_count(dst: KVLayout, sender_slices: int) -> int:
+    """How many pools of a sending engine whose KV is cut into `sender_slices` rank slices (0 or 1: one pool, which
+    writes every receiving pool alone) fill some of pool `dst`'s heads: the writers a reservation in it expects. The
+    sending slices are those of the model `dst`'s engine holds (its `engine_layout`); ValueError when its heads do
+    not split over them."""
+    if sender_slices <= 1:
+        return 1
+    return len(writers(_slices(dst, sender_slices), [dst])[0])
+
+
+@lru_cache(maxsize=64)
+def _slices(like: KVLayout, n: int) -> list[KVLayout]:
+    """The n rank slices of an engine of `like`'s model (heads, dims, dtype), sliced per rank."""
+    model = like.engine_layout().total_kv_heads
+    one = replace(like, tensor_parallel_size=1, num_kv_heads=len(rank_kv_heads(model, 0, n)), total_kv_heads=0,
+                  rank_slices=1, rank_slice=0, model_kv_heads=0)
+    one = replace(one, total_kv_heads=one.num_kv_heads)
+    return [one.sliced(r, n, model) for r in range(n)]

@@ -4,6 +4,11 @@
                   │                                               │
                   └──── cancel / expire / abort / owner lost / checksum mismatch ──► FAILED ──quiet──► RELEASED
 
+A reservation expects one writer (a sender session: its owner), or several when the sending engine's pool is sliced
+per rank and more than one sending rank fills this pool's heads (kv_transfer/per_rank/): each writer claims a slot
+with its first open or write, announces its own total with its own done and is checked on its own; the reservation
+completes (and every writer is acknowledged) once every expected writer's writes landed and matched, and fails for
+all when any one fails (a checksum, its connection lost, its abort) or the deadline passes with a writer missing.
 A reservation leaves the table when it reaches COMPLETE or RELEASED; its blocks go back to the owner
 of the pool then. FAILED holds the blocks while a write is still in flight and, for reservations a
 direct writer (shm) may be copying into without a word, for `grace_s` more. The caller (receiver.py)
@@ -58,28 +63,69 @@ class TransferResult:
 
 
 @dataclass
+class Writer:
+    """One sender session's share of a reservation: its writes, and the total its done announced."""
+
+    session: str
+    direct: bool = False  # it writes into the pool without the receiver seeing the bytes (shm)
+    writes: int = 0  # its writes landed
+    expected_writes: int | None = None  # announced by its done
+    done_checksum: int = 0
+    landed_checksum: int = 0
+    notify: Any = None  # opaque to the table: whom the receiver answers when the reservation resolves
+    ready: bool = False  # every write it announced landed and matched
+
+
+@dataclass
+class Write:
+    """One write being accepted (begin_write .. end_write / abort_write)."""
+
+    reservation: "Reservation"
+    writer: Writer
+
+
+@dataclass
 class Reservation:
     request_id: str
     block_ids: list[int]
     token: str
     deadline: float  # clock seconds
+    num_writers: int = 1  # the sender sessions expected to write it, each its own part (pools sliced per rank)
     block_set: frozenset[int] = field(init=False)
     state: State = State.RESERVED
-    owner: str | None = None  # the session of the sender that opened it
-    direct: bool = False  # the owner writes into the pool without the receiver seeing the bytes (shm)
-    writes: int = 0  # writes landed
+    writers: dict[str, Writer] = field(default_factory=dict)  # by session, in the order they claimed it
+    writes: int = 0  # writes landed (every writer's)
     inflight: int = 0  # writes landing now
-    expected_writes: int | None = None  # announced by done
-    done_checksum: int = 0
-    landed_checksum: int = 0
+    landed_checksum: int = 0  # every writer's combined
     nbytes: int = 0
     error: str | None = None
     code: str | None = None  # the failure's machine code (errors.CODES)
     release_at: float = 0.0
-    notify: Any = None  # opaque to the table: whom the receiver answers when done resolves
 
     def __post_init__(self) -> None:
         self.block_set = frozenset(self.block_ids)
+
+    @property
+    def owner(self) -> str | None:
+        """The session of the (first) sender that opened it."""
+        return next(iter(self.writers), None)
+
+    @property
+    def direct(self) -> bool:
+        return any(w.direct for w in self.writers.values())
+
+    @property
+    def expected_writes(self) -> int | None:
+        """The writes every writer's done announced, once all of them came."""
+        if len(self.writers) < self.num_writers or any(w.expected_writes is None for w in self.writers.values()):
+            return None
+        return sum(w.expected_writes or 0 for w in self.writers.values())
+
+    @property
+    def notify(self) -> Any:
+        """The (first) writer's: whom the receiver answers."""
+        w = next(iter(self.writers.values()), None)
+        return w.notify if w is not None else None
 
     def result(self) -> TransferResult:
         ok = self.state is State.COMPLETE
@@ -114,7 +160,10 @@ class ReservationTable:
 
     # ---- transitions -------------------------------------------------------------------------------
 
-    def reserve(self, request_id: str, block_ids: list[int], timeout_s: float) -> Reservation:
+    def reserve(self, request_id: str, block_ids: list[int], timeout_s: float, writers: int = 1) -> Reservation:
+        """Hold `block_ids` for `writers` sender sessions (each writes its part) until `timeout_s` passes."""
+        if not isinstance(writers, int) or writers < 1:
+            raise ValueError(f"writers: expected an int >= 1, got {writers!r}")
         if not block_ids:
             raise ValueError("block_ids: expected at least one block")
         bad = [b for b in block_ids if not isinstance(b, int) or not 0 <= b < self.num_blocks]
@@ -127,7 +176,7 @@ class ReservationTable:
         taken = self._held.intersection(block_ids)
         if taken:
             raise ValueError(f"block_ids: {sorted(taken)[:5]} already reserved by another request")
-        res = Reservation(request_id, list(block_ids), secrets.token_hex(16), self.clock() + timeout_s)
+        res = Reservation(request_id, list(block_ids), secrets.token_hex(16), self.clock() + timeout_s, writers)
         self._active[request_id] = res
         self._held.update(block_ids)
         self._recent_failures.pop(request_id, None)
@@ -144,46 +193,50 @@ class ReservationTable:
 
     def begin_write(
         self, request_id: Any, token: Any, owner: str, runs: list[tuple[int, int]], direct: bool = False
-    ) -> Reservation:
+    ) -> Write:
         """Accept one write into runs (start, n): all checks happen before any byte lands. A write may
         overtake its open on another stream, so it claims the reservation too."""
         res = self.check(request_id, token)
         outside = [b for s, n in runs for b in range(s, s + n) if b not in res.block_set]
         if outside:
             raise TransferError(f"blocks {outside[:5]} are not reserved by {res.request_id!r}", "refused")
-        self._claim(res, owner, direct)
+        writer = self._claim(res, owner, direct)
         res.inflight += 1
-        return res
+        return Write(res, writer)
 
-    def end_write(self, res: Reservation, nbytes: int, checksum: int, landed: int) -> None:
+    def end_write(self, write: Write, nbytes: int, checksum: int, landed: int) -> None:
         """The write's bytes landed; it may complete the reservation (state COMPLETE, out of the table).
         Raises ChecksumError (the reservation failed) when what landed is not what was sent."""
+        res, w = write.reservation, write.writer
         res.inflight -= 1
         res.writes += 1
+        w.writes += 1
         res.nbytes += nbytes
         res.landed_checksum = combine(res.landed_checksum, landed)
+        w.landed_checksum = combine(w.landed_checksum, landed)
         if landed != checksum:
             error = f"checksum mismatch on a write of {nbytes} bytes: sent {checksum:#x}, landed {landed:#x}"
             self.fail(res, error, "checksum")
             raise ChecksumError(error)
-        self._try_complete(res)
+        self._try_complete(res, w)
 
-    def abort_write(self, res: Reservation, error: str) -> None:
+    def abort_write(self, write: Write, error: str) -> None:
         """A write broke off midway (its bytes may be partly in the pool)."""
-        res.inflight -= 1
-        self.fail(res, error, "lost")
+        write.reservation.inflight -= 1
+        self.fail(write.reservation, error, "lost")
 
     def done(
         self, request_id: Any, token: Any, owner: str, writes: int, checksum: int, notify: Any = None
     ) -> Reservation:
         """The owner announces its total; completes the reservation if every write already landed."""
         res = self.check(request_id, token)
-        if res.state is not State.OPEN or res.owner != owner:
+        w = res.writers.get(owner)
+        if res.state is not State.OPEN or w is None or w.expected_writes is not None:
             # e.g. a sender whose open was rejected but that sent done before hearing so: it must not
             # bind the reservation (its connection's close would then fail it).
             raise TransferError(f"done for {request_id!r} without an accepted open", "refused")
-        res.expected_writes, res.done_checksum, res.notify = writes, checksum, notify
-        self._try_complete(res)
+        w.expected_writes, w.done_checksum, w.notify = writes, checksum, notify
+        self._try_complete(res, w)
         return res
 
     def abort(self, request_id: Any, token: Any, reason: str) -> None:
@@ -205,8 +258,8 @@ class ReservationTable:
         return late
 
     def drop_owner(self, owner: str, reason: str) -> list[Reservation]:
-        """The owner's connection is gone: fail what it holds."""
-        lost = [r for r in self._active.values() if r.owner == owner and r.state is not State.FAILED]
+        """A writer's connection is gone: fail what it writes (with every other writer's part)."""
+        lost = [r for r in self._active.values() if owner in r.writers and r.state is not State.FAILED]
         for r in lost:
             self.fail(r, reason, "lost")
         return lost
@@ -217,7 +270,7 @@ class ReservationTable:
             return
         # A direct writer checks the block tags right before copying and does not wait for its open to
         # be seen: one may be copying without having said a word, so hold the blocks back a while.
-        grace = self.grace_s if res.direct or res.state is State.RESERVED else 0.0
+        grace = self.grace_s if res.direct or len(res.writers) < res.num_writers else 0.0
         res._move(State.FAILED)
         res.error, res.code, res.release_at = error, code, self.clock() + grace
         if self.on_fail is not None:
@@ -257,26 +310,34 @@ class ReservationTable:
             raise TransferError(f"reservation {request_id!r} is past its deadline", "expired")
         return res
 
-    def _claim(self, res: Reservation, owner: str, direct: bool) -> None:
-        if res.state is State.RESERVED:
-            res._move(State.OPEN)
-            res.owner, res.direct = owner, direct
-        elif res.owner != owner:
-            raise TransferError(f"reservation {res.request_id!r} is open to another sender", "refused")
+    def _claim(self, res: Reservation, owner: str, direct: bool) -> Writer:
+        w = res.writers.get(owner)
+        if w is None:
+            if len(res.writers) >= res.num_writers:
+                others = "another sender" if res.num_writers == 1 else f"{res.num_writers} other senders"
+                raise TransferError(f"reservation {res.request_id!r} is open to {others}", "refused")
+            w = res.writers[owner] = Writer(owner, direct)
+            if res.state is State.RESERVED:
+                res._move(State.OPEN)
+        elif w.ready:
+            raise TransferError(f"reservation {res.request_id!r}: this sender's part is complete", "refused")
+        return w
 
-    def _try_complete(self, res: Reservation) -> None:
-        if res.expected_writes is None or res.writes < res.expected_writes or res.state is not State.OPEN:
+    def _try_complete(self, res: Reservation, w: Writer) -> None:
+        if w.expected_writes is None or w.writes < w.expected_writes or res.state is not State.OPEN:
             return
-        if res.writes > res.expected_writes or res.landed_checksum != res.done_checksum:
+        if w.writes > w.expected_writes or w.landed_checksum != w.done_checksum:
             self.fail(
                 res,
-                f"checksum mismatch: sender total {res.done_checksum:#x} over {res.expected_writes} writes, "
-                f"landed {res.landed_checksum:#x} over {res.writes} writes",
+                f"checksum mismatch: sender total {w.done_checksum:#x} over {w.expected_writes} writes, "
+                f"landed {w.landed_checksum:#x} over {w.writes} writes",
                 "checksum",
             )
             return
-        res._move(State.COMPLETE)
-        self._remove(res)
+        w.ready = True
+        if len(res.writers) == res.num_writers and all(x.ready for x in res.writers.values()):
+            res._move(State.COMPLETE)
+            self._remove(res)
 
     def _remove(self, res: Reservation) -> None:
         del self._active[res.request_id]

@@ -22,7 +22,7 @@ from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.kv_transfer import Destination, KVSender
-from pdcluster.kv_transfer.per_rank import RankedSender
+from pdcluster.kv_transfer.per_rank import RankedSender, RankLinks
 from pdcluster.node.config import NodeConfig, engine_args_from_config
 from pdcluster.node.rank_kv import RankKV
 from pdcluster.node.service import NodeService
@@ -52,7 +52,10 @@ class PrefillNode(NodeService):
                          connect_timeout=config.kv_connect_timeout, auth_key=self.kv_key,
                          total_kv_heads=self.engine.kv_pool.model_kv_heads,
                          rank_slice=self.rank_kv.rank_slice if self.rank_kv else None)
-        self.sender: KVSender | RankedSender = self.rank_kv.sender(local) if self.rank_kv else local
+        # One pool: a one-rank RankedSender, so that a decode pool sliced per rank gets each slice its heads (a
+        # destination of one pool is the local sender's own transfer)
+        self.sender: RankedSender = self.rank_kv.sender(local) if self.rank_kv else \
+            RankedSender(local, RankLinks([]), self.engine.tell_rank_agent)
         self.connector.sender = self.sender
         self.max_jobs = max_jobs or 2 * config.max_num_seqs
         self.jobs: dict[str, PrefillJob] = {}  # not yet answered (CONNECTING, QUEUED, SENDING)
@@ -71,7 +74,7 @@ class PrefillNode(NodeService):
             live = [n.kv_addr for n in self.view.nodes_by_role("decode")]
             self._connects.submit(self.sender.keep_peers, live)
 
-    def kv_sender(self) -> KVSender | RankedSender:
+    def kv_sender(self) -> RankedSender:
         return self.sender
 
     async def on_start(self) -> None:

@@ -111,6 +111,54 @@ class RankProcess:
             self.kill()
 
 
+class SlicedEngine:
+    """An engine of `n` ranks whose KV pool is sliced per rank, each slice `shape` (its rank's K and V planes): rank
+    0's slice here, ranks 1.. in processes (RankProcess); closed with `stack`. Sending (`seeds`: each rank's slice,
+    random rows) its `sender` is rank 0's RankedSender; receiving (`seeds` None: zeros), its `receiver` is rank 0's
+    RankedReceiver, every slice in shared memory with `shm`."""
+
+    def __init__(self, stack, shape: tuple[int, ...], n: int, seeds: tuple[int, ...] | None = None,
+                 backend: str = "tcp", shm: bool = False) -> None:
+        from pdcluster.kv_transfer import KVReceiver, KVSender, SharedKVPool
+        from pdcluster.kv_transfer.per_rank import RankedReceiver, RankedSender, RankLinks
+
+        self.shape, self.n, self.seeds = shape, n, seeds
+        spec = RankEndpointSpec(receive=False, backend=backend) if seeds else \
+            RankEndpointSpec(receive=True, shared_memory=shm)
+        self.procs = [RankProcess(spec, shape, torch.float32, seeds[r] if seeds else None, rank=r, size=n)
+                      for r in range(1, n)]
+        for proc in self.procs:
+            stack.callback(proc.close)
+        links = RankLinks([p.info["link"] for p in self.procs])
+        stack.callback(links.close)
+        if seeds:
+            self.pool0 = slice_kv(shape, torch.float32, seeds[0])
+            local = KVSender(self.pool0, backend=backend, rank_slice=(0, n))
+            stack.callback(local.close)
+            self.sender = RankedSender(local, links, lambda rank, message: self.procs[rank - 1].tell(message))
+            return
+        seg = SharedKVPool.create(shape, torch.float32) if shm else None
+        if seg is not None:
+            stack.callback(seg.close)
+        self.pool0 = seg.tensor if seg is not None else slice_kv(shape, torch.float32, None)
+        rx = KVReceiver(self.pool0, shm_name=seg.name if seg is not None else None, rank_slice=(0, n))
+        stack.callback(rx.close)
+        self.receiver = RankedReceiver(rx, links, [p.info["kv_addr"] for p in self.procs])
+
+    def step(self) -> None:
+        """A step of every other rank: each streams the layers of the transfers started before it."""
+        for proc in self.procs:
+            assert proc.step(), f"rank {proc.rank} streamed nothing during the step"
+
+    def pools(self) -> list[torch.Tensor]:
+        return [self.pool0, *(p.pool() for p in self.procs)]
+
+    def model_kv(self) -> torch.Tensor:
+        """A sending engine's KV as one pool of every model head (the slices' heads in rank order)."""
+        assert self.seeds is not None
+        return torch.cat([slice_kv(self.shape, torch.float32, seed) for seed in self.seeds], dim=4)
+
+
 def serve_every_prompt_remotely(cluster, prompts: list[list[int]], n: int, texts: list[str]) -> dict:
     """A P/D cluster of nodes sliced per rank ("tiny-gqa") answers `prompts` (every other one streamed) with
     `texts`, every prompt prefilled on the prefill node, the bytes sent = the bytes received, and afterwards no

@@ -1,7 +1,8 @@
 """KV transfer between engines whose KV pools are sliced per tensor-parallel rank (a device, where each rank's
 process allocates its own slice, or `kv_pool_per_rank` on CPU): each rank sends its slice over its own channel into
-the same rank's slice of an engine sliced alike, or into the slices of its heads of one sliced over a multiple of
-its ranks (regroup.py maps the heads), driven and combined by rank 0.
+the same rank's slice of an engine sliced alike, or otherwise into every receiving pool holding some of its heads
+(regroup.py maps the heads; a pool that several sending ranks fill expects each as a writer of its reservation), driven
+and combined by rank 0.
 
 - `endpoint.py`: a rank's KV endpoint, in the rank's process (an engine rank agent: engine/rank_agent.py)
 - `link.py`: the command link between rank 0 and each other rank's endpoint

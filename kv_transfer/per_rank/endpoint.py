@@ -204,7 +204,7 @@ class RankEndpoint:
 
     def _handle(self, op: str, frame: dict[str, Any]) -> Any:
         if op == "reserve":
-            return self._reserve(frame["rid"], frame["blocks"], frame["timeout_s"])
+            return self._reserve(frame["rid"], frame["blocks"], frame["timeout_s"], frame.get("sender_slices", 1))
         if op == "cancel":
             self._need_receiver().cancel(frame["rid"])
         elif op == "active":
@@ -228,9 +228,9 @@ class RankEndpoint:
             raise TransferError(f"tensor-parallel rank {self.rank} holds no KV receiver", "refused")
         return self.receiver
 
-    def _reserve(self, rid: str, blocks: list[int], timeout_s: float) -> dict[str, Any]:
+    def _reserve(self, rid: str, blocks: list[int], timeout_s: float, sender_slices: int) -> dict[str, Any]:
         receiver = self._need_receiver()
-        dst = receiver.reserve(rid, blocks, timeout_s)
+        dst = receiver.reserve(rid, blocks, timeout_s, sender_slices)
         receiver.on_result(rid, self._landed)
         return dst.to_dict()
 

@@ -1,7 +1,9 @@
 """Rank 0's receiver for a KV pool sliced per tensor-parallel rank: one reservation per rank, one result.
 
 `RankedReceiver` answers like a `KVReceiver` (reserve, wait, settle, cancel): `reserve` reserves the blocks in
-rank 0's slice here and in every other rank's slice through its endpoint (endpoint.py, asked over the link), and
+rank 0's slice here and in every other rank's slice through its endpoint (endpoint.py, asked over the link), each
+for as many writers as the sending engine has ranks holding that slice's heads (one, or several when it is sliced
+over more ranks: KVReceiver.reserve's `sender_slices`), and
 the `Destination` it returns carries the other ranks' destinations (`ranks`), so that each rank of the sending
 engine writes its slice into the same rank's. The reservation's result (`wait`) is complete only when every rank's
 part landed with its checksum good (the checksum then combines the ranks', checksum.combine_ranks, as the sender's
@@ -68,9 +70,11 @@ class RankedReceiver:
 
     # ---- owner API (as KVReceiver's) ---------------------------------------------------------------
 
-    def reserve(self, request_id: str, block_ids: list[int], timeout_s: float = 30.0) -> Destination:
-        """The blocks in every rank's slice; TransferError (and nothing held) when a rank cannot reserve them."""
-        dst = self.local.reserve(request_id, block_ids, timeout_s)
+    def reserve(self, request_id: str, block_ids: list[int], timeout_s: float = 30.0,
+                sender_slices: int = 1) -> Destination:
+        """The blocks in every rank's slice, each for the sending ranks that fill its heads (`sender_slices`: as
+        KVReceiver.reserve); TransferError (and nothing held) when a rank cannot reserve them."""
+        dst = self.local.reserve(request_id, block_ids, timeout_s, sender_slices)
         parts = _Parts(request_id, [None] * self.size)
         with self._lock:
             self._drop_stale_locked(time.monotonic())
@@ -78,7 +82,8 @@ class RankedReceiver:
         self.local.on_result(request_id, lambda r: self._resolve(parts, 0, r))
         for link in self.links.links:
             try:
-                reply = link.request("reserve", rid=request_id, blocks=list(block_ids), timeout_s=timeout_s)
+                reply = link.request("reserve", rid=request_id, blocks=list(block_ids), timeout_s=timeout_s,
+                                     sender_slices=sender_slices)
                 dst.ranks.append(Destination.from_dict(reply))
             except (TransferError, ValueError) as exc:
                 parts.orphan = True

@@ -2,12 +2,13 @@
 
 `RankedSender` answers like a `KVSender` (connect, start, and the transfer's send_layers / send_all / finish /
 abort): rank 0's slice goes from here (a `KVSender` on it), every other rank's from its own endpoint
-(endpoint.py), into the receiving engine's pools (`Destination.ranks`, from its `RankedReceiver`). The transfer is
-made of parts, one per receiving pool, each from the one sending rank that holds the pool's heads
-(regroup.writers): rank r to rank r between engines sliced alike, each sending rank into the receiving slices of its
-heads when the receiving engine has more slices (2 -> 4), a one-rank engine (`local` on its whole pool, no links)
-into every slice. A receiving pool that would take heads from more than one sending rank (2 -> 1: one reservation
-has one writer) is refused (LayoutMismatchError), and so is a destination whose pools are not its slices in order.
+(endpoint.py), into the receiving engine's pools (`Destination.ranks`, from its `RankedReceiver`, or its one pool).
+The transfer is made of parts, one per (sending rank, receiving pool) with KV heads in common (regroup.writers):
+rank r to rank r between engines sliced alike, each sending rank into the receiving slices of its heads when the
+receiving engine has more slices (2 -> 4), several sending ranks into one receiving pool when it has fewer (2 -> 1,
+4 -> 2: the receiver's reservation expects that many writers, each filling its own heads), and a one-rank engine
+(`local` on its whole pool, no links) into every slice. A one-rank engine into one whole pool is its `KVSender`'s
+plain transfer. A destination whose pools are not its slices in order is refused (LayoutMismatchError).
 
 Rank 0 drives the push. Started on the engine thread (`connect=False`, a prefill node's prompt), the other ranks
 hear of the transfer in order with the engine's steps (`ordered`: LLMEngine.tell_rank_agent), before the step
@@ -236,9 +237,12 @@ class RankedSender:
                 raise TransferError(f"kv receiver {dst.address}: tensor-parallel rank {rank} did not connect: "
                                     f"{exc or type(exc).__name__}", "unreachable") from None
 
-    def start(self, dst: Destination | dict, src_block_ids: list[int], connect: bool = True) -> RankedTransfer:
+    def start(self, dst: Destination | dict, src_block_ids: list[int],
+              connect: bool = True) -> RankedTransfer | Transfer:
         """As KVSender.start, for every rank (see the module docstring for who sends when)."""
         dst = _parse(dst)
+        if self.size == 1 and not dst.ranks:   # one pool to one pool: nothing to combine
+            return self.local.start(dst, src_block_ids, connect)
         parts = self._plan(dst)
         local: list[tuple[_Part, Transfer]] = []
         try:
@@ -312,9 +316,9 @@ class RankedSender:
 
     def _plan(self, dst: Destination) -> list[_Part]:
         """The parts of a transfer into dst's engine: (sending rank, receiving pool) for every pair of pools with
-        KV heads in common (regroup.writers; rank r to rank r between engines sliced the same way), each for dst's
-        blocks (a lender may send fewer than were reserved). LayoutMismatchError when a receiving pool would take
-        KV from more than one sending rank (one writer per reservation) or dst's pools are not its rank slices."""
+        KV heads in common (regroup.writers; rank r to rank r between engines sliced the same way, several sending
+        ranks into one pool sliced over fewer ranks), each for dst's blocks (a lender may send fewer than were
+        reserved). LayoutMismatchError when the engines' KV does not fit or dst's pools are not its rank slices."""
         pools = [replace(dst, ranks=[]), *(replace(d, block_ids=list(dst.block_ids)) for d in dst.ranks)]
         try:
             layouts = [KVLayout.from_dict(d.layout) for d in pools]
@@ -325,16 +329,14 @@ class RankedSender:
                 raise LayoutMismatchError(
                     f"kv destination {dst.address}: its engine's KV is in {len(pools)} rank slice(s), its pool {d} is "
                     f"slice {lay.rank_slice} of {lay.rank_slices}")
+            self.layout.engine_layout().check_compatible(lay.engine_layout(), mine="sender", theirs="receiver")
         mine = [replace(self.layout, rank_slice=p) for p in range(self.size)]
         parts = []
         for d, found in enumerate(writers(mine, layouts)):
-            if len(found) != 1:
-                raise LayoutMismatchError(
-                    f"kv destination {dst.address}: its pool {d} of {len(pools)} takes KV heads from "
-                    f"{len(found)} of this engine's {self.size} rank slices: KV sliced per rank moves into a pool "
-                    "from one sending rank only (prefill slices no more than decode's, each a whole number of "
-                    "decode slices)")
-            parts.append(_Part(found[0], d, pools[d]))
+            if not found:
+                raise LayoutMismatchError(f"kv destination {dst.address}: its pool {d} of {len(pools)} has no KV head "
+                                          f"in common with this engine's {self.size} rank slices")
+            parts += [_Part(src, d, pools[d]) for src in found]
         by_rank: dict[int, list[str]] = {}
         for part in parts:
             by_rank.setdefault(part.src_rank, []).append(part.dst.address)

@@ -2,11 +2,17 @@
 hashes into the asking node's reserved blocks over the kv_transfer channels (shm on one host, tcp or a collective
 across hosts), then KVFetched with how many leading blocks it wrote and the receiver's checksum. A lender and an
 asking node of different tensor_parallel_size work too: the channel regroups the heads (kv_transfer/regroup.py).
+A pool sliced per tensor-parallel rank (a device, or `kv_pool_per_rank`) lends through the node's `RankedSender`:
+every rank writes its own slice over its own channel into the asking node's reservation (kv_transfer/per_rank/;
+rank r into rank r between nodes sliced alike), and one pool lends into a sliced one the same way (a one-rank
+`RankedSender` around the node's `KVSender` writes every slice).
 
 The blocks are pinned on the engine thread (`LLMEngine.pin_cached`: the allocator cannot hand them out, so nothing
-overwrites them mid-copy) and unpinned once the receiver acknowledged or the copy failed. Only the pool serves a
-fetch: blocks this node keeps in its host or disk tier are not lent (the router asks for pool blocks). At most
-MAX_LENDING copies run at once; more are answered with 0 blocks at once (the asking node computes instead).
+overwrites them mid-copy) and unpinned once the receiver acknowledged or the copy failed. Rank 0's pin holds every
+rank's slice: block ids are the same in every slice, and only rank 0's scheduler has any rank write a block. Only
+the pool serves a fetch: blocks this node keeps in its host or disk tier are not lent (the router asks for pool
+blocks). At most MAX_LENDING copies run at once; more are answered with 0 blocks at once (the asking node
+computes instead).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 from pdcluster.control.protocol import FetchKV, KVFetched
 from pdcluster.kv_transfer import Destination, KVSender
-from pdcluster.kv_transfer.per_rank import RankedSender
+from pdcluster.kv_transfer.per_rank import RankedSender, RankLinks
 from pdcluster.node.threads import started_pool
 
 if TYPE_CHECKING:
@@ -40,6 +46,7 @@ class KVLender:
         self.num_refused = 0            # asked while MAX_LENDING copies ran
         self._pool = started_pool(MAX_LENDING, "kv-lend")
         self._tasks: set[asyncio.Task] = set()
+        self._one_rank: RankedSender | None = None   # around a one-pool node's KVSender (`_ranked`)
 
     def handle(self, identity: bytes, msg: FetchKV) -> None:
         """On the event loop: start serving `msg` (or answer it at once)."""
@@ -70,8 +77,8 @@ class KVLender:
             if blocks:
                 part = replace(dst, block_ids=dst.block_ids[:len(blocks)])
                 loop = asyncio.get_running_loop()
-                checksum, backend = await loop.run_in_executor(self._pool, self._send, self.sender(), part, blocks,
-                                                               timeout)
+                checksum, backend = await loop.run_in_executor(self._pool, self._send, self._ranked(), part,
+                                                               blocks, timeout)
                 answer = KVFetched(rid=rid, num_blocks=len(blocks), checksum=checksum, kv_backend=backend)
         except Exception as exc:   # TimeoutError, TransferError (the asking node cancelled, died, refused)
             answer = KVFetched(rid=rid, error=f"{type(exc).__name__}: {exc}")
@@ -82,9 +89,20 @@ class KVLender:
             self.lending.discard(rid)
         self.reply(identity, answer)
 
+    def _ranked(self) -> RankedSender:
+        """The node's sender; a one-pool node's KVSender as a one-rank RankedSender, which also writes into a pool
+        sliced per rank (a destination with `ranks`) and is that KVSender's own transfer otherwise."""
+        sender = self.sender()
+        if isinstance(sender, RankedSender):
+            return sender
+        if self._one_rank is None or self._one_rank.local is not sender:
+            self._one_rank = RankedSender(sender, RankLinks([]), _no_ranks)
+        return self._one_rank
+
     @staticmethod
-    def _send(sender: KVSender | RankedSender, dst: Destination, blocks: list[int], timeout: float) -> tuple[int, str]:
-        transfer = sender.start(dst, blocks)   # connects (off the loop, in this pool's thread)
+    def _send(sender: RankedSender, dst: Destination, blocks: list[int], timeout: float) -> tuple[int, str]:
+        # connects (off the loop, in this pool's thread); every other rank is told over its link and sends at once
+        transfer = sender.start(dst, blocks, connect=True)
         transfer.send_all()
         return transfer.finish(timeout), transfer.backend
 
@@ -93,3 +111,7 @@ class KVLender:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _no_ranks(rank: int, message: dict) -> None:
+    raise AssertionError("a one-rank sender has no other rank to tell")   # only starts on the engine thread do

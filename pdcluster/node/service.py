@@ -30,7 +30,6 @@ from pdcluster.control.transport import LoadPublisher, RouterServer
 from pdcluster.engine.engine_thread import EngineThread
 from pdcluster.engine.stats import EngineStats
 from pdcluster.kv_transfer import KVSender
-from pdcluster.kv_transfer.backends import CHANNELS
 from pdcluster.kv_transfer.per_rank import RankedSender
 from pdcluster.monitor import DeviceUsageCollector
 from pdcluster.node.config import NodeConfig, check_host_is_here
@@ -248,10 +247,10 @@ class NodeService:
 
     def _peer_mismatch(self) -> str:
         """Why this node may not join, or "". KV moves between prefill and decode engines of one model of any
-        tensor_parallel_size as long as the heads can be regrouped on the way (`_regroup_refusal`), and between
-        pools sliced per rank only rank to rank (`_slicing_refusal`). Decode nodes run the proposer and rebuild its
-        state, so a prefill node needs no speculative_config; one that has one must have its decode nodes'
-        (anything else is a deployment that does not do what it says)."""
+        tensor_parallel_size as long as the heads can be regrouped on the way (`_regroup_refusal`), whether their
+        pools are sliced per rank alike, otherwise or not at all (`_slicing_refusal`). Decode nodes run the proposer
+        and rebuild its state, so a prefill node needs no speculative_config; one that has one must have its decode
+        nodes' (anything else is a deployment that does not do what it says)."""
         other = {"prefill": "decode", "decode": "prefill"}.get(self.role)
         mine, my_spec = self.config.tensor_parallel_size, self.speculative()
         for peer in self.view.nodes_by_role(other) if other else []:
@@ -274,15 +273,17 @@ class NodeService:
         return ""
 
     def _slicing_refusal(self, peer: NodeInfo) -> str:
-        """Why KV cannot move between this node and `peer` when either pool is sliced per rank, or "": between
-        pools sliced per rank each receiving slice takes its heads from one sending rank (kv_transfer/per_rank/:
-        rank r to rank r between engines sliced alike; prefill slices that each hold a whole number of decode
-        slices, e.g. 2 -> 4). Not built: a receiving pool filled by several sending ranks (prefill sliced over more
-        ranks than decode), and a pool that is not sliced feeding or fed by one that is."""
+        """Why KV cannot move between this node and `peer` when their pools are sliced per rank differently, or "".
+        Pools sliced alike move rank r to rank r; otherwise each receiving pool (a slice, or a whole pool) takes its
+        heads from every sending pool holding some of them (kv_transfer/per_rank/: a sending rank into the slices of
+        its heads, several sending ranks into one pool, their writes regrouped by the channels), whether either side
+        is sliced over more ranks or holds one pool (tensor_parallel_size 1, or a CPU engine without
+        kv_pool_per_rank). Refused: slices holding copies of a head (a model with fewer KV heads than a side's slices:
+        a slice's layout tells the model's heads only when none is replicated), and channels that cannot regroup
+        heads (`_regroup_refusal`: a device pool, a collective kv_backend)."""
         mine, theirs = self.kv_rank_slices(), peer.capacity.kv_rank_slices
         if mine == theirs:
             return ""
-        prefill, decode = (mine, theirs) if self.role == "prefill" else (theirs, mine)
         config = self.engine.model_config
         heads = config.num_kv_heads
 
@@ -291,30 +292,22 @@ class NodeService:
 
         pools = (f"this node's KV is {pool(mine, self.config.tensor_parallel_size)}, {peer.role} node {peer.node_id}'s "
                  f"is {pool(theirs, peer.capacity.tensor_parallel_size)} for model {peer.model!r}")
-        if prefill and decode and decode % prefill == 0:
-            if config.kv_latent_dim or heads >= decode:
-                return ""
-            # a slice's layout tells its model heads only when none is replicated (KVLayout.model_kv_heads)
-            return (f"{pools}: the model has {heads} KV heads, fewer than the decode node's {decode} rank slices "
-                    "(each would hold a copy of one): between pools sliced over different numbers of ranks that "
-                    "is not built")
-        return (f"{pools}: KV sliced per rank "
-                "(kv_pool_per_rank, or tensor parallelism on a device) moves only between pools both sliced per "
-                "rank, each decode slice fed by one prefill rank (prefill sliced over as many ranks as decode, or a "
-                "divisor of them)")
+        if not config.kv_latent_dim and heads < max(mine, theirs):
+            most = "this node's" if mine > theirs else f"the {peer.role} node's"
+            return (f"{pools}: the model has {heads} KV heads, fewer than {most} {max(mine, theirs)} rank slices (each "
+                    "would hold a copy of one): between pools sliced over different numbers of ranks that is not "
+                    "built")
+        why = self._regroup_refusal(peer)
+        return f"{pools}: {why}" if why else ""
 
     def _regroup_refusal(self, peer: NodeInfo) -> str:
-        """Why KV cannot move between this node and `peer` of another tensor_parallel_size, or "": only CPU pools
-        regroup heads, over shm, tcp or tcp+int8 (kv_transfer/regroup.py); a device pool's collective channels
-        move rank planes unchanged (and a device engine under TP moves its KV rank to rank: `_slicing_refusal`)."""
+        """Why KV cannot move between this node and `peer` of another tensor_parallel_size, or "": every channel
+        regroups heads (kv_transfer/regroup.py; the collectives and cuda_ipc on the receiver, tested on CPU through
+        gloo and cuda_ipc's host path), but nodes on a device pair only at the same size: regrouping between device
+        nodes has not run on hardware."""
         if self.engine.device.type != "cpu":
             return "KV moves between different tensor_parallel_size only between CPU pools (this one is on " \
-                   f"{self.engine.device.type})"
-        backend = CHANNELS.get(self.config.kv_backend)
-        if self.role == "prefill" and backend is not None and not backend.regroups:
-            return f"kv_backend {self.config.kv_backend} moves rank planes unchanged (auto, shm or tcp regroup heads)"
-        if self.role == "prefill" and peer.kv_backends and not set(peer.kv_backends) & {"shm", "tcp"}:
-            return f"its KV receiver offers {peer.kv_backends}, none of which regroups heads (shm, tcp)"
+                   f"{self.engine.device.type}: not run on a device yet)"
         return ""
 
     async def on_start(self) -> None:

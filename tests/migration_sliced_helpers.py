@@ -1,0 +1,123 @@
+"""Shared by tests/test_migration_sliced_pools.py: decode nodes whose KV pool is sliced per tensor-parallel rank
+(tensor_parallel_size 2, `kv_pool_per_rank` on CPU) on a tiny GQA model, a node's rank processes; and, without a
+cluster, a `KVLender` wired to a `PrefixFetches` (FetchKV and KVFetched handed over in process) whose KV moves for
+real between two engines sliced per rank (tests/rank_kv_helpers.py: rank 1 of each in its own process)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Callable
+
+import psutil
+from migration_helpers import MODEL_NAME, decode_cluster
+
+from pdcluster.cli.supervisor import LocalCluster
+
+SLICED = {"tensor_parallel_size": 2, "kv_pool_per_rank": True}
+
+
+def sliced_model(directory) -> str:
+    """Heads a tensor_parallel_size of 2 splits (4 KV heads: 2 per slice), long enough to decode 1200 tokens."""
+    from pdcluster.engine.testing import make_tiny_model
+
+    return make_tiny_model(str(directory / MODEL_NAME), "llama", num_attention_heads=8, num_key_value_heads=4,
+                           hidden_size=64, intermediate_size=128, max_position_embeddings=2048)
+
+
+def sliced_cluster(model: str, work, **router) -> LocalCluster:
+    return decode_cluster(model, work, node=SLICED, **router)
+
+
+def rank_processes(cluster: LocalCluster, node_id: str) -> list[psutil.Process]:
+    """The node's tensor-parallel rank processes (ranks 1..: spawned children, not multiprocessing's helpers)."""
+    node = psutil.Process(cluster.service(node_id).proc.pid)
+    return [p for p in node.children() if "spawn_main" in " ".join(p.cmdline()) and
+            "resource_tracker" not in " ".join(p.cmdline())]
+
+
+# ---- a lender and a fetch in one process ---------------------------------------------------------------------
+
+
+class FakeEngineThread:
+    """The engine thread as the lender and the fetch see it: `call` / `post` run at once on the event loop; the
+    lender's pins and the fetch's end are recorded."""
+
+    def __init__(self, cached: list[int]) -> None:
+        self.cached = cached   # the pool blocks published under the asked hashes
+        self.pinned: list[int] = []
+        self.done: list[tuple[str, list[int], int]] = []   # kv_fetch_done calls
+
+    def pin_cached(self, hashes: list[int]) -> list[int]:
+        blocks = self.cached[:len(hashes)]
+        self.pinned += blocks
+        return blocks
+
+    def unpin(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.pinned.remove(b)
+
+    def kv_fetch_done(self, rid: str, blocks: list[int], n: int) -> None:
+        self.done.append((rid, blocks, n))
+
+    def call(self, fn) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(fn(self))
+        return fut
+
+    def post(self, fn) -> None:
+        fn(self)
+
+
+@dataclass
+class Peers:
+    """PeerDealers between the asking node and the lender: FetchKV goes to `lender.handle` on the loop."""
+
+    lender: object = None
+    sent: list = field(default_factory=list)
+    on_send: Callable[[], None] | None = None   # e.g. a rank dies once the reservation is made
+
+    def send(self, node_id: str, addr: str, msg) -> bool:
+        self.sent.append(msg)
+        if self.on_send is not None:
+            self.on_send()
+        asyncio.get_running_loop().call_soon(self.lender.handle, b"asker", msg)   # type: ignore[attr-defined]
+        return True
+
+
+def view_of(holder: str, slices: int) -> SimpleNamespace:
+    """A cluster view holding one decode node `holder` whose pool is cut into `slices` rank slices."""
+    node = SimpleNamespace(role="decode", control_addr="tcp://127.0.0.1:1",
+                           capacity=SimpleNamespace(kv_rank_slices=slices))
+    return SimpleNamespace(nodes={holder: node})
+
+
+def fetch_once(sender, holder_slices: int, receiver, lend_engine: FakeEngineThread, fetch_engine: FakeEngineThread,
+               src: list[int], dst: list[int], on_send: Callable[[], None] | None = None) -> tuple[str, int, str]:
+    """Request "r1" on the asking node (`receiver`) fetches the blocks its holder "decode-0" (`sender`, its pool in
+    `holder_slices` rank slices; `lend_engine` has `src` cached) lends; (rid, blocks landed, why not all)."""
+    from prometheus_client import CollectorRegistry
+
+    from pdcluster.decode_node.prefix_fetch import PrefixFetches
+    from pdcluster.node.kv_lender import KVLender
+
+    ended: list[tuple[str, int, str]] = []
+
+    async def run() -> None:
+        tasks: set[asyncio.Task] = set()
+        peers = Peers(on_send=on_send)
+        fetches = PrefixFetches("decode-1", receiver, peers, view_of("decode-0", holder_slices),  # type: ignore
+                                fetch_engine, 20.0, 10.0, CollectorRegistry(),  # type: ignore[arg-type]
+                                lambda coro, name: tasks.add(asyncio.create_task(coro, name=name)))
+        lender = KVLender(lend_engine, lambda: sender,  # type: ignore[arg-type]
+                          lambda who, msg: fetches.answered("decode-0", msg))
+        peers.lender = lender
+        done = asyncio.Event()
+        fetches.on_end = lambda rid, n, why: (ended.append((rid, n, why)), done.set())  # type: ignore[func-returns-value]
+        fetches.start("r1", dst, [101 + i for i in range(len(dst))], "decode-0")
+        await asyncio.wait_for(done.wait(), 30)
+        await asyncio.wait_for(lender.close(), 10)
+
+    asyncio.run(run())
+    return ended[0]
