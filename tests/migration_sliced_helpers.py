@@ -6,16 +6,20 @@ real between two engines sliced per rank (tests/rank_kv_helpers.py: rank 1 of ea
 from __future__ import annotations
 
 import asyncio
+import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Callable
 
 import psutil
-from migration_helpers import MODEL_NAME, decode_cluster
+from cluster_helpers import client, complete, wait_idle
+from migration_helpers import BLOCK, CLUSTER, MODEL_NAME, decode_cluster, metric, only, reference, router_metric
 
+from pdcluster.cli.admin import drain_node, set_state
 from pdcluster.cli.supervisor import LocalCluster
 
 SLICED = {"tensor_parallel_size": 2, "kv_pool_per_rank": True}
+PROMPT, OUTPUT = 60, 1200
 
 
 def sliced_model(directory) -> str:
@@ -28,6 +32,41 @@ def sliced_model(directory) -> str:
 
 def sliced_cluster(model: str, work, **router) -> LocalCluster:
     return decode_cluster(model, work, node=SLICED, **router)
+
+
+async def drain_moves_the_stream_with_its_kv(cluster: LocalCluster, model: str, seed: int) -> None:
+    """A stream decoding on decode-0 moves to decode-1 by `pdcluster drain decode-0 --migrate`: the same tokens as
+    the offline engine, its history's KV copied (every block but the partial last one), nothing recomputed but the
+    last token, decode-0 exits cleanly and decode-1 holds nothing afterwards."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 400) for _ in range(PROMPT)]
+    (want,) = reference(model, [prompt], OUTPUT)
+    await only(cluster, "decode-0")   # the stream starts on decode-0
+    progress = [0]
+    stream = asyncio.create_task(complete(client(cluster), MODEL_NAME, prompt, OUTPUT, progress=progress))
+    while progress[0] < 24:
+        assert not stream.done(), stream.result()
+        await asyncio.sleep(0.02)
+    computed = metric(cluster, "decode-1", "pdcluster_node_prefill_tokens_total")
+    drain = asyncio.create_task(drain_node([cluster.etcd], CLUSTER, "decode-0", timeout=90, migrate=True))
+    await asyncio.sleep(0.3)
+    assert not stream.done(), "the stream ended before the drain: make OUTPUT longer"
+    await set_state([cluster.etcd], CLUSTER, "decode-1", "active")
+    await asyncio.wait_for(drain, 120)
+    out = await asyncio.wait_for(stream, 180)
+    assert out.text == want and out.usage == OUTPUT and out.finish == "length"
+    fetched = metric(cluster, "decode-1", "pdcluster_node_kv_fetched_blocks_total")
+    recomputed = metric(cluster, "decode-1", "pdcluster_node_prefill_tokens_total") - computed
+    assert fetched >= (PROMPT + 24) // BLOCK - 1, (fetched, recomputed)
+    assert metric(cluster, "decode-1", 'pdcluster_node_pre_copies_total{outcome="ok"}') == 1
+    assert metric(cluster, "decode-1", 'pdcluster_node_kv_fetches_total{outcome="failed"}') == 0
+    # every rank's slice landed on decode-1: nothing of the history computed again, only the last token (which
+    # samples the next one)
+    assert router_metric(cluster, "pdcluster_router_resumed_recomputed_tokens_total") == 0
+    assert router_metric(cluster, "pdcluster_router_migrations_total") == 1
+    assert recomputed == 1, (fetched, recomputed)
+    assert not cluster.service("decode-0").alive or cluster.service("decode-0").proc.wait(30) == 0
+    wait_idle(cluster)   # no block used or reserved on decode-1 (on every rank)
 
 
 def rank_processes(cluster: LocalCluster, node_id: str) -> list[psutil.Process]:

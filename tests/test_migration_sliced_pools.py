@@ -18,13 +18,20 @@ import pytest
 import torch
 from cluster_helpers import client, complete, wait_idle
 from migration_helpers import BLOCK, CLUSTER, MODEL_NAME, metric, only, reference, router_metric
-from migration_sliced_helpers import FakeEngineThread, fetch_once, rank_processes, sliced_cluster, sliced_model
+from migration_sliced_helpers import (
+    OUTPUT,
+    PROMPT,
+    FakeEngineThread,
+    drain_moves_the_stream_with_its_kv,
+    fetch_once,
+    rank_processes,
+    sliced_cluster,
+    sliced_model,
+)
 from rank_kv_helpers import SlicedEngine
 
 from pdcluster.cli.admin import drain_node, set_state
 from pdcluster.kv_transfer import KVReceiver, KVSender, sweep_dead_pools
-
-PROMPT, OUTPUT = 60, 1200
 
 
 @pytest.fixture(scope="module")
@@ -35,36 +42,8 @@ def model(tmp_path_factory):
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 async def test_drain_migrate_moves_a_stream_with_every_ranks_kv_and_recomputes_nothing(model, tmp_path):
-    rng = random.Random(3)
-    prompt = [rng.randrange(3, 400) for _ in range(PROMPT)]
-    (want,) = reference(model, [prompt], OUTPUT)
     with sliced_cluster(model, tmp_path) as cluster:
-        await only(cluster, "decode-0")   # the stream starts on decode-0
-        progress = [0]
-        stream = asyncio.create_task(complete(client(cluster), MODEL_NAME, prompt, OUTPUT, progress=progress))
-        while progress[0] < 24:
-            assert not stream.done(), stream.result()
-            await asyncio.sleep(0.02)
-        computed = metric(cluster, "decode-1", "pdcluster_node_prefill_tokens_total")
-        drain = asyncio.create_task(drain_node([cluster.etcd], CLUSTER, "decode-0", timeout=90, migrate=True))
-        await asyncio.sleep(0.3)
-        assert not stream.done(), "the stream ended before the drain: make OUTPUT longer"
-        await set_state([cluster.etcd], CLUSTER, "decode-1", "active")
-        await asyncio.wait_for(drain, 120)
-        out = await asyncio.wait_for(stream, 180)
-        assert out.text == want and out.usage == OUTPUT and out.finish == "length"
-        fetched = metric(cluster, "decode-1", "pdcluster_node_kv_fetched_blocks_total")
-        recomputed = metric(cluster, "decode-1", "pdcluster_node_prefill_tokens_total") - computed
-        assert fetched >= (PROMPT + 24) // BLOCK - 1, (fetched, recomputed)
-        assert metric(cluster, "decode-1", 'pdcluster_node_pre_copies_total{outcome="ok"}') == 1
-        assert metric(cluster, "decode-1", 'pdcluster_node_kv_fetches_total{outcome="failed"}') == 0
-        # every rank's slice landed on decode-1: nothing of the history computed again, only the last token (which
-        # samples the next one)
-        assert router_metric(cluster, "pdcluster_router_resumed_recomputed_tokens_total") == 0
-        assert router_metric(cluster, "pdcluster_router_migrations_total") == 1
-        assert recomputed == 1, (fetched, recomputed)
-        assert not cluster.service("decode-0").alive or cluster.service("decode-0").proc.wait(30) == 0
-        wait_idle(cluster)   # no block used or reserved on decode-1 (on every rank)
+        await drain_moves_the_stream_with_its_kv(cluster, model, seed=3)
 
 
 @pytest.mark.cluster

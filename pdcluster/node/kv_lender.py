@@ -47,6 +47,7 @@ class KVLender:
         self._pool = started_pool(MAX_LENDING, "kv-lend")
         self._tasks: set[asyncio.Task] = set()
         self._one_rank: RankedSender | None = None   # around a one-pool node's KVSender (`_ranked`)
+        self._lent = False   # whether a copy asked for the node's sender (made on first use)
 
     def handle(self, identity: bytes, msg: FetchKV) -> None:
         """On the event loop: start serving `msg` (or answer it at once)."""
@@ -76,6 +77,7 @@ class KVLender:
             blocks = await self.engine_thread.call(lambda e: e.pin_cached(hashes))
             if blocks:
                 part = replace(dst, block_ids=dst.block_ids[:len(blocks)])
+                self._lent = True
                 loop = asyncio.get_running_loop()
                 checksum, backend = await loop.run_in_executor(self._pool, self._send, self._ranked(), part,
                                                                blocks, timeout)
@@ -88,6 +90,13 @@ class KVLender:
                 self.engine_thread.post(lambda e: e.unpin(blocks))
             self.lending.discard(rid)
         self.reply(identity, answer)
+
+    def keep_peers(self, addresses: list[str]) -> None:
+        """Forget the connections to asking nodes whose receiver (its rank 0 KV address) is not in `addresses`: a
+        node that left, or restarted on a new address (on every rank; off the loop, since closing a collective's
+        group may block). Nothing when this node has not lent yet."""
+        if self._lent:
+            self._pool.submit(self._ranked().keep_peers, addresses)
 
     def _ranked(self) -> RankedSender:
         """The node's sender; a one-pool node's KVSender as a one-rank RankedSender, which also writes into a pool
