@@ -22,7 +22,7 @@ import torch
 
 from pdcluster.kv_transfer.checksum import row_words, words
 from pdcluster.kv_transfer.destination import Destination
-from pdcluster.kv_transfer.layout import KVLayout, byte_view
+from pdcluster.kv_transfer.layout import KVLayout, RankSlice, byte_view
 from pdcluster.kv_transfer.tcp import Wire
 
 if TYPE_CHECKING:
@@ -35,9 +35,9 @@ DstRuns = list[tuple[int, int]]  # (dst_start, n), as a write header carries the
 class PoolViews:
     """A local KV pool and the views channels read and write it through (built once per endpoint)."""
 
-    def __init__(self, pool: torch.Tensor, total_kv_heads: int | None = None,
-                 rank_slice: tuple[int, int] | None = None):
-        """`rank_slice`: (rank, ranks) when the pool is one rank's slice of an engine sliced per rank."""
+    def __init__(self, pool: torch.Tensor, total_kv_heads: int | None = None, rank_slice: RankSlice | None = None):
+        """`rank_slice`: (rank, ranks[, model KV heads]) when the pool is one rank's slice of an engine sliced per
+        rank (KVLayout.sliced)."""
         self.tensor = pool
         self.layout = KVLayout.of(pool, total_kv_heads)
         if rank_slice is not None:

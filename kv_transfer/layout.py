@@ -44,6 +44,9 @@ from pdcluster.device import kv_planes, pool_shape, rank_kv_heads, row_scale_byt
 from pdcluster.kv_transfer.errors import LayoutMismatchError
 
 LAYOUT_VERSION = 2
+# `KVLayout.sliced`'s arguments, as the KV endpoints take them: (rank, ranks), or (rank, ranks, the model's KV heads),
+# needed when the model has fewer KV heads than ranks (each slice then holds a copy of one)
+RankSlice = tuple[int, int] | tuple[int, int, int]
 # total_kv_heads is compared between the engines' layouts (engine_layout: a slice's model heads); how the heads are
 # split (ranks, slices) is regroup.py's concern
 _CHECKED_FIELDS = ("version", "dtype", "latent", "num_layers", "block_size", "total_kv_heads", "head_dim",
@@ -111,12 +114,12 @@ class KVLayout:
     def sliced(self, rank: int, ranks: int, model_kv_heads: int = 0) -> "KVLayout":
         """This layout as rank `rank`'s slice of an engine whose `ranks` ranks each hold their own (ranks 1: as is);
         `model_kv_heads`: the model's KV heads, needed only when it has fewer than ranks (each slice then holds a
-        copy of one head); default num_kv_heads * ranks."""
+        copy of one head; ignored for a latent pool, whose every slice is the whole latent); default
+        num_kv_heads * ranks."""
         if not 0 <= rank < ranks:
             raise ValueError(f"rank_slice: expected 0 <= rank < {ranks}, got {rank}")
-        sliced = replace(self, rank_slices=ranks, rank_slice=rank,
-                         model_kv_heads=0 if ranks == 1 or model_kv_heads == self.num_kv_heads * ranks
-                         else model_kv_heads)
+        named = ranks > 1 and not self.latent and model_kv_heads != self.num_kv_heads * ranks
+        sliced = replace(self, rank_slices=ranks, rank_slice=rank, model_kv_heads=model_kv_heads if named else 0)
         sliced.engine_layout()   # ValueError when the heads do not split so
         return sliced
 

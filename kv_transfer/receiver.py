@@ -32,7 +32,7 @@ from pdcluster.kv_transfer.cuda_ipc_channel import device_uuid
 from pdcluster.kv_transfer.destination import Destination, host_id
 from pdcluster.kv_transfer.errors import LayoutMismatchError, TransferError
 from pdcluster.kv_transfer.handshake import Gate, hello_ok_mac
-from pdcluster.kv_transfer.layout import KVLayout
+from pdcluster.kv_transfer.layout import KVLayout, RankSlice
 from pdcluster.kv_transfer.regroup import regroup_for, writer_count
 from pdcluster.kv_transfer.reservations import Reservation, ReservationTable, State, TransferResult
 from pdcluster.kv_transfer.shm import block_tags, token_tag
@@ -93,15 +93,16 @@ class KVReceiver:
         max_pending: int = 64,
         auth_timeout: float = 2.0,
         total_kv_heads: int | None = None,
-        rank_slice: tuple[int, int] | None = None,
+        rank_slice: RankSlice | None = None,
     ):
         """`auth_key` (the cluster secret's KV key): a connection must prove it holds it before anything is
         done for it; None accepts any sender (no cluster secret configured). `io_timeout`: a sender
         connection's socket timeout (keepalive notices a silent peer sooner); `shm_grace_s`: how long a failed
         reservation a same-host copy may still touch holds its blocks; `auth_timeout`: how long an
         unauthenticated connection may take to send its hello; `total_kv_heads`: the model's KV heads, when fewer
-        than the pool's tensor-parallel ranks (KVLayout.of); `rank_slice`: (rank, ranks) when the pool is one rank's
-        slice of an engine sliced per rank (per_rank/)."""
+        than the pool's tensor-parallel ranks (KVLayout.of); `rank_slice`: (rank, ranks[, model KV heads]) when the pool
+        is one rank's slice of an engine sliced per rank (per_rank/; the model's heads when fewer than ranks:
+        KVLayout.sliced)."""
         self.pool = pool
         self.views = PoolViews(pool, total_kv_heads, rank_slice)
         self.layout = self.views.layout

@@ -2,12 +2,16 @@
 
 A pool holds each rank's heads in that rank's K and V planes (layout.py); rank r holds the model's heads
 `KVLayout.rank_heads(r)`. Between a sender of one split and a receiver of another, each receiver (rank, head)
-slot takes its head from the first sender rank that holds it: `pieces` lists those as runs of consecutive heads,
+slot takes its head from one sender rank that holds it: `pieces` lists those as runs of consecutive heads,
 the same for every layer, K and V. Either pool may be one rank's slice of its engine (layout.py `rank_slices`,
 kv_transfer/per_rank/): the heads are mapped between the engines (`engine_layout`) and a slice keeps its own rank's
 pieces, so a pair of pools moves the heads it has in common (a whole pool sends a receiving slice just its heads,
 row by row over tcp: `tiles`; a sending slice fills part of a receiving pool, whose checksum then covers just the
-slots it fills: `fills`). Who moves the heads (docs/kv_transfer.md "Heterogeneous tensor parallelism"):
+slots it fills: `fills`). A receiving pool takes each head once, from the first sender rank holding it; where the
+model has fewer KV heads than slices, the receiving pools holding copies of a head take it from the sender ranks
+holding it in turn (engines sliced alike: rank r from rank r), so a sending slice holding a copy that another sends
+into that pool sends nothing there and is no writer of it (`writers`, `writer_count`). Who moves the heads
+(docs/kv_transfer.md "Heterogeneous tensor parallelism"):
 
 - shm (`copy`): the sender writes the receiver's layout straight into the mapped pool, one strided torch copy
   per (piece, K/V, run) covering the write's layers; no staging.
@@ -81,14 +85,22 @@ class Regroup:
         takes from it, and a receiving slice takes just its heads. LayoutMismatchError when they share none."""
         self.src, self.dst = src, dst
         se, de = src.engine_layout(), dst.engine_layout()
-        holder: dict[int, tuple[int, int]] = {}   # model head -> (first sender rank holding it, its index there)
+        holders: dict[int, list[tuple[int, int]]] = {}   # model head -> every (sender rank, index there) holding it
         for r in range(se.tensor_parallel_size):
             for i, head in enumerate(se.rank_heads(r)):
-                holder.setdefault(head, (r, i))
+                holders.setdefault(head, []).append((r, i))
+        takers: dict[int, list[int]] = {}   # model head -> the receiving pools holding it (a rank of a sliced engine)
+        for r in range(de.tensor_parallel_size):
+            for head in de.rank_heads(r):
+                if _pool(dst, r) not in takers.setdefault(head, []):
+                    takers[head].append(_pool(dst, r))
         pieces: list[Piece] = []
         for r in range(de.tensor_parallel_size):
             for i, head in enumerate(de.rank_heads(r)):
-                sr, si = holder[head]
+                # the c-th of a head's k receiving pools takes it from the c * len(held) // k-th sender rank holding
+                # it: the first for one pool, each receiving slice's copy its own sender (sliced alike: rank r's)
+                held, took = holders[head], takers[head]
+                sr, si = held[took.index(_pool(dst, r)) * len(held) // len(took)]
                 last = pieces[-1] if pieces else None
                 if last is not None and (last.dst_rank, last.src_rank) == (r, sr) \
                         and (last.dst_head + last.n, last.src_head + last.n) == (i, si):
@@ -216,6 +228,11 @@ class Regroup:
         planes = dst_row_words.reshape(dst_row_words.shape[0], dst_row_words.shape[1], -1)
         r = self.dst.planes(l0, l1)
         return checksum_runs(planes, runs, r.start, r.stop)
+
+
+def _pool(layout: KVLayout, rank: int) -> int:
+    """Which pool of its engine holds engine rank `rank`'s heads: that rank's own slice, or the one whole pool."""
+    return rank if layout.rank_slices > 1 else 0
 
 
 def _row_views(flat: memoryview, layout: KVLayout, pieces: list[tuple[int, int, int]], runs: list[tuple[int, int]],

@@ -33,7 +33,7 @@ from pdcluster.kv_transfer.checksum import combine
 from pdcluster.kv_transfer.destination import Destination
 from pdcluster.kv_transfer.errors import ChecksumError, StaleReservationError, TransferError, from_code
 from pdcluster.kv_transfer.handshake import client_handshake
-from pdcluster.kv_transfer.layout import KVLayout, runs
+from pdcluster.kv_transfer.layout import KVLayout, RankSlice, runs
 from pdcluster.kv_transfer.regroup import regroup_for
 from pdcluster.kv_transfer.tcp import WIRE_VERSION, IdleTimeout, Wire, configure
 
@@ -466,11 +466,12 @@ class KVSender:
         io_timeout: float = 10.0,
         auth_key: bytes | None = None,
         total_kv_heads: int | None = None,
-        rank_slice: tuple[int, int] | None = None,
+        rank_slice: RankSlice | None = None,
     ):
         """`auth_key`: the cluster secret's KV key, proven to every receiver (and asked of it) in the handshake.
         `total_kv_heads`: the model's KV heads, when fewer than the pool's tensor-parallel ranks (KVLayout.of).
-        `rank_slice`: (rank, ranks) when the pool is one rank's slice of an engine sliced per rank (per_rank/)."""
+        `rank_slice`: (rank, ranks[, model KV heads]) when the pool is one rank's slice of an engine sliced per rank
+        (per_rank/; the model's heads when fewer than ranks: KVLayout.sliced)."""
         if backend != "auto" and backend not in CHANNELS:
             raise ValueError(f"backend: expected auto or one of {list(CHANNELS)}, got {backend!r}")
         if quant not in (None, "int8"):

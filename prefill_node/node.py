@@ -280,6 +280,9 @@ class PrefillNode(NodeService):
             try:
                 checksum = await self.loop.run_in_executor(self._acks, transfer.finish, self.kv_ack_timeout)
                 self.metrics.transfers.labels(backend).inc()
+                # the wire's bytes, as the decode node counts them (not the connector's estimate: a rank slice holding
+                # a copy of a head another slice sends sends nothing, a slice filling several receiving pools more)
+                outgoing.nbytes = transfer.sent_bytes
                 self.metrics.transfer_bytes.labels(backend).inc(outgoing.nbytes)
                 self.kv_bytes_moved += outgoing.nbytes
                 self.metrics.transfer_seconds.labels(backend).observe(time.monotonic() - outgoing.first_write)

@@ -35,3 +35,11 @@ def split(kv: torch.Tensor, tp: int, out: torch.Tensor | None = None) -> torch.T
         heads = rank_kv_heads(total, r, tp)
         pool[:, 2 * r:2 * r + 2] = kv[:, :, :, :, heads.start:heads.stop]
     return pool
+
+
+def assert_landed(pools: list[torch.Tensor], expected: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """Each receiving pool holds its expected pool's blocks `src` in its blocks `dst`, and nothing anywhere else."""
+    for got, want in zip(pools, expected, strict=True):
+        assert torch.equal(got[:, :, dst], want[:, :, src])
+        untouched = [b for b in range(want.shape[2]) if b not in dst]
+        assert not got[:, :, untouched].any()

@@ -324,32 +324,32 @@ def test_prefill_and_decode_nodes_of_different_tp_answer_like_tp1_and_transforme
         assert total(after, 'pdcluster_node_prefills_total{path="local"}') == 0
 
 
-@pytest.mark.parametrize("role, device, backend, offers, refusal", [
-    ("prefill", "cpu", "auto", ["shm", "tcp"], ""),
-    ("prefill", "cpu", "tcp", ["tcp"], ""),
-    ("decode", "cpu", "auto", [], ""),
-    ("prefill", "cpu", "gloo", ["shm", "tcp", "gloo"], ""),   # every channel regroups
-    ("prefill", "cpu", "auto", ["gloo"], ""),
-    ("decode", "cuda", "auto", [], "only between CPU pools (this one is on cuda: not run on a device yet)"),
-])
-def test_registration_refuses_a_tp_mismatch_only_on_a_device(role, device, backend, offers, refusal):
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("mine, peer_slices, peer_tp", [(1, 0, 2), (2, 0, 1), (2, 2, 2), (2, 4, 4), (4, 2, 2),
+                                                        (4, 0, 1)])
+@pytest.mark.parametrize("spec, peer_spec", [("", ""), ("ngram", "ngram"), ("ngram", "")])
+def test_registration_pairs_any_tp_sizes_and_refuses_only_another_speculative_config(role, device, mine, peer_slices,
+                                                                                     peer_tp, spec, peer_spec):
+    """Nodes of one model pair whatever their tensor_parallel_size and however their pools are sliced, on CPU and on
+    a device (every channel regroups heads: tests/test_kv_device_regroup.py, test_kv_slice_regroup.py); a prefill
+    node with a speculative_config its decode peer does not have is the one mismatch refused."""
     from types import SimpleNamespace
 
     from pdcluster.control.records import Capacity, NodeInfo
     from pdcluster.node.service import NodeService
 
     other = "decode" if role == "prefill" else "prefill"
-    peer = NodeInfo(node_id=f"{other}-0", role=other, model="m", kv_backends=offers,
-                    capacity=Capacity(tensor_parallel_size=2))
-    node = SimpleNamespace(role=role, config=SimpleNamespace(tensor_parallel_size=1, kv_backend=backend),
-                           engine=SimpleNamespace(device=torch.device(device), rank_sliced_pool=False),
-                           speculative=lambda: "",
-                           served_model_name=lambda: "m", view=SimpleNamespace(nodes_by_role=lambda r: [peer]))
-    node._regroup_refusal = lambda p: NodeService._regroup_refusal(node, p)
-    node._slicing_refusal = lambda p: NodeService._slicing_refusal(node, p)
-    node.kv_rank_slices = lambda: NodeService.kv_rank_slices(node)
+    peer = NodeInfo(node_id=f"{other}-0", role=other, model="m", kv_backends=["tcp"], speculative=peer_spec,
+                    capacity=Capacity(tensor_parallel_size=peer_tp, kv_rank_slices=peer_slices))
+    node = SimpleNamespace(role=role, config=SimpleNamespace(tensor_parallel_size=mine),
+                           engine=SimpleNamespace(device=torch.device(device), rank_sliced_pool=mine > 1),
+                           speculative=lambda: spec, served_model_name=lambda: "m",
+                           view=SimpleNamespace(nodes_by_role=lambda r: [peer]))
     why = NodeService._peer_mismatch(node)
-    if refusal:
-        assert why.startswith(f"tensor_parallel_size 1 differs from {other} node {other}-0's 2") and refusal in why
+    prefill_spec, decode_spec = (spec, peer_spec) if role == "prefill" else (peer_spec, spec)
+    if prefill_spec and prefill_spec != decode_spec:
+        assert why.startswith(f"speculative_config {spec or 'none'} differs from {other} node {other}-0's "
+                              f"{peer_spec or 'none'}") and why.endswith("refusing to register"), why
     else:
-        assert why == ""
+        assert why == "", why

@@ -8,7 +8,10 @@ wire carries only the pair's heads (row by row when the receiver takes some of a
 sender writes the receiver's slots; the checksum of each pair covers just the slots it fills, so a receiver slice
 filled by two sender slices (prefill TP 2 -> decode TP 1) verifies each part on its own. After every pair moved,
 each receiving pool holds exactly what a whole pool of its engine would, and a pair with no heads in common is
-refused at the handshake naming both slices.
+refused at the handshake naming both slices. A model with fewer KV heads (2) than a side's slices (4): each
+receiving pool reserves for, and takes each head once from, one sending slice holding it (a copy beside it stays
+home), into every slot holding a copy, over every channel that regroups (tcp, shm, tcp+int8, gloo, cuda_ipc's host
+path), byte-exact with the writers' checksums adding up to what landed.
 
 Then driven by rank 0 (per_rank/sender.py plans one part per receiving pool, from the one sending rank holding its
 heads): a one-rank engine into two slices, TP 2 into TP 4 slices (rank 1 from its own process, layer by layer),
@@ -21,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from kv_pool_helpers import model_kv, split
+from kv_pool_helpers import assert_landed, model_kv, split
 
 from pdcluster.kv_transfer import KVLayout, KVReceiver, KVSender, LayoutMismatchError, SharedKVPool, TransferError
 from pdcluster.kv_transfer.regroup import Regroup
@@ -70,10 +74,10 @@ def test_every_pair_moves_its_common_heads_and_the_receiving_pools_hold_the_whol
     try:
         for d, shm in enumerate(shms):
             receivers.append(KVReceiver(shm.tensor, shm_name=shm.name, total_kv_heads=None if dst_sliced else total,
-                                        rank_slice=(d, dst_tp, total) if dst_sliced else None))  # type: ignore[arg-type]
+                                        rank_slice=(d, dst_tp, total) if dst_sliced else None))
         for p, pool in enumerate(src_pools):
             senders.append(KVSender(pool, backend=backend, total_kv_heads=None if src_sliced else total,
-                                    rank_slice=(p, src_tp, total) if src_sliced else None))  # type: ignore[arg-type]
+                                    rank_slice=(p, src_tp, total) if src_sliced else None))
         wire, layers = 0, kv.shape[0]
         for d, rx in enumerate(receivers):
             parts = 0
@@ -94,10 +98,7 @@ def test_every_pair_moves_its_common_heads_and_the_receiving_pools_hold_the_whol
                 wire += res.nbytes
                 assert res.nbytes == len(SRC) * layers * pair.wire_layer_bytes
             assert parts >= 1
-        for e, shm in zip(expected, shms, strict=True):
-            assert torch.equal(shm.tensor[:, :, DST], e[:, :, SRC])
-            untouched = [b for b in range(e.shape[2]) if b not in DST]
-            assert not shm.tensor[:, :, untouched].any()
+        assert_landed([shm.tensor for shm in shms], expected, SRC, DST)
         if backend == "tcp" and total >= max(src_tp, dst_tp):
             # the wire carried every head the receivers hold once, no head a pair does not share
             row = kv.shape[-1] * kv.element_size()
@@ -145,6 +146,120 @@ def test_latent_slices_are_copies_of_the_whole_latent_and_move_rank_to_rank():
     assert writers([latent.sliced(0, 2), a], [latent.sliced(0, 2), b]) == [[0], [1]]
     assert writers([latent.sliced(r, 2) for r in (0, 1)], [latent.sliced(r, 4) for r in range(4)]) == \
         [[0], [0], [1], [1]]
+
+
+# ---- a model of 2 KV heads: slices holding copies of a head beside an engine sliced otherwise ------------------
+
+# (sender ranks, receiver ranks, sender sliced, receiver sliced) of a 2-KV-head model: a side of 4 ranks holds each
+# head twice
+COPIES = [
+    (4, 2, True, True),    # a device's TP 4 prefill -> TP 2 decode: ranks 1 and 3 hold copies ranks 0 and 2 send
+    (2, 4, True, True),    # TP 2 -> TP 4: each sending rank fills the two receiving slices holding its head
+    (4, 1, True, False),   # TP 4 sliced -> one whole pool: two writers
+    (1, 4, False, True),   # one whole pool -> TP 4 slices
+    (4, 2, True, False),   # TP 4 sliced -> a CPU TP 2 engine's one pool
+    (2, 4, False, True),   # a CPU TP 2 engine's one pool -> TP 4 slices
+    (4, 4, True, False),   # TP 4 sliced -> a CPU TP 4 engine's one pool (holding each head twice too)
+]
+CHANNELS = ["tcp", "shm", "tcp+int8", "gloo", "cuda_ipc"]   # cuda_ipc over host memory (its CPU path)
+
+
+def _int8_exact(kv: torch.Tensor) -> torch.Tensor:
+    """Model KV that the int8 wire compression (one scale per plane, block and head: quant.py) carries exactly:
+    multiples of 1/16 whose largest in each (plane, block, head) is 127/16."""
+    k = (kv * 40).round().clamp(-126, 126)
+    k[:, :, :, 0, :, 0] = 127
+    return k / 16
+
+
+def test_each_receiving_pool_takes_each_head_once_from_one_sending_slice():
+    """The plan of who writes what (regroup.writers, as RankedSender plans and writer_count reserves): a sending slice
+    holding a copy of a head another slice sends into that pool sends nothing there; a receiving slice holding a copy
+    takes it from a sending slice holding it (rank r from rank r between engines sliced alike)."""
+    from pdcluster.kv_transfer.regroup import writer_count, writers
+
+    one = torch.zeros(2, 2, 4, 4, 1, 8)   # a slice holding one head
+    tp4, tp2 = [KVLayout.of(one).sliced(r, 4, 2) for r in range(4)], [KVLayout.of(one).sliced(r, 2) for r in range(2)]
+    whole1, whole2 = KVLayout.of(torch.zeros(2, 2, 4, 4, 2, 8)), KVLayout.of(torch.zeros(2, 4, 4, 4, 1, 8))
+    whole4 = KVLayout.of(torch.zeros(2, 8, 4, 4, 1, 8), 2)
+    assert writers(tp4, tp2) == [[0], [2]]
+    assert writers(tp2, tp4) == [[0], [0], [1], [1]]
+    assert writers(tp4, [whole1]) == writers(tp4, [whole2]) == writers(tp4, [whole4]) == [[0, 2]]
+    assert writers(tp4, tp4) == [[0], [1], [2], [3]]
+    assert writers([whole1], tp4) == writers([whole4], tp4) == [[0]] * 4
+    assert [writer_count(d, 4) for d in (*tp2, whole1, whole2, whole4)] == [1, 1, 2, 2, 2]
+    assert [writer_count(d, 2) for d in tp4] == [1] * 4
+    into_whole4 = Regroup(tp4[2], whole4)   # head 1 into both its slots, once on the wire
+    assert [(p.dst_rank, p.src_head, p.copy_of is not None) for p in into_whole4.pieces] == [(2, 0, False),
+                                                                                             (3, 0, True)]
+    assert into_whole4.wire_layer_bytes == tp4[2].layer_bytes and not into_whole4.fills
+    with pytest.raises(LayoutMismatchError, match="no KV heads in common"):
+        Regroup(tp4[1], tp2[0])   # rank 1's copy of head 0: rank 0 sends it
+
+
+@pytest.mark.parametrize("backend", CHANNELS)
+@pytest.mark.parametrize("src_tp, dst_tp, src_sliced, dst_sliced", COPIES)
+def test_slices_holding_copies_of_a_head_move_into_pools_sliced_otherwise(monkeypatch, backend, src_tp, dst_tp,
+                                                                          src_sliced, dst_sliced):
+    """Every receiving pool reserves once for the writers the sending engine has there (writer_count) and every
+    sending pool holding heads for it writes into that reservation, layer by layer: the pools then hold exactly the
+    source's heads (each copy filled), each writer's checksum is acknowledged, and they add up to what landed; over
+    tcp each head a receiving pool holds crossed the wire once for it."""
+    from pdcluster.kv_transfer import cuda_ipc_channel as ipc
+    from pdcluster.kv_transfer.checksum import MASK64
+    from pdcluster.kv_transfer.regroup import writer_count, writers
+
+    total, dtype = 2, torch.float32
+    if backend == "cuda_ipc":
+        monkeypatch.setenv(ipc.CPU_PATH_ENV, "1")   # never picked by auto
+    kv = _int8_exact(model_kv(src_tp * 5 + dst_tp, total, dtype))
+    src_pools = _pools(kv, src_tp, src_sliced)
+    if backend == "cuda_ipc":
+        src_pools = [ipc.share_cpu_pool(p) for p in src_pools]
+    src_layouts = _layouts(src_pools, total, src_tp, src_sliced)
+    expected = _pools(kv, dst_tp, dst_sliced)
+    shms = [SharedKVPool.create(tuple(e.shape), dtype) for e in expected]
+    dst_layouts = _layouts([s.tensor for s in shms], total, dst_tp, dst_sliced)
+    sender_slices = src_tp if src_sliced else 0
+    receivers, senders = [], []
+    try:
+        for d, shm in enumerate(shms):
+            receivers.append(KVReceiver(shm.tensor, shm_name=shm.name, total_kv_heads=None if dst_sliced else total,
+                                        rank_slice=(d, dst_tp, total) if dst_sliced else None))
+        for p, pool in enumerate(src_pools):
+            senders.append(KVSender(pool, backend=backend.split("+")[0], quant="int8" if "+" in backend else None,
+                                    total_kv_heads=None if src_sliced else total,
+                                    rank_slice=(p, src_tp, total) if src_sliced else None))
+        layers, wire = kv.shape[0], 0
+        for d, (rx, plan) in enumerate(zip(receivers, writers(src_layouts, dst_layouts), strict=True)):
+            assert plan and len(plan) == writer_count(dst_layouts[d], sender_slices)
+            rid = f"copies-{d}"
+            dst = rx.reserve(rid, DST, timeout_s=30, sender_slices=sender_slices)
+            transfers = [senders[p].start(dst, SRC) for p in plan]
+            for layer in range(layers):
+                for t in transfers:
+                    t.send_layers(layer, layer + 1)
+            with ThreadPoolExecutor(len(transfers)) as finishing:   # each writer announces its done; acked together
+                acked = list(finishing.map(lambda t: t.finish(30), transfers))   # each raises unless ack = its sum
+            res = asyncio.run(rx.wait(rid, 30))
+            assert res.ok and res.checksum == sum(acked) & MASK64
+            assert res.nbytes == sum(t.sent_bytes for t in transfers)
+            if backend == "tcp":
+                assert res.nbytes == len(SRC) * layers * sum(Regroup(src_layouts[p], dst_layouts[d]).wire_layer_bytes
+                                                             for p in plan)
+            wire += res.nbytes
+        assert_landed([shm.tensor for shm in shms], expected, SRC, DST)
+        if backend == "tcp":   # every head a receiving pool holds, once for that pool
+            row = kv.shape[-1] * kv.element_size()
+            assert wire == len(SRC) * layers * 2 * kv.shape[3] * row * sum(len(d.held_heads()) for d in dst_layouts)
+        assert all(rx.num_active_reservations == 0 for rx in receivers)
+    finally:
+        for tx in senders:
+            tx.close()
+        for rx in receivers:
+            rx.close()
+        for shm in shms:
+            shm.close()
 
 
 # ---- driven by rank 0: RankedSender into RankedReceiver (ranks >= 1 in processes of their own) ----------------

@@ -58,6 +58,7 @@ class RankEndpointSpec:
     connect_timeout: float = 5.0
     auth_key: bytes | None = None
     finish_timeout: float = 30.0   # the longest a transfer waits for the receiver's ack
+    model_kv_heads: int = 0   # the model's KV heads (KVLayout.sliced: needed when fewer than ranks, each a copy of one)
 
     def __call__(self, pool: torch.Tensor, rank: int, size: int) -> "RankEndpoint":
         return RankEndpoint(self, pool, rank, size)
@@ -69,10 +70,11 @@ class RankEndpoint:
         self.kv_pool = self.shm.tensor if self.shm is not None else None   # the engine moves the rank's pool here
         self.pool = self.kv_pool if self.kv_pool is not None else pool
         self.spec, self.rank, self.size = spec, rank, size
+        self.rank_slice = (rank, size, spec.model_kv_heads)
         self.num_layers = pool.shape[0]
         self.receiver = KVReceiver(self.pool, host=spec.host, port=spec.kv_port + rank if spec.kv_port else 0,
                                    shm_name=self.shm.name if self.shm is not None else None, auth_key=spec.auth_key,
-                                   rank_slice=(rank, size)) if spec.receive else None
+                                   rank_slice=self.rank_slice) if spec.receive else None
         self._sender: KVSender | None = None
         self._lock = threading.Lock()
         self._transfers: dict[int, Transfer] = {}   # by rank 0's transfer id, until finished and reported
@@ -88,7 +90,7 @@ class RankEndpoint:
             if self._sender is None:
                 s = self.spec
                 self._sender = KVSender(self.pool, backend=s.backend, connect_timeout=s.connect_timeout,
-                                        auth_key=s.auth_key, rank_slice=(self.rank, self.size))
+                                        auth_key=s.auth_key, rank_slice=self.rank_slice)
             return self._sender
 
     # ---- the engine's calls (the rank's main thread) -----------------------------------------------

@@ -7,8 +7,10 @@ The transfer is made of parts, one per (sending rank, receiving pool) with KV he
 rank r to rank r between engines sliced alike, each sending rank into the receiving slices of its heads when the
 receiving engine has more slices (2 -> 4), several sending ranks into one receiving pool when it has fewer (2 -> 1,
 4 -> 2: the receiver's reservation expects that many writers, each filling its own heads), and a one-rank engine
-(`local` on its whole pool, no links) into every slice. A one-rank engine into one whole pool is its `KVSender`'s
-plain transfer. A destination whose pools are not its slices in order is refused (LayoutMismatchError).
+(`local` on its whole pool, no links) into every slice. Where the model has fewer KV heads than slices, a sending
+rank holding a copy of a head another rank sends into a pool has no part there (regroup.py). A one-rank engine into
+one whole pool is its `KVSender`'s plain transfer. A destination whose pools are not its slices in order is refused
+(LayoutMismatchError).
 
 Rank 0 drives the push. Started on the engine thread (`connect=False`, a prefill node's prompt), the other ranks
 hear of the transfer in order with the engine's steps (`ordered`: LLMEngine.tell_rank_agent), before the step
@@ -63,6 +65,7 @@ class RankedTransfer:
         self._cond = threading.Condition()
         self._reported: set[int] = set()   # the remote parts (by tid) that reported
         self._acked: dict[int, int] = {}   # receiving rank -> checksum its receiver acknowledged
+        self._remote_bytes = 0   # wire bytes of the remote parts acknowledged
         self._failures: list[TransferError] = []   # as they came
         self._checksum: int | None = None
 
@@ -103,6 +106,12 @@ class RankedTransfer:
     @property
     def checksum(self) -> int | None:
         return self._checksum
+
+    @property
+    def sent_bytes(self) -> int:
+        """Wire bytes of every part (a remote one's once acknowledged: all of them when `finish` returned)."""
+        with self._cond:
+            return sum(t.sent_bytes for _, t in self._locals) + self._remote_bytes
 
     def send_layers(self, l0: int, l1: int) -> None:
         """Rank 0's layers [l0, l1); the other ranks send theirs as their own step computes them."""
@@ -165,6 +174,7 @@ class RankedTransfer:
             if frame.get("ok"):
                 self._acked[part.dst_rank] = (self._acked.get(part.dst_rank, 0) + int(frame.get("checksum") or 0)) \
                     & MASK64
+                self._remote_bytes += int(frame.get("nbytes") or 0)
             self._cond.notify_all()
         if frame.get("ok"):
             self._sender.remote_bytes(int(frame.get("nbytes") or 0))

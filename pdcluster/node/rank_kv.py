@@ -30,14 +30,14 @@ class RankKV:
         spec = RankEndpointSpec(receive=receive, shared_memory=engine.device.type == "cpu", host=config.host,
                                 kv_port=config.kv_port, backend=config.kv_backend,
                                 connect_timeout=config.kv_connect_timeout, auth_key=auth_key,
-                                finish_timeout=config.kv_ack_timeout)
+                                finish_timeout=config.kv_ack_timeout, model_kv_heads=engine.model_config.num_kv_heads)
         infos = engine.start_rank_agents(spec)
         return cls(engine, RankLinks([info["link"] for info in infos]), [info["kv_addr"] for info in infos])
 
     @property
-    def rank_slice(self) -> tuple[int, int]:
-        """Rank 0's place among the slices."""
-        return 0, self.links.size
+    def rank_slice(self) -> tuple[int, int, int]:
+        """Rank 0's place among the slices, and the model's KV heads (fewer than slices: each holds a copy of one)."""
+        return 0, self.links.size, self.engine.model_config.num_kv_heads
 
     def sender(self, local: KVSender) -> RankedSender:
         """Rank 0's `local` sender (on its slice, `rank_slice`) with every other rank's; starts made on the engine

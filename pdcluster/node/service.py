@@ -247,67 +247,22 @@ class NodeService:
 
     def _peer_mismatch(self) -> str:
         """Why this node may not join, or "". KV moves between prefill and decode engines of one model of any
-        tensor_parallel_size as long as the heads can be regrouped on the way (`_regroup_refusal`), whether their
-        pools are sliced per rank alike, otherwise or not at all (`_slicing_refusal`). Decode nodes run the proposer
-        and rebuild its state, so a prefill node needs no speculative_config; one that has one must have its decode
-        nodes' (anything else is a deployment that does not do what it says)."""
+        tensor_parallel_size, whether their pools are sliced per rank alike, otherwise or not at all (each receiving
+        pool takes its heads from every sending pool holding some of them, the channels regrouping them on the way:
+        kv_transfer/regroup.py, kv_transfer/per_rank/), so only speculative_config is checked: decode nodes run the
+        proposer and rebuild its state, so a prefill node needs none; one that has one must have its decode nodes'
+        (anything else is a deployment that does not do what it says)."""
         other = {"prefill": "decode", "decode": "prefill"}.get(self.role)
-        mine, my_spec = self.config.tensor_parallel_size, self.speculative()
+        my_spec = self.speculative()
         for peer in self.view.nodes_by_role(other) if other else []:
             if peer.model != self.served_model_name():
                 continue
-            sliced = self._slicing_refusal(peer)
-            if sliced:
-                return f"{sliced}; refusing to register"
-            theirs = peer.capacity.tensor_parallel_size
-            why = self._regroup_refusal(peer) if theirs and theirs != mine else ""
-            if why:
-                return (f"tensor_parallel_size {mine} differs from {other} node {peer.node_id}'s {theirs} for model "
-                        f"{peer.model!r}: {why}; refusing to register")
             prefill_spec, decode_spec = (my_spec, peer.speculative) if self.role == "prefill" \
                 else (peer.speculative, my_spec)
             if prefill_spec and prefill_spec != decode_spec:
                 return (f"speculative_config {my_spec or 'none'} differs from {other} node {peer.node_id}'s "
                         f"{peer.speculative or 'none'} for model {peer.model!r}: a prefill node has no "
                         "speculative_config or its decode nodes'; refusing to register")
-        return ""
-
-    def _slicing_refusal(self, peer: NodeInfo) -> str:
-        """Why KV cannot move between this node and `peer` when their pools are sliced per rank differently, or "".
-        Pools sliced alike move rank r to rank r; otherwise each receiving pool (a slice, or a whole pool) takes its
-        heads from every sending pool holding some of them (kv_transfer/per_rank/: a sending rank into the slices of
-        its heads, several sending ranks into one pool, their writes regrouped by the channels), whether either side
-        is sliced over more ranks or holds one pool (tensor_parallel_size 1, or a CPU engine without
-        kv_pool_per_rank). Refused: slices holding copies of a head (a model with fewer KV heads than a side's slices:
-        a slice's layout tells the model's heads only when none is replicated), and channels that cannot regroup
-        heads (`_regroup_refusal`: a device pool, a collective kv_backend)."""
-        mine, theirs = self.kv_rank_slices(), peer.capacity.kv_rank_slices
-        if mine == theirs:
-            return ""
-        config = self.engine.model_config
-        heads = config.num_kv_heads
-
-        def pool(slices: int, tp: int) -> str:
-            return f"sliced per rank over {slices} ranks" if slices else f"one pool (tensor_parallel_size {tp})"
-
-        pools = (f"this node's KV is {pool(mine, self.config.tensor_parallel_size)}, {peer.role} node {peer.node_id}'s "
-                 f"is {pool(theirs, peer.capacity.tensor_parallel_size)} for model {peer.model!r}")
-        if not config.kv_latent_dim and heads < max(mine, theirs):
-            most = "this node's" if mine > theirs else f"the {peer.role} node's"
-            return (f"{pools}: the model has {heads} KV heads, fewer than {most} {max(mine, theirs)} rank slices (each "
-                    "would hold a copy of one): between pools sliced over different numbers of ranks that is not "
-                    "built")
-        why = self._regroup_refusal(peer)
-        return f"{pools}: {why}" if why else ""
-
-    def _regroup_refusal(self, peer: NodeInfo) -> str:
-        """Why KV cannot move between this node and `peer` of another tensor_parallel_size, or "": every channel
-        regroups heads (kv_transfer/regroup.py; the collectives and cuda_ipc on the receiver, tested on CPU through
-        gloo and cuda_ipc's host path), but nodes on a device pair only at the same size: regrouping between device
-        nodes has not run on hardware."""
-        if self.engine.device.type != "cpu":
-            return "KV moves between different tensor_parallel_size only between CPU pools (this one is on " \
-                   f"{self.engine.device.type}: not run on a device yet)"
         return ""
 
     async def on_start(self) -> None:
@@ -484,6 +439,8 @@ class NodeService:
 
     def _on_view_change(self, event: str, node_id: str | None) -> None:
         if event.startswith("node_") and node_id is not None and node_id != self.node_id:
+            if event == "node_removed":   # only decode nodes ask for KV
+                self.lender.keep_peers([n.kv_addr for n in self.view.nodes_by_role("decode")])
             self.on_peer_change(event, node_id)
         if node_id not in (None, self.node_id):
             return
