@@ -20,6 +20,9 @@ turns the disk tier off with a warning; serving goes on with the host tier.
 
 Threads: the engine thread calls `submit_store`, `submit_load`, `lookup`, `poll`; the worker owns the tiers'
 contents. The index of which hashes a tier holds is shared under one lock.
+
+A pool sliced per tensor-parallel rank keeps this class on rank 0, for rank 0's slice, and mirrors every change
+of its index on the other ranks (`mirror`; engine/rank_tiers.py).
 """
 
 from __future__ import annotations
@@ -50,11 +53,14 @@ SUFFIX = ".kvblock"
 MAX_PENDING_STORES = 512             # blocks pinned for a store at once; past it new blocks are not offloaded
 
 
-def layout_key(seed: int, pool: KVCachePool) -> int:
+def layout_key(seed: int, pool: KVCachePool, rank_slice: tuple[int, int] | None = None) -> int:
     """A 63-bit key of what a stored block's bytes mean: the engine's hash seed (checkpoint, dtypes, block size,
-    salt: `LLMEngine.hash_seed`), the pool's dtype and shape but for the block count, this format's version.
-    Stable across processes (blake2b, not Python's hash)."""
-    parts = (FORMAT_VERSION, seed, pool.dtype, tuple(pool.tensor.shape[:2]), tuple(pool.tensor.shape[3:]))
+    salt: `LLMEngine.hash_seed`), the pool's dtype and shape but for the block count, this format's version, and
+    for a pool sliced per rank which slice (rank, ranks) the bytes are. Stable across processes (blake2b, not
+    Python's hash)."""
+    parts: tuple = (FORMAT_VERSION, seed, pool.dtype, tuple(pool.tensor.shape[:2]), tuple(pool.tensor.shape[3:]))
+    if rank_slice is not None:
+        parts += rank_slice
     text = "|".join(str(p) for p in parts).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
 
@@ -75,17 +81,18 @@ class TierStats:
 
 
 @dataclass
-class _Load:
+class TierLoad:
     request_id: str
     blocks: list[int]
     hashes: list[int]
     done: int = 0                    # leading blocks copied into the pool
+    job: int = 0                     # a sliced pool's: which load the ranks' reports are about
 
 
 @dataclass
-class _Poll:
+class TierPoll:
     stored: list[int] = field(default_factory=list)          # blocks whose store finished (unpin them)
-    loaded: list[_Load] = field(default_factory=list)
+    loaded: list[TierLoad] = field(default_factory=list)
 
 
 class HostTier:
@@ -105,6 +112,12 @@ class HostTier:
         h, block = self.entries.popitem(last=False)
         self.nbytes -= block.numel() * block.element_size()
         return h, block
+
+    def drop(self, h: int) -> bool:
+        block = self.entries.pop(h, None)
+        if block is not None:
+            self.nbytes -= block.numel() * block.element_size()
+        return block is not None
 
 
 class DiskTier:
@@ -185,11 +198,14 @@ class KVTiers:
         self.stats = TierStats()
         self.events: KVEventLog | None = None  # what enters and leaves each tier, for a cluster index
         self._lock = threading.Lock()          # guards the tiers' indexes and `_done`
-        self._done = _Poll()
+        self._done = TierPoll()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()         # set when `_done` gains something
         self.pending_stores = 0                # engine thread only
         self.pending_loads = 0
+        # a sliced pool's: what left or moved in the index since the other ranks heard ("spill" | "drop" | "unlink",
+        # hash), under the lock; None: no other rank mirrors these tiers
+        self.mirror: list[tuple[str, int]] | None = None
         self._thread = threading.Thread(target=self._work, name="kv-tiers", daemon=True)
         self._thread.start()
 
@@ -219,28 +235,44 @@ class KVTiers:
             self.stats.dropped_stores += 1
             return False
         self.pending_stores += 1
-        self._jobs.put(("store", block, h))
+        self._submit(("store", block, h))
         return True
 
     def submit_load(self, request_id: str, blocks: list[int], hashes: list[int]) -> None:
         """Copy the tiers' blocks `hashes` into pinned pool `blocks`, in order, stopping at the first one missing."""
         self.pending_loads += 1
-        self._jobs.put(("load", _Load(request_id, list(blocks), list(hashes))))
+        self._submit(("load", TierLoad(request_id, list(blocks), list(hashes))))
 
-    def poll(self, timeout: float = 0.0) -> _Poll:
+    def _submit(self, job: tuple) -> None:
+        self._jobs.put(job)
+
+    def flush(self) -> None:
+        """Hand on what was submitted since the last call (here the worker has it already; a sliced pool's other
+        ranks hear it in one message)."""
+
+    def poll(self, timeout: float = 0.0) -> TierPoll:
         """What finished since the last call (waiting up to `timeout` for something when nothing has)."""
+        done = self._finished(timeout)
+        self.pending_stores -= len(done.stored)
+        self.pending_loads -= len(done.loaded)
+        return done
+
+    def _finished(self, timeout: float) -> TierPoll:
         if timeout > 0 and not self._wake.is_set():
             self._wake.wait(timeout)
         with self._lock:
-            done, self._done = self._done, _Poll()
+            done, self._done = self._done, TierPoll()
             self._wake.clear()
-        self.pending_stores -= len(done.stored)
-        self.pending_loads -= len(done.loaded)
         return done
 
     def _event(self, op: int, tier: int, h: int) -> None:
         if self.events is not None:
             self.events.add(op, tier, h)
+
+    def _tell(self, op: str, h: int) -> None:
+        """Under the lock: the index lost or moved `h`; the other ranks' copies follow (engine/rank_tiers.py)."""
+        if self.mirror is not None:
+            self.mirror.append((op, h))
 
     def snapshot(self, limit: int) -> tuple[list[int], list[int]]:
         """(host, disk) hashes, most recently used first, at most `limit` of each."""
@@ -288,8 +320,7 @@ class KVTiers:
             if h in self.host.entries:
                 self.host.entries.move_to_end(h)
                 return
-        copy = torch.empty(self.pool.block(block).shape, dtype=self.pool.dtype, pin_memory=self.host.pin)
-        copy.copy_(self.pool.block(block))
+        copy = copy_out(self.pool, block, self.host.pin)
         evicted = []
         with self._lock:
             self.host.put(h, copy)
@@ -305,38 +336,50 @@ class KVTiers:
     def _to_disk(self, h: int, block: torch.Tensor) -> None:
         disk = self.disk
         if disk is None:
+            with self._lock:
+                self._tell("drop", h)
             return
         try:
-            size = disk.write_file(h, _bytes(block))
+            size = disk.write_file(h, raw_bytes(block))
         except OSError as e:
             with self._lock:
-                self.stats.disk_errors += 1
-                self.stats.disk_disabled = True
-                self.disk = None
-                for old in disk.sizes:
-                    self._event(EVICTED, DISK, old)
-            log.warning("KV disk tier %s turned off: %s (serving goes on with the host tier)", disk.path, e)
+                self._tell("drop", h)
+            self.disk_failed(disk, str(e))
             return
         with self._lock:
             disk.add(h, size)
             self._event(STORED, DISK, h)
+            self._tell("spill", h)
             self.stats.disk_writes += 1
             while disk.nbytes > disk.capacity and disk.sizes:
                 old = next(iter(disk.sizes))
                 disk.delete(old)
                 self._event(EVICTED, DISK, old)
+                self._tell("unlink", old)
                 self.stats.disk_evictions += 1
 
-    def _load(self, job: _Load) -> None:
+    def disk_failed(self, disk: DiskTier, error: str) -> None:
+        """Turn the disk tier off: a write failed (disk full, I/O error)."""
+        with self._lock:
+            if self.disk is not disk:
+                return
+            self.stats.disk_errors += 1
+            self.stats.disk_disabled = True
+            self.disk = None
+            for old in disk.sizes:
+                self._event(EVICTED, DISK, old)
+                self._tell("unlink", old)
+        log.warning("KV disk tier %s turned off: %s (serving goes on with the host tier)", disk.path, error)
+
+    def _load(self, job: TierLoad) -> None:
         for block, h in zip(job.blocks, job.hashes, strict=True):
             with self._lock:
                 entry = self.host.entries.get(h)
                 if entry is not None:
                     self.host.entries.move_to_end(h)
                 disk = self.disk if entry is None and self.disk is not None and h in self.disk.sizes else None
-            dst = self.pool.block(block)
             if entry is not None:
-                dst.copy_(entry)
+                copy_in(self.pool, block, entry)
                 self.stats.loaded_host_blocks += 1
             else:
                 payload = disk.read_file(h, self.block_bytes) if disk is not None else None
@@ -347,14 +390,28 @@ class KVTiers:
                         with self._lock:
                             disk.delete(h)
                             self._event(EVICTED, DISK, h)
+                            self._tell("unlink", h)
                     self.stats.failed_loads += 1
                     return
-                src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.pool.dtype)
-                dst.copy_(src.view(dst.shape))
+                copy_in(self.pool, block, payload)
                 self.stats.loaded_disk_blocks += 1
             job.done += 1
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def copy_out(pool: KVCachePool, block: int, pin: bool) -> torch.Tensor:
+    """Pool block `block` (every layer and plane) as a new contiguous host tensor."""
+    copy = torch.empty(pool.block(block).shape, dtype=pool.dtype, pin_memory=pin)
+    return copy.copy_(pool.block(block))
+
+
+def copy_in(pool: KVCachePool, block: int, src: torch.Tensor | bytes) -> None:
+    """A block `copy_out` made, or a disk file's payload of it, into pool block `block`."""
+    dst = pool.block(block)
+    if isinstance(src, bytes):
+        src = torch.frombuffer(bytearray(src), dtype=torch.uint8).view(pool.dtype).view(dst.shape)
+    dst.copy_(src)
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes, without a copy."""
     return t.reshape(-1).view(torch.uint8).numpy().data

@@ -32,6 +32,7 @@ from pdcluster.engine.model_runner import ModelRunner
 from pdcluster.engine.outputs import CompletionOutput, RequestOutput
 from pdcluster.engine.parallel import check_tensor_parallel
 from pdcluster.engine.rank_agent import RankAgentFactory
+from pdcluster.engine.rank_tiers import SlicedKVTiers
 from pdcluster.engine.scheduler import ScheduledBatch, Scheduler, resolve_batched_tokens
 from pdcluster.engine.sequence import Sequence, SequenceStatus
 from pdcluster.engine.speculative.head_proposer import HeadProposer
@@ -140,19 +141,21 @@ class LLMEngine:
         a = self.args
         if not (a.kv_offload_host_bytes or a.kv_offload_disk_bytes):
             return None
-        if self.rank_sliced_pool:
-            raise ValueError("kv_offload_*: the KV tiers need the whole pool in one tensor; with "
-                             "tensor_parallel_size > 1 on a device (or kv_pool_per_rank) each rank holds its own "
-                             "slice (not supported yet)")
         if self.proposer is not None and self.proposer.writes_kv:
             raise ValueError("kv_offload_*: not available with a speculative drafter that keeps its own KV "
                              "(draft_model): the tiers would restore the target's KV without the drafter's")
         if not a.enable_prefix_caching or a.streaming_window or a.attention_sinks:
             raise ValueError("kv_offload_*: the KV tiers hold prefix-cached blocks: they need enable_prefix_caching "
                              "(and no StreamingLLM)")
-        key = layout_key(self.hash_seed, self.kv_pool)
-        tiers = KVTiers(self.kv_pool, a.kv_offload_host_bytes, a.kv_offload_disk_path or None,
-                        a.kv_offload_disk_bytes, key)
+        path = a.kv_offload_disk_path or None
+        tiers: KVTiers
+        if self.rank_sliced_pool:   # each rank its slice of every block (engine/rank_tiers.py)
+            assert self.runner.workers is not None
+            tiers = SlicedKVTiers(self.kv_pool, a.kv_offload_host_bytes, path, a.kv_offload_disk_bytes,
+                                  self.hash_seed, self.runner.workers)
+        else:
+            tiers = KVTiers(self.kv_pool, a.kv_offload_host_bytes, path, a.kv_offload_disk_bytes,
+                            layout_key(self.hash_seed, self.kv_pool))
         self.scheduler.tiers = tiers
         self.scheduler.block_manager.record_published()
         return tiers
@@ -161,7 +164,8 @@ class LLMEngine:
     def rank_sliced_pool(self) -> bool:
         """Tensor parallelism on a device, or with `kv_pool_per_rank`: each rank's KV pool is its own slice in its
         own process, so rank 0's pool is not the whole KV: it moves rank by rank (each rank's KV agent,
-        `start_rank_agents`: P/D, prefix fetch, live migration), and no KV tier holds it (`_make_tiers`)."""
+        `start_rank_agents`: P/D, prefix fetch, live migration), and each rank keeps its slice of the KV tiers'
+        blocks, rank 0's tiers deciding for all (`_make_tiers`, engine/rank_tiers.py)."""
         return self.tp_size > 1 and (self.device.type != "cpu" or self.args.kv_pool_per_rank)
 
     @property
@@ -169,8 +173,8 @@ class LLMEngine:
         """Whether a prefix's blocks may be copied to another node and back exactly (prefix fetch, live
         migration): not with a drafter's own KV or StreamingLLM. A pool sliced per rank copies too, each rank its
         slice over its own channel (the node's RankedSender / RankedReceiver): block ids are the same in every
-        slice and only rank 0's scheduler hands them out, so `pin_cached` here holds every rank's. The KV tiers
-        still need the whole pool in one tensor (`_make_tiers` refuses a sliced one)."""
+        slice and only rank 0's scheduler hands them out, so `pin_cached` here holds every rank's (the KV tiers
+        store and load a sliced pool's blocks the same way: every rank its slice, rank 0 deciding)."""
         return not (self.proposer is not None and self.proposer.writes_kv) \
             and self.scheduler.block_manager.enable_prefix_caching
 
@@ -492,6 +496,7 @@ class LLMEngine:
             bm.pin(b)
             if not self.tiers.submit_store(b, h):
                 bm.unpin(b)
+        self.tiers.flush()
 
     def _propose(self) -> None:
         """Drafts for every sequence that decodes next step, as many as the draft policy gives it

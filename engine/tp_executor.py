@@ -125,6 +125,18 @@ class TPWorkers:
         ranks' pipes)."""
         self.ring.send_control(("to_agent", message), [self.conns[rank - 1]])
 
+    def start_tiers(self, specs: list[Any]) -> None:
+        """Rank r starts its slice of the KV tiers from `specs[r - 1]` (engine/rank_tiers.py)."""
+        for conn, spec in zip(self.conns, specs, strict=True):
+            self.ring.send_control(("tiers", spec), [conn])
+        for rank, reply in enumerate(self._replies(self.timeout_s), start=1):
+            if reply[0] != "tiers":
+                raise TPWorkerError(f"tensor-parallel rank {rank}: its KV tiers did not start:\n{reply[1]}")
+
+    def tell_tiers(self, message: Any) -> None:
+        """`message` to every rank's KV tiers, in order with the steps (the engine thread only)."""
+        self.ring.send_control(("to_tiers", message), self.conns)
+
     def broadcast(self, inputs: StepInputs) -> None:
         if self.dead is not None:
             raise self.dead

@@ -20,6 +20,7 @@ from pdcluster.engine.lora.request import LoRAConfig
 if TYPE_CHECKING:   # (torch loads in main, after SIGINT is ignored)
     from pdcluster.engine.kv_cache import RankPools
     from pdcluster.engine.rank_agent import RankAgent, RankAgentFactory
+    from pdcluster.engine.rank_tiers import MirrorSpec, TierMirror
 
 log = logging.getLogger(__name__)
 IDLE_POLL_S = 1.0   # how often an idle worker checks that rank 0 is still there
@@ -86,6 +87,7 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
     reply(conn, "ready")
     agent: RankAgent | None = None   # the node's code on this rank's KV slice (engine/rank_agent.py)
     pools: RankPools | None = None
+    tiers: TierMirror | None = None   # its slice of the KV tiers' blocks (engine/rank_tiers.py)
     try:
         while True:
             msg = ring.read(reader, conn, IDLE_POLL_S)
@@ -106,6 +108,11 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
             elif body[0] == "to_agent":
                 if agent is not None:
                     agent.on_message(body[1])
+            elif body[0] == "tiers":
+                tiers = _start_tiers(body[1], runner, spec, conn)
+            elif body[0] == "to_tiers":
+                if tiers is not None:
+                    tiers.on_message(body[1])
             elif body[0] == "stop":
                 return 0
     except (EOFError, OSError):   # rank 0 is gone
@@ -116,6 +123,8 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
     finally:
         if agent is not None:
             agent.close()
+        if tiers is not None:
+            tiers.close()
         leave_group()
 
 
@@ -138,3 +147,17 @@ def _start_agent(factory: RankAgentFactory, runner, pools: RankPools | None, dev
         return None
     reply(conn, "agent", agent.info)
     return agent
+
+
+def _start_tiers(mirror: MirrorSpec, runner, spec: WorkerSpec, conn: Connection) -> TierMirror | None:
+    """This rank's slice of the KV tiers' blocks; rank 0 hears that it started, or why not."""
+    from pdcluster.engine.rank_tiers import TierMirror
+
+    try:
+        tiers = TierMirror(mirror, lambda: runner.kv_pool)
+    except Exception:
+        mirror.report.close()
+        reply(conn, "error", f"rank {spec.rank}: {traceback.format_exc()}")
+        return None
+    reply(conn, "tiers")
+    return tiers
