@@ -340,8 +340,8 @@ def test_a_one_rank_engine_pushes_into_an_engine_sliced_over_two_ranks(backend):
 
 def test_an_engine_sliced_over_two_ranks_pushes_into_one_sliced_over_four():
     """TP 2 -> TP 4, both sliced: each sending rank writes the two receiving slices whose heads it holds (rank 1
-    from its own process during its step), one combined checksum on both sides; then the pairings that would
-    need two writers in one receiving pool (TP 2 -> TP 1) are refused naming both."""
+    from its own process during its step), one combined checksum on both sides; then sending rank 1 dies
+    mid-transfer: both sides fail at once and nothing stays reserved."""
     from contextlib import ExitStack
 
     from rank_kv_helpers import RankProcess, slice_kv
