@@ -6,6 +6,7 @@ keys and the transformers 5 `rope_parameters` key). The engine knobs are `engine
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -41,6 +42,20 @@ def cpu_computes_natively(dtype: torch.dtype) -> bool:
         if dtype == torch.float16:
             return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     except (AttributeError, RuntimeError):
+        pass
+    return False
+
+
+@functools.cache
+def cpu_has_amx(dtype: torch.dtype) -> bool:
+    """Whether this CPU has AMX tiles for `dtype` (bf16: AMX-BF16, Sapphire Rapids on; fp16: AMX-FP16, Granite
+    Rapids on): oneDNN's GEMMs, torch's CPU flash attention among them, then run on the tiles."""
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.cpu._is_amx_tile_supported())
+        if dtype == torch.float16:
+            return bool(torch.cpu._is_amx_fp16_supported())
+    except AttributeError:   # a torch without the probes
         pass
     return False
 

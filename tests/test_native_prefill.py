@@ -109,3 +109,27 @@ def test_cpu_backend_prefill_equals_torch_backend(dtype, cached, window):
         ref = TorchAttentionBackend(hq, hkv, d)._prefill(q, new_k, new_v, k_cache, v_cache, chunk, window)
         tol = 1e-5 if dtype == torch.float32 else 2.0 ** -5
         assert (cpu.float() - ref.float()).abs().max().item() < tol
+
+
+@needs_compiler
+@pytest.mark.parametrize("amx", [False, True])
+def test_cpu_backend_prefill_takes_torch_flash_where_the_cpu_has_amx(monkeypatch, amx):
+    """With AMX for the query dtype, a bf16 prefill goes to torch's flash SDPA (on the tiles, 3-4x the kernel:
+    docs/benchmarks.md "Prefill attention"); without it, and for an int8 pool either way, to the native kernel."""
+    from pdcluster.engine.attention import cpu_backend
+
+    monkeypatch.setattr(cpu_backend, "cpu_has_amx", lambda dtype: amx and dtype == torch.bfloat16)
+    calls = []
+    real = native.paged_prefill
+    monkeypatch.setattr(native, "paged_prefill", lambda *a, **kw: calls.append(a[1].dtype) or real(*a, **kw))
+    n, hq, hkv, d, bs, cached = 45, 8, 4, 64, 16, 50
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, k_cache, v_cache, table = prefill_case(dtype, cached, n, hq, hkv, d, bs, seed=3)
+        chunk = PrefillChunk(start=0, end=n, num_cached=cached, block_table=table)
+        out = CpuAttentionBackend(hq, hkv, d)._prefill(q, k[cached:], v[cached:], k_cache, v_cache, chunk, 0)
+        ref = TorchAttentionBackend(hq, hkv, d)._prefill(q, k[cached:], v[cached:], k_cache, v_cache, chunk, 0)
+        if amx and dtype == torch.bfloat16:
+            assert torch.equal(out, ref)
+    assert calls == ([torch.float32] if amx else [torch.float32, torch.bfloat16])
+    # an int8 pool keeps the kernel (it reads the int8 rows without a dequantized copy of the context)
+    assert CpuAttentionBackend._native_prefill(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int8))

@@ -4,8 +4,11 @@ rest as the torch path (whose per-step metadata it reuses for those fallbacks).
 The decode kernel reads each sequence's K/V straight from the pool blocks, once; the torch path gathers them
 into a buffer and reads them again in SDPA (slower: measured in docs/benchmarks.md). The prefill kernel packs a
 chunk's keys once per KV head and runs a register-tiled flash loop, about twice torch's CPU flash SDPA
-(docs/benchmarks.md "Prefill attention"). Without a C compiler (or, for prefill, without AVX-512 or with a head
-size other than 64/128/256) this backend behaves exactly as the torch one.
+(docs/benchmarks.md "Prefill attention") on CPUs without AMX. With AMX for the query dtype (bf16 on Sapphire
+Rapids and later) torch's flash SDPA runs its tiles on the matrix unit and is 3-4x the kernel, so prefill takes the
+torch path there (int8 pools keep the kernel, which reads them without a dequantized copy). Without a C compiler
+(or, for prefill, without AVX-512 or with a head size other than 64/128/256) this backend behaves exactly as the
+torch one.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from pdcluster.engine.attention import native
 from pdcluster.engine.attention.metadata import PrefillChunk
 from pdcluster.engine.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
+from pdcluster.engine.config import cpu_has_amx
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -35,7 +39,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, chunk: PrefillChunk, window: int) -> torch.Tensor:
-        kernel = native.prefill_kernel(q.dtype, k_cache.dtype) if q.device.type == "cpu" else None
+        kernel = native.prefill_kernel(q.dtype, k_cache.dtype) if self._native_prefill(q, k_cache) else None
         out = None if kernel is None else native.paged_prefill(kernel, q, k_cache, v_cache, chunk.block_table,
                                                                chunk.num_cached, self.scale, window)
         return super()._prefill(q, k, v, k_cache, v_cache, chunk, window) if out is None else out
+
+    @staticmethod
+    def _native_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return q.device.type == "cpu" and (k_cache.dtype == torch.int8 or not cpu_has_amx(q.dtype))
