@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from pdcluster.engine.attention.native import BF16_BLOCK, bf16_gemm
+from pdcluster.engine.attention.native import bf16_gemm
 from pdcluster.engine.layers.linear import onednn_packed
 
 SHAPES = {   # name: (in, out)
@@ -57,7 +57,7 @@ def main() -> None:
         packed = [onednn_packed(weight) for _ in range(count)]
         assert all(p is not None and p.gemv for p in packed), "no native GEMV for this layout / machine"
         variants = {"onednn": (lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), packed),
-                    "native": (lambda x, p, n=n: bf16_gemm(x, p.gemv[0], n, BF16_BLOCK, p.gemv[1]), packed)}
+                    "native": (lambda x, p, n=n: bf16_gemm(x, p.gemv[0], n, p.gemv[2], p.gemv[1]), packed)}
         for m in rows:
             x = torch.randn(m, k).to(torch.bfloat16)
             want = x.float() @ weight.float().T

@@ -48,6 +48,8 @@ WORKLOADS: dict[str, tuple[int, int, int, tuple[float, ...], int]] = {
 METRICS = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "p99_itl_ms")
 LABELS = ("out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99")
 LAYOUTS = {"colocated": (0, 1), "1p1d": (1, 1)}   # pdcluster servers: (prefill nodes, decode nodes)
+# a layout name + one of these: the same layout with more `pdcluster up` flags (e.g. colocated+compiled)
+VARIANTS = {"compiled": ["--no-enforce-eager"]}
 
 
 def free_port() -> int:
@@ -129,16 +131,19 @@ def make_servers(args, model_dir: str, work: Path) -> list[Server]:
                    "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", SERVED]
             env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_gib), "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-        elif name in LAYOUTS:
-            prefill, decode = LAYOUTS[name]
+        elif name.partition("+")[0] in LAYOUTS and name.partition("+")[2] in ("", *VARIANTS):
+            layout, _, variant = name.partition("+")
+            prefill, decode = LAYOUTS[layout]
             cmd = [str(REPO / ".venv" / "bin" / "pdcluster"), "up", "--model", model_dir, "--prefill", str(prefill),
                    "--decode", str(decode), "--port", str(port), "--etcd", f"127.0.0.1:{free_port()}",
-                   "--cluster", f"bench-{name}-{os.getpid()}", "--dtype", args.dtype, "--max-num-seqs",
-                   str(args.max_num_seqs), "--kv-cache-memory", f"{args.kv_gib}GiB", "--served-model-name", SERVED,
-                   "--log-level", "WARNING", *args.pdcluster_args.split()]
+                   "--cluster", f"bench-{name.replace('+', '-')}-{os.getpid()}", "--dtype", args.dtype,
+                   "--max-num-seqs", str(args.max_num_seqs), "--kv-cache-memory", f"{args.kv_gib}GiB",
+                   "--served-model-name", SERVED,
+                   "--log-level", "WARNING", *VARIANTS.get(variant, []), *args.pdcluster_args.split()]
             env = {}
         else:
-            raise SystemExit(f"--servers: unknown {name!r} (vllm, {', '.join(LAYOUTS)})")
+            raise SystemExit(f"--servers: unknown {name!r} (vllm, {', '.join(LAYOUTS)}, each with an optional "
+                             f"+{' / +'.join(VARIANTS)})")
         servers.append(Server(name, cmd, env, port, SERVED, work / f"{name}.log"))
     return servers
 
@@ -229,7 +234,8 @@ def report(servers: list[Server], pts: list[tuple[str, float]], clients: list[st
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-venv", required=True, help="venv with vllm-cpu: `vllm serve` and `vllm bench serve`")
-    p.add_argument("--servers", default="vllm,colocated,1p1d")
+    p.add_argument("--servers", default="vllm,colocated,1p1d",
+                   help="vllm and pdcluster layouts (colocated, 1p1d), a layout with +compiled: --no-enforce-eager")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
     p.add_argument("--rates", default="", help="request rates for every workload (default: each workload's own)")
     p.add_argument("--num-prompts", type=int, default=0, help="default: each workload's own")

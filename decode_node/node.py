@@ -444,10 +444,15 @@ class DecodeNode(NodeService):
         def landed(engine: LLMEngine) -> None:
             features = (done.features_start, done.features_dtype, done.features) if done.features else None
             out = engine.remote_kv_landed(rid, done.first_token, first_lp, features)
-            # From the engine thread, so the first token reaches the loop before the next step's tokens.
+            # From the engine thread, so its output reaches the loop before the next step's tokens.
             self.loop.call_soon_threadsafe(self.engine_outputs, [out])
 
         self._engine_call(req, landed, "engine refused the prefilled request")
+        # The first token is the prefill node's: to the router now rather than at the engine's next step
+        # boundary (up to a decode step later); the engine's output for it then only says if it finished.
+        msg = req.first_token_ahead(done.first_token, first_lp)
+        if not self._to_router(req, msg):
+            req.hold(msg)
 
     def _remote_failed(self, req: DecodeRequest, reason: RemoteFailure, detail: str, backend: str = "unknown"
                        ) -> None:
@@ -630,7 +635,9 @@ class DecodeNode(NodeService):
             if out.error is not None:   # the engine gave up on it (a structured output's grammar failed)
                 self._fail(req, out.error, "invalid")
                 continue
-            batches.setdefault(req.owner, []).append((req, req.tokens(out)))
+            msg = req.tokens(out)
+            if msg.ids or msg.finish:   # else the output was only of the token sent ahead: nothing new
+                batches.setdefault(req.owner, []).append((req, msg))
         for router, items in batches.items():
             frame = items[0][1] if len(items) == 1 else TokenBatch(items=[msg for _, msg in items])
             if self._send_to(router, frame):

@@ -94,6 +94,7 @@ class DecodeRequest:
     remote_started: float = 0.0  # monotonic time the remote prefill began (for its latency histogram)
     timer: Any = None  # the loop's prefill_timeout handle while PREFILLING
     sent: int = 0  # token ids sent so far (the next Tokens.pos)
+    ahead: int = 0  # of those, sent before the engine reported them (a remote prefill's first token)
     last_sent: float = 0.0  # monotonic time of the last message that reached the router
     backlog: Tokens | None = None  # tokens the router could not take yet (merged), sent when it is back
     outcome: str = ""  # stop | length (the engine's finish) | abort | error: set on FINISHED / GONE
@@ -123,16 +124,17 @@ class DecodeRequest:
 
     def tokens(self, out: Any) -> Tokens:
         """The Tokens of one engine output (`RequestOutput`), merged after the backlog if there is one; a
-        finished output moves the request to FINISHED (its tokens may still wait for the router)."""
+        finished output moves the request to FINISHED (its tokens may still wait for the router). Ids sent
+        ahead (`first_token_ahead`) are left out: that output then only says whether the request finished."""
         if self.state is not State.ENGINE:
             raise RuntimeError(f"request {self.rid!r}: tokens while {self.state.value}: the engine does not own it")
-        msg = Tokens(rid=self.rid, ids=list(out.new_token_ids),
-                     logprobs=[logprob_to_wire(lp) for lp in out.logprobs] if out.logprobs is not None else None,
+        ids, lps = list(out.new_token_ids)[self.ahead:], out.logprobs
+        lps = lps[self.ahead:] if lps is not None else None
+        self.ahead = 0
+        msg = Tokens(rid=self.rid, ids=ids, logprobs=[logprob_to_wire(lp) for lp in lps] if lps is not None else None,
                      finish=out.finish_reason if out.finished else None, pos=self.sent)
         if self.sent == 0:   # the request's first message
-            msg.num_prompt_tokens = len(self.prompt_ids)
-            msg.num_cached_tokens = self.num_cached_tokens or out.num_cached_tokens
-            msg.prefill_path = self.prefill_path
+            self._first_message(msg, out.num_cached_tokens)
             if out.prompt_logprobs is not None:
                 msg.prompt_logprobs = [logprob_to_wire(lp) for lp in out.prompt_logprobs]
         self.sent += len(msg.ids)
@@ -143,6 +145,22 @@ class DecodeRequest:
             self.backlog.append(msg)
             msg, self.backlog = self.backlog, None
         return msg
+
+    def first_token_ahead(self, token: int, logprob: Any) -> Tokens:
+        """The Tokens of a remote prefill's first token, sent as its KV lands, before the engine (at its next
+        step boundary) reports it; the engine's output for it is then trimmed by `tokens`."""
+        if self.state is not State.ENGINE or self.sent:
+            raise RuntimeError(f"request {self.rid!r}: a first token ahead while {self.state.value}, {self.sent} sent")
+        msg = Tokens(rid=self.rid, ids=[token], logprobs=[logprob_to_wire(logprob)] if logprob is not None else None,
+                     pos=0)
+        self._first_message(msg, 0)
+        self.sent = self.ahead = 1
+        return msg
+
+    def _first_message(self, msg: Tokens, engine_cached_tokens: int) -> None:
+        msg.num_prompt_tokens = len(self.prompt_ids)
+        msg.num_cached_tokens = self.num_cached_tokens or engine_cached_tokens
+        msg.prefill_path = self.prefill_path
 
     def delivered(self, now: float) -> None:
         """The last message reached the router."""

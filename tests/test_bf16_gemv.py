@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdcluster.engine.attention import native
-from pdcluster.engine.layers.linear import GEMV_MAX_ROWS, Linear, linear, onednn_packed
+from pdcluster.engine.layers.linear import GEMV_MAX_ROWS, Linear, gemv_layout, linear, onednn_packed
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="no C compiler: native kernels not built")
 
@@ -66,11 +66,13 @@ def test_linear_on_onednn_packed_weight(n: int, k: int) -> None:
     w, packed = _gemv_packed(n, k)
     g = torch.Generator().manual_seed(1)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
-    for m in (1, 2, 4, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40):
+    max_rows = packed.gemv[3]
+    assert max_rows == GEMV_MAX_ROWS[packed.gemv[2]]
+    for m in (1, 2, 4, max_rows, max_rows + 1, 40):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
         onednn = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         got = linear(x, w, bias, packed)
-        if m > GEMV_MAX_ROWS:   # oneDNN's own matmul: bitwise
+        if m > max_rows:   # oneDNN's own matmul: bitwise
             assert torch.equal(got, onednn)
         else:   # fp32 sums in another order: within bf16 rounding of the exact product, and of oneDNN's
             assert_bf16_close(got, x, w, bias)
@@ -136,3 +138,16 @@ def test_compiled_body_keeps_onednn_op() -> None:
     compiled = torch.compile(lambda x: linear(x, w, None, packed), backend="eager", fullgraph=True)
     assert torch.equal(compiled(x), torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
     assert_bf16_close(linear(x, w, None, packed), x, w)   # (eager: the GEMV)
+
+
+def test_the_layout_is_found_for_each_block_width_oneDNN_may_choose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """oneDNN packs 64-channel blocks on AVX512-BF16 and 32-channel ones with AMX: whichever this machine's did,
+    the detection tries each width (the buffer size fixes the padding) and keeps the one whose product agrees;
+    with only a wrong width to try it finds none."""
+    w, packed = _gemv_packed(192, 200, seed=5)
+    address, kpad, block, max_rows = packed.gemv
+    assert block in native.BF16_BLOCKS and kpad >= 200 and max_rows == GEMV_MAX_ROWS[block]
+    monkeypatch.setattr(native, "BF16_BLOCKS", tuple(b for b in native.BF16_BLOCKS if b != block))
+    assert gemv_layout(packed, w) is None
+    monkeypatch.setattr(native, "BF16_BLOCKS", (16, block))
+    assert gemv_layout(packed, w) == (address, kpad, block, max_rows)

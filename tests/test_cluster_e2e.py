@@ -131,6 +131,9 @@ async def test_concurrent_requests_match_offline_and_go_through_prefill(cluster,
         cases.append(("completion", text, ids, i % 2 == 1, 12))  # string prompts: tokenized by the router
     for i, messages in enumerate(CHATS):
         cases.append(("chat", messages, chat_ids(tokenizer, messages), i % 2 == 0, 10))
+    # one token: the decode node streams the prefill node's first token as its KV lands, then only the finish
+    ids = tokenizer.encode(PROMPTS[0])
+    cases += [("completion", ids, ids, True, 1), ("completion", ids, ids, False, 1)]
     assert len(cases) >= 16
     api = client(cluster)
     results = await asyncio.gather(*(run_request(api, kind, prompt, stream, n)

@@ -149,6 +149,28 @@ def test_held_tokens_are_merged_in_order_and_a_finish_moves_to_finished():
     assert req.backlog is None and req.last_sent == 5.0
 
 
+def test_a_remote_first_token_goes_ahead_and_the_engine_s_output_of_it_only_finishes():
+    req = request(State.ENGINE, prefill_path="remote:p0", num_cached_tokens=16)
+    first = req.first_token_ahead(7, (-0.5, [(7, -0.5)]))
+    assert (first.ids, first.pos, first.finish, first.num_prompt_tokens, first.prefill_path) == ([7], 0, None, 3,
+                                                                                                  "remote:p0")
+    assert first.logprobs == [[-0.5, [[7, -0.5]]]] and req.sent == 1
+    with pytest.raises(RuntimeError, match="ahead"):   # only once, only first
+        req.first_token_ahead(7, None)
+    landed = req.tokens(output([7], logprobs=[(-0.5, [(7, -0.5)])]))   # the engine's output for the same token
+    assert (landed.ids, landed.logprobs, landed.pos, landed.num_prompt_tokens) == ([], [], 1, 0)
+    second = req.tokens(output([8]))
+    assert (second.ids, second.pos) == ([8], 1) and req.sent == 2
+
+
+def test_a_first_token_ahead_that_finishes_the_request_is_followed_by_the_finish_alone():
+    req = request(State.ENGINE)
+    req.first_token_ahead(7, None)
+    last = req.tokens(output([7], finished=True))   # max_tokens 1, or a stop token
+    assert (last.ids, last.finish, last.pos) == ([], "length", 1)
+    assert req.state is State.FINISHED and req.sent == 1
+
+
 def test_tokens_of_a_request_the_engine_does_not_own_are_refused():
     for state, finished in itertools.product(set(State) - {State.ENGINE}, (False, True)):
         req = request(state)

@@ -48,6 +48,8 @@ _W8A8_ARGTYPES = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, 
                   ctypes.c_int, _ptr, ctypes.c_int, ctypes.c_int]
 _BF16_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_int]
 BF16_BLOCK = 64   # output channels per block of oneDNN's packed bf16 weight on AVX512-BF16 CPUs (BA16a64b2a)
+# ... and the blocks tried, in order: 32 where the CPU has AMX (BA16a32b2a, inputs padded to a multiple of 32)
+BF16_BLOCKS = (BF16_BLOCK, 32)
 _PREFILL_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
                      ctypes.c_int]
 
@@ -186,7 +188,8 @@ def w8a8_gemm(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, wsum: torc
 
 
 def bf16_blocks(w: torch.Tensor, block: int = BF16_BLOCK, kpad: int | None = None) -> torch.Tensor:
-    """The bf16 weight w [n, k] in the layout bf16_gemv.c reads (oneDNN's BA16a64b2a for block 64):
+    """The bf16 weight w [n, k] in the layout bf16_gemv.c reads (oneDNN's BA16a64b2a for block 64, BA16a32b2a
+    for 32):
     [ceil(n / block), kpad / 2, block, 2], block b holding output channels block * b .. block * (b + 1) - 1 input
     pair by input pair, zero padded (kpad: k rounded up to even by default)."""
     n, k = w.shape

@@ -7,10 +7,11 @@ A quantized checkpoint (engine/quant/) hands a layer `QuantizedWeight`s instead 
 of a MergedLinear); `prepack` then packs them for the device's kernel (`quant`) and drops the float weight,
 which was never written (its pages were never touched), and `forward` multiplies by the packed weight.
 
-bf16 on CPU: up to GEMV_MAX_ROWS rows (decode) the product runs in the native GEMV (engine/layers/bf16_gemv.c),
-which reads oneDNN's packed weight in place (no second copy), faster than oneDNN's own matmul there; more rows
-take oneDNN's. Eager only: a compiled body calls oneDNN's op (engine/compiled.py). `PDCLUSTER_BF16_GEMV=0` in
-the environment when a model is loaded turns the native GEMV off for its layers (for A/B measurements)."""
+bf16 on CPU: up to GEMV_MAX_ROWS[layout] rows (decode) the product runs in the native GEMV
+(engine/layers/bf16_gemv.c), which reads oneDNN's packed weight in place (no second copy), faster than oneDNN's own
+matmul there; more rows take oneDNN's. Eager only: a compiled body calls oneDNN's op (engine/compiled.py).
+`PDCLUSTER_BF16_GEMV=0` in the environment when a model is loaded turns the native GEMV off for its layers (for
+A/B measurements)."""
 
 from __future__ import annotations
 
@@ -46,15 +47,19 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-# Rows up to which a bf16 CPU matmul over a oneDNN-packed weight runs in the native GEMV: measured faster than
-# oneDNN up to here (benchmarks/bf16_gemv.py, docs/benchmarks.md "bf16 GEMV (#27)")
-GEMV_MAX_ROWS = 8
+# Rows up to which a bf16 CPU matmul over a oneDNN-packed weight runs in the native GEMV, per block width of
+# oneDNN's layout: measured faster than oneDNN up to here (benchmarks/bf16_gemv.py, docs/benchmarks.md "bf16 GEMV
+# (#27)"). 64-channel blocks (AVX512-BF16 without AMX): up to 8 rows. 32-channel blocks (AMX): one row (the
+# kernel's tiles then hold two strips, and oneDNN's AMX matmul is ahead from 2-4 rows).
+GEMV_MAX_ROWS = {64: 8, 32: 1}
 
 
-def gemv_layout(packed: torch.Tensor, weight: torch.Tensor) -> tuple[int, int] | None:
-    """(buffer address, padded input count) of a oneDNN-packed bf16 weight that the native GEMV reads in place, or
-    None (not bf16, no native library, PDCLUSTER_BF16_GEMV=0, or a layout it does not take). oneDNN's layout is
-    opaque, so it is taken from the buffer size and checked once by a product against oneDNN's own."""
+def gemv_layout(packed: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """(buffer address, padded input count, channels per block, GEMV_MAX_ROWS of that width) of a oneDNN-packed
+    bf16 weight that the native GEMV reads in place, or None (not bf16, no native library, PDCLUSTER_BF16_GEMV=0,
+    or a layout it does not take). oneDNN's layout is opaque (blocks of 64 channels on AVX512-BF16, of 32 with
+    AMX), so each block width it may have chosen is tried: the padded input count taken from the buffer size,
+    checked once by a product against oneDNN's own."""
     from pdcluster.engine.attention import native
 
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or os.environ.get("PDCLUSTER_BF16_GEMV", "1") == "0" \
@@ -65,15 +70,18 @@ def gemv_layout(packed: torch.Tensor, weight: torch.Tensor) -> tuple[int, int] |
     except (AttributeError, RuntimeError):   # (ops of torch's mkldnn build)
         return None
     n, k = weight.shape
-    kpad, rest = divmod(nbytes // 2, -(-n // native.BF16_BLOCK) * native.BF16_BLOCK)
-    if rest or kpad < k or kpad % 2 or n == 0 or k == 0:
+    if n == 0 or k == 0:
         return None
     x = torch.randn(2, k, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     want = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "").float()
-    got = native.bf16_gemm(x, address, n, native.BF16_BLOCK, kpad)
-    if got is None or (got.float() - want).abs().max() > 2 ** -6 * want.abs().max():   # another layout
-        return None
-    return address, kpad
+    for block in native.BF16_BLOCKS:
+        kpad, rest = divmod(nbytes // 2, -(-n // block) * block)
+        if rest or kpad < k or kpad % 2:
+            continue
+        got = native.bf16_gemm(x, address, n, block, kpad)
+        if got is not None and (got.float() - want).abs().max() <= 2 ** -6 * want.abs().max():
+            return address, kpad, block, GEMV_MAX_ROWS[block]
+    return None   # another layout
 
 
 def release(weight: nn.Parameter) -> None:
@@ -90,19 +98,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
             return packed_linear(x, packed, bias)
         gemv = getattr(packed, "gemv", None)   # (set by onednn_packed)
-        if gemv is not None and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and x.dtype == torch.bfloat16 \
+        if gemv is not None and x.numel() <= gemv[3] * x.shape[-1] and x.dtype == torch.bfloat16 \
                 and (bias is None or bias.dtype == torch.bfloat16):
             return _gemv(x, packed, bias, gemv)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-def _gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, layout: tuple[int, int]) -> torch.Tensor:
-    from pdcluster.engine.attention.native import BF16_BLOCK, bf16_gemm
+def _gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+          layout: tuple[int, int, int, int]) -> torch.Tensor:
+    from pdcluster.engine.attention.native import bf16_gemm
 
     n, k = packed.shape
-    y = bf16_gemm(x.reshape(-1, k).contiguous(), layout[0], n, BF16_BLOCK, layout[1],
-                  None if bias is None else bias.contiguous())
+    address, kpad, block, _ = layout
+    y = bf16_gemm(x.reshape(-1, k).contiguous(), address, n, block, kpad, None if bias is None else bias.contiguous())
     assert y is not None   # (gemv_layout found the library)
     return y.reshape(*x.shape[:-1], n)
 
