@@ -43,3 +43,10 @@ def assert_landed(pools: list[torch.Tensor], expected: list[torch.Tensor], src: 
         assert torch.equal(got[:, :, dst], want[:, :, src])
         untouched = [b for b in range(want.shape[2]) if b not in dst]
         assert not got[:, :, untouched].any()
+
+
+def close_all(*groups) -> None:
+    """Close every sender, receiver and shared pool of a transfer test (its `finally`)."""
+    for group in groups:
+        for item in group:
+            item.close()

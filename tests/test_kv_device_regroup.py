@@ -15,7 +15,7 @@ import asyncio
 
 import pytest
 import torch
-from kv_pool_helpers import assert_landed, model_kv, split
+from kv_pool_helpers import assert_landed, close_all, model_kv, split
 
 from pdcluster.kv_transfer import ChecksumError, KVLayout, KVReceiver, KVSender, TransferError
 from pdcluster.kv_transfer import cuda_ipc_channel as ipc
@@ -100,10 +100,7 @@ def test_device_channels_regroup_heads_byte_exact_layer_by_layer(device_channel,
         assert_landed(dst_pools, expected, SRC, DST)
         assert all(rx.num_active_reservations == 0 for rx in receivers)
     finally:
-        for tx in senders:
-            tx.close()
-        for rx in receivers:
-            rx.close()
+        close_all(senders, receivers)
 
 
 @pytest.mark.slow

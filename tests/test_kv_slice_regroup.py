@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from kv_pool_helpers import assert_landed, model_kv, split
+from kv_pool_helpers import assert_landed, close_all, model_kv, split
 
 from pdcluster.kv_transfer import KVLayout, KVReceiver, KVSender, LayoutMismatchError, SharedKVPool, TransferError
 from pdcluster.kv_transfer.regroup import Regroup
@@ -105,12 +105,7 @@ def test_every_pair_moves_its_common_heads_and_the_receiving_pools_hold_the_whol
             assert wire == len(SRC) * layers * 2 * kv.shape[3] * total * row
         assert all(rx.num_active_reservations == 0 for rx in receivers)
     finally:
-        for tx in senders:
-            tx.close()
-        for rx in receivers:
-            rx.close()
-        for shm in shms:
-            shm.close()
+        close_all(senders, receivers, shms)
 
 
 def test_a_sender_slice_writing_part_of_a_receiver_pool_checks_only_its_slots():
@@ -254,12 +249,7 @@ def test_slices_holding_copies_of_a_head_move_into_pools_sliced_otherwise(monkey
             assert wire == len(SRC) * layers * 2 * kv.shape[3] * row * sum(len(d.held_heads()) for d in dst_layouts)
         assert all(rx.num_active_reservations == 0 for rx in receivers)
     finally:
-        for tx in senders:
-            tx.close()
-        for rx in receivers:
-            rx.close()
-        for shm in shms:
-            shm.close()
+        close_all(senders, receivers, shms)
 
 
 # ---- driven by rank 0: RankedSender into RankedReceiver (ranks >= 1 in processes of their own) ----------------
