@@ -43,6 +43,8 @@ WORKLOADS: dict[str, tuple[int, tuple[int, int], tuple[int, int], int]] = {
     "long": (12, (1024, 2048), (16, 64), 16),      # prefill-heavy: long prompts, short answers
     "decode": (32, (16, 64), (128, 256), 32),      # decode-heavy: short prompts, long answers
     "single": (4, (128, 512), (64, 128), 1),       # one sequence at a time: batch-1 decode latency
+    "prefill": (16, (128, 128), (1, 1), 64),       # prefill only: a burst of short prompts (one token out)
+    "prefill2k": (2, (2048, 2048), (1, 1), 16),    # prefill only: 2k-token prompts
 }
 
 
