@@ -49,6 +49,20 @@ async def test_prefill_error_falls_back_to_local_prefill_and_streams(etcd, clust
         assert ids == await local_tokens(router, "r-local")  # greedy: the fallback computed the same text
 
 
+@pytest.mark.parametrize("bad", [{"first_token": 10 ** 9}, {"first_token": -3},
+                                 {"first_token": 7, "logprobs": [["not a float", "nor a list"]]}])
+async def test_a_bad_first_token_from_the_prefill_peer_never_reaches_the_router(etcd, cluster, tiny_llama, bad):
+    """The first token goes to the router ahead of the engine step, so it is checked before that: outside the
+    vocabulary or with malformed logprobs, the request is prefilled here and streams only its own tokens."""
+    async with decode_setup(etcd, cluster, tiny_llama) as (node, peer, router):
+        identity = await remote_prefill_sent(node, peer, router, "r-bad")
+        assert peer.server.send(identity, PrefillDone(rid="r-bad", kv_backend="tcp", **bad))
+        ids, first = await stream(router, "r-bad")
+        assert first.prefill_path == "local" and first.pos == 0
+        assert remote_failures(node, "prefill_error") == 1
+        assert ids == await local_tokens(router, "r-local")
+
+
 async def test_no_answer_times_out_into_local_prefill_and_a_late_prefill_done_is_ignored(etcd, cluster, tiny_llama):
     async with decode_setup(etcd, cluster, tiny_llama, prefill_timeout=1.0) as (node, peer, router):
         identity = await remote_prefill_sent(node, peer, router, "r-slow")
