@@ -131,13 +131,16 @@ def test_linear_module_with_bias_lora_and_row_shards() -> None:
     assert ((parts[0] + parts[1]).double() - want).abs().max() <= 2 ** -7 * want.abs().max()
 
 
-def test_compiled_body_keeps_onednn_op() -> None:
-    """Under torch.compile `linear` calls oneDNN's op (engine/compiled.py packed_linear), whatever the row count."""
+def test_compiled_body_takes_the_eager_dispatch() -> None:
+    """Under torch.compile `linear` calls the opaque engine/compiled.py packed_linear, whose body is the eager
+    dispatch: the GEMV for decode rows, oneDNN's op beyond."""
     w, packed = _gemv_packed(64, 128)
-    x = torch.randn(1, 128, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
     compiled = torch.compile(lambda x: linear(x, w, None, packed), backend="eager", fullgraph=True)
-    assert torch.equal(compiled(x), torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-    assert_bf16_close(linear(x, w, None, packed), x, w)   # (eager: the GEMV)
+    g = torch.Generator().manual_seed(5)
+    one, many = (torch.randn(m, 128, generator=g).to(torch.bfloat16) for m in (1, 3 * max(GEMV_MAX_ROWS.values())))
+    assert torch.equal(compiled(one), linear(one, w, None, packed))
+    assert_bf16_close(compiled(one), one, w)
+    assert torch.equal(compiled(many), torch.ops.mkldnn._linear_pointwise(many, packed, None, "none", [], ""))
 
 
 def test_the_layout_is_found_for_each_block_width_oneDNN_may_choose(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,6 +1,6 @@
 """Builds and loads the CPU native kernels with the system C compiler: paged attention (paged_decode.c,
-paged_prefill.c), the W8A16 and W8A8 matrix products (engine/quant/int8_gemv.c, int8_w8a8.c) and the bf16
-GEMV (engine/layers/bf16_gemv.c), one library.
+paged_prefill.c), the W8A16 and W8A8 matrix products (engine/quant/int8_gemv.c, int8_w8a8.c), the bf16
+GEMV (engine/layers/bf16_gemv.c) and the fused elementwise ops (engine/layers/fused_ops.c), one library.
 
 Compiled once per machine and source version (`-march=native`, so the key includes the CPU's flags)
 into a user cache dir, then loaded with ctypes. Without a compiler, or if the build fails, `load()`
@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name("paged_prefill.c"),
            Path(__file__).parent.parent / "quant" / "int8_gemv.c",
            Path(__file__).parent.parent / "quant" / "int8_w8a8.c",
-           Path(__file__).parent.parent / "layers" / "bf16_gemv.c"]   # one library
+           Path(__file__).parent.parent / "layers" / "bf16_gemv.c",
+           Path(__file__).parent.parent / "layers" / "fused_ops.c"]   # one library
 HEADERS = [Path(__file__).with_name("paged_simd.h")]   # included by every source; part of the build key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
 # (q dtype, cache dtype) -> symbol; an int8 cache holds D int8 values + an fp16 scale per row (engine/kv_cache.py)
@@ -50,6 +51,12 @@ _BF16_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c
 BF16_BLOCK = 64   # output channels per block of oneDNN's packed bf16 weight on AVX512-BF16 CPUs (BA16a64b2a)
 # ... and the blocks tried, in order: 32 where the CPU has AMX (BA16a32b2a, inputs padded to a multiple of 32)
 BF16_BLOCKS = (BF16_BLOCK, 32)
+_NORM_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+_SILU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+_ROTARY_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+_FUSED_KINDS = {torch.float32: 0, torch.bfloat16: 1}   # KIND_F32, KIND_BF16 (paged_simd.h)
+# PDCLUSTER_FUSED_OPS=0 in the environment at import: the layers keep torch's elementwise ops (for A/B runs)
+FUSED_OPS = os.environ.get("PDCLUSTER_FUSED_OPS", "1") != "0"
 _PREFILL_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
                      ctypes.c_int]
 
@@ -109,7 +116,8 @@ def load() -> ctypes.CDLL | None:
         return None
     for symbols, argtypes in ((_SYMBOLS, _ARGTYPES), (_PREFILL_SYMBOLS, _PREFILL_ARGTYPES),
                               ({"": "int8_gemm"}, _GEMM_ARGTYPES), ({"": "w8a8_gemm"}, _W8A8_ARGTYPES),
-                              ({"": "bf16_gemm"}, _BF16_ARGTYPES)):
+                              ({"": "bf16_gemm"}, _BF16_ARGTYPES), ({"": "rms_norm"}, _NORM_ARGTYPES),
+                              ({"": "silu_and_mul"}, _SILU_ARGTYPES), ({"": "rotary"}, _ROTARY_ARGTYPES)):
         for symbol in symbols.values():
             fn = getattr(lib, symbol, None)
             if fn is not None:
@@ -220,6 +228,72 @@ def bf16_gemm(x: torch.Tensor, w: int, n: int, block: int, kpad: int, bias: torc
     if rc != 0:
         raise MemoryError("bf16_gemm: could not allocate the packed activations")
     return y
+
+
+@functools.lru_cache(maxsize=1)
+def _fused_vectorized() -> bool:
+    lib = load()
+    return lib is not None and hasattr(lib, "fused_ops_vectorized") and lib.fused_ops_vectorized() == 1
+
+
+def _fused(name: str, portable: bool, *tensors: torch.Tensor | None):
+    """The fused_ops.c function `name` if it takes these tensors (CPU, fp32 or bf16, all of one dtype, the last
+    dimension contiguous) on this machine (its AVX-512 path, or `portable`: the plain C one), else None: the
+    caller keeps its torch ops."""
+    if not FUSED_OPS or not (portable or _fused_vectorized()):
+        return None
+    present = [t for t in tensors if t is not None]
+    dtype = present[0].dtype
+    if dtype not in _FUSED_KINDS or any(t.device.type != "cpu" or t.dtype != dtype or t.stride(-1) != 1
+                                        or t.requires_grad for t in present):
+        return None
+    lib = load()
+    return None if lib is None else getattr(lib, name, None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             portable: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight * norm(s), s) with s = x + residual (s None without a residual), x [..., H] as torch's eager
+    `RMSNorm` computes it (engine/layers/fused_ops.c); None where the kernel does not apply."""
+    fn = _fused("rms_norm", portable, x, weight, residual)
+    if fn is None or not x.is_contiguous() or (residual is not None and not residual.is_contiguous()) \
+            or weight.shape != x.shape[-1:] or (residual is not None and residual.shape != x.shape):
+        return None
+    hidden = x.shape[-1]
+    y = torch.empty_like(x)
+    s = None if residual is None else torch.empty_like(x)
+    fn(x.data_ptr(), None if residual is None else residual.data_ptr(), None if s is None else s.data_ptr(),
+       weight.data_ptr(), y.data_ptr(), x.numel() // max(hidden, 1), hidden, eps, _FUSED_KINDS[x.dtype],
+       torch.get_num_threads(), int(portable))
+    return y, s
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, portable: bool = False) -> torch.Tensor | None:
+    """SiLU(gate) * up for gate, up [T, n] (rows may be strided: halves of one tensor), as `F.silu(gate).mul_(up)`
+    (engine/layers/fused_ops.c); None where the kernel does not apply."""
+    fn = _fused("silu_and_mul", portable, gate, up)
+    if fn is None or gate.dim() != 2 or gate.shape != up.shape:
+        return None
+    rows, n = gate.shape
+    out = torch.empty((rows, n), dtype=gate.dtype)
+    fn(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows, n,
+       _FUSED_KINDS[gate.dtype], torch.get_num_threads(), int(portable))
+    return out
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, portable: bool = False) -> torch.Tensor | None:
+    """The rotate-half rotary embedding of x [T, heads, D] (token rows may be strided, a token's heads contiguous)
+    with cos / sin [T, 1, D] (rows may be strided), as `x * cos + cat(-x2, x1) * sin` in torch
+    (engine/layers/fused_ops.c): [T, heads, D] contiguous; None where the kernel does not apply."""
+    fn = _fused("rotary", portable, x, cos, sin)
+    if fn is None or x.dim() != 3 or cos.dim() != 3 or cos.shape != (x.shape[0], 1, x.shape[2]) \
+            or sin.shape != cos.shape or sin.stride() != cos.stride() or x.stride(1) != x.shape[2] or x.shape[2] % 2:
+        return None
+    rows, heads, d = x.shape
+    out = torch.empty((rows, heads, d), dtype=x.dtype)
+    fn(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), rows, heads, d,
+       _FUSED_KINDS[x.dtype], torch.get_num_threads(), int(portable))
+    return out
 
 
 def decode_kernel(dtype: torch.dtype, cache_dtype: torch.dtype | None = None):

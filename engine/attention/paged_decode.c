@@ -57,25 +57,6 @@ INLINE void store1(void *p, int64_t i, float x, int kind) {
 }
 
 
-/* exp(x) for x <= 0 (a score minus the running maximum), Cephes' expf polynomial, ~1 ulp. Below -87.3
- * it returns ~1e-38 instead of 0, which does not change a softmax sum. */
-INLINE float exp_nonpositive(float x) {
-    x = x < -87.3f ? -87.3f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 /* Per-item work buffer: for each query row, q * scale and acc [D], running max m and sum l, scores of one
  * tile; plus one tile of converted rows. */
 static size_t work_floats(int64_t rows, int64_t d) { return (size_t)(rows * (2 * d + 2 + TILE) + TILE * d); }

@@ -1,5 +1,5 @@
-/* What the CPU native kernels share (paged_decode.c, paged_prefill.c; the bf16 conversions also the quantized
- * matmuls in engine/quant/): the dtype kinds of queries and pool rows, bf16 <-> fp32 as torch rounds, and the
+/* What the CPU native kernels share (paged_decode.c, paged_prefill.c; the bf16 conversions and exp also the
+ * quantized matmuls in engine/quant/ and the kernels in engine/layers/): the dtype kinds of queries and pool rows, bf16 <-> fp32 as torch rounds, and the
  * AVX-512 loads and exp. Static inline: each kernel file compiles its own copy. */
 #ifndef PDCLUSTER_PAGED_SIMD_H
 #define PDCLUSTER_PAGED_SIMD_H
@@ -30,6 +30,25 @@ INLINE uint16_t float_to_bf16(float f) {   /* round to nearest even, as torch do
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);   /* NaN stays NaN */
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
+}
+
+/* exp(x) for x <= 0 (a score minus the running maximum), Cephes' expf polynomial, ~1 ulp. Below -87.3
+ * it returns ~1e-38 instead of 0, which does not change a softmax sum. */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.3f ? -87.3f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
 }
 
 INLINE int64_t elem_size(int kind) { return kind == KIND_F32 ? 4 : kind == KIND_I8 ? 1 : 2; }

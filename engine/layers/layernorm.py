@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcluster.engine.attention import native
 from pdcluster.engine.device import is_npu
 
 
@@ -44,6 +45,11 @@ class RMSNorm(nn.Module):
                 return self._biased(torch_npu.npu_rms_norm(x, self.weight, self.eps)[0])
             y, _, x = torch_npu.npu_add_rms_norm(x, residual, self.weight, self.eps)
             return self._biased(y), x
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():   # (compiled: inductor fuses the chain)
+            fused = native.rms_norm(x, self.weight, self.eps, residual)
+            if fused is not None:
+                y, s = fused
+                return self._biased(y) if s is None else (self._biased(y), s)
         if residual is None:
             return self._biased(self._norm(x))
         x = x + residual

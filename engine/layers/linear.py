@@ -9,7 +9,8 @@ which was never written (its pages were never touched), and `forward` multiplies
 
 bf16 on CPU: up to GEMV_MAX_ROWS[layout] rows (decode) the product runs in the native GEMV
 (engine/layers/bf16_gemv.c), which reads oneDNN's packed weight in place (no second copy), faster than oneDNN's own
-matmul there; more rows take oneDNN's. Eager only: a compiled body calls oneDNN's op (engine/compiled.py).
+matmul there; more rows take oneDNN's (`packed_matmul`, also the body of the compiled model's opaque op,
+engine/compiled.py).
 `PDCLUSTER_BF16_GEMV=0` in the environment when a model is loaded turns the native GEMV off for its layers (for
 A/B measurements)."""
 
@@ -97,12 +98,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             from pdcluster.engine.compiled import packed_linear
 
             return packed_linear(x, packed, bias)
-        gemv = getattr(packed, "gemv", None)   # (set by onednn_packed)
-        if gemv is not None and x.numel() <= gemv[3] * x.shape[-1] and x.dtype == torch.bfloat16 \
-                and (bias is None or bias.dtype == torch.bfloat16):
-            return _gemv(x, packed, bias, gemv)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed_matmul(x, packed, bias)
     return F.linear(x, weight, bias)
+
+
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias) over the weight `onednn_packed` made: the native GEMV up to its row limit, else oneDNN's."""
+    gemv = getattr(packed, "gemv", None)   # (set by onednn_packed)
+    if gemv is not None and x.numel() <= gemv[3] * x.shape[-1] and x.dtype == torch.bfloat16 \
+            and (bias is None or bias.dtype == torch.bfloat16):
+        return _gemv(x, packed, bias, gemv)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _gemv(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,

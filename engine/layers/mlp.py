@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdcluster.engine.attention import native
 from pdcluster.engine.device import is_npu
 from pdcluster.engine.layers.linear import MergedLinear, RowParallelLinear, linear, onednn_packed, release
 from pdcluster.engine.parallel import TPGroup
@@ -42,7 +43,7 @@ class GatedMLP(nn.Module):
         w, b, n = self.gate_up_proj.weight, self.gate_up_proj.bias, self.intermediate_size
         if self.gate_up_proj.quant is not None:
             gate, up = self.gate_up_proj(x).split(n, dim=-1)
-            return self.down_proj(F.silu(gate).mul_(up))
+            return self.down_proj(silu_and_mul(gate, up))
         if is_npu(x.device):
             import torch_npu
 
@@ -55,4 +56,13 @@ class GatedMLP(nn.Module):
         up = linear(x, w[n:], None if b is None else b[n:], packed[1])
         if self.gate_up_proj.lora is not None:
             self.gate_up_proj.lora.add_(x, [gate, up])
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(silu_and_mul(gate, up))
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up: on CPU in one pass (engine/layers/fused_ops.c), else torch's ops (gate overwritten)."""
+    if gate.device.type == "cpu" and not torch.compiler.is_compiling():
+        out = native.silu_and_mul(gate, up)
+        if out is not None:
+            return out
+    return F.silu(gate, inplace=True).mul_(up)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdcluster.engine.attention import native
 from pdcluster.engine.device import is_npu
 
 
@@ -142,6 +143,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         import torch_npu
 
         return torch_npu.npu_rotary_mul(x.unsqueeze(0), cos.unsqueeze(0), sin.unsqueeze(0))[0]
+    if x.device.type == "cpu" and not torch.compiler.is_compiling():   # one pass (engine/layers/fused_ops.c)
+        out = native.rotary(x, cos, sin)
+        if out is not None:
+            return out
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
