@@ -23,6 +23,7 @@ from pdcluster.engine.kv_cache import KVCachePool
 from pdcluster.engine.loader import load_model
 from pdcluster.engine.lora.request import LoRAConfig
 from pdcluster.engine.lora.slots import LoRASlots
+from pdcluster.engine.malloc import keep_freed_memory
 from pdcluster.engine.parallel import TPGroup
 from pdcluster.engine.sampler import Sampler, SampleRequest, gather_logprobs
 from pdcluster.engine.scheduler import ScheduledBatch
@@ -43,6 +44,8 @@ class ModelRunner:
         self.config = config
         self.dtype = dtype
         self.device = device
+        if device.type == "cpu":
+            keep_freed_memory()   # each step's large temporaries: reused heap, not fresh pages (engine/malloc.py)
         self.tp = tp or TPGroup()
         self.workers = workers
         backend_cls = get_backend_class(attention_backend, device.type)
