@@ -338,6 +338,15 @@ def prefill_kernel(dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
     return None if lib is None or symbol is None else getattr(lib, symbol, None)
 
 
+@functools.lru_cache(maxsize=1)
+def prefill_amx() -> bool:
+    """Whether the bf16 prefill kernel runs its products on AMX tiles here (paged_prefill.c `paged_prefill_amx`:
+    built for a CPU with AMX-BF16, and the kernel let the process use the tiles)."""
+    lib = load()
+    fn = None if lib is None else getattr(lib, "paged_prefill_amx", None)
+    return fn is not None and fn() == 1
+
+
 def paged_prefill(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                   num_cached: int, scale: float, window: int = 0) -> torch.Tensor | None:
     """Causal attention of one prompt chunk: q [n, Hq, D] (token rows may be strided) at positions num_cached ..

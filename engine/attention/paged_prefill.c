@@ -8,6 +8,11 @@
  * int8 rows dequantized with their scale), then every query head of the group walks them in 64-key tiles:
  * scores of 4 rows x 64 keys in 16 registers, the weighted V sum of 4 rows (D = 64) in 16 more.
  *
+ * With AMX-BF16 (and the kernel's permission for the tiles) the bf16 path computes both products on the tile unit:
+ * 16 query rows x 64 keys of scores per step from the same packed pairs (kt2 is AMX's B layout for q K^T, vp2 for
+ * p V), the online softmax in AVX-512 between them; 1.2-1.7x torch's flash SDPA, which runs on the tiles too
+ * (docs/benchmarks.md "Prefill attention").
+ *
  * Layout (engine/kv_cache.py) as in paged_decode.c: a layer's K and V caches [num_blocks, block_size, Hkv, row],
  * blocks `block_stride` elements apart, int32 block table; row = D (float pool) or D int8 values + an fp16 scale.
  * Compiled with paged_decode.c into one library by engine/attention/native.py; without AVX-512 the functions
@@ -17,6 +22,37 @@
 
 #define MR 16   /* query rows of one work item */
 #define KT 64   /* keys of one tile: four 16-lane vectors */
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PF_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux lets a process use the tile registers only once it asked (5.16+; oneDNN asks too, but may not have yet). */
+static int amx_permitted(void) {
+    static int state = 0;   /* 0: not asked yet, 1: granted, -1: refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* Every tile used here is 16 rows x 64 bytes: 16 x 32 bf16 (A: query or p rows; B: 16 pairs of keys or dims, in
+ * the pairs layouts pack_head_bf16 writes) or 16 x 16 fp32 (C: scores, or 16 rows of the V sum). Tiles 0-3 hold C,
+ * 4 A, 5 B. The configuration is per thread: each work item loads it and releases the tiles at its end. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* A constant in memory, not a stack struct filled before the load: GCC does not see ldtilecfg read its operand
+ * and may drop the stores that fill one. */
+static const tile_config AMX_CONFIG __attribute__((aligned(64))) = {
+    .palette = 1, .colsb = {64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16}};
+
+INLINE void amx_configure(void) { _tile_loadconfig(&AMX_CONFIG); }
+#endif
 
 #ifdef __AVX512F__
 INLINE void store16(char *p, __m512 x, int kind) {
@@ -128,8 +164,30 @@ INLINE void rows_item(const int NV, const int BF, const float *qf, const uint32_
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t j0 = (lo - kfirst) / KT * KT + kfirst; j0 < hi; j0 += KT) {
         const float *kcol = kt + (j0 - kfirst);
+#ifdef PF_AMX
+        if (BF == 2) {   /* scores of all 16 rows x 64 keys on the tile unit: q2 (A) against kt2's pairs (B) */
+            const uint32_t *kcol2 = kt2 + (j0 - kfirst);
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t e = 0; e < d / 2; e += 16) {   /* 32 dimensions per step */
+                _tile_loadd(4, q2 + e, d * 2);
+                _tile_loadd(5, kcol2 + e * lp, lp * 4);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(5, kcol2 + e * lp + 16, lp * 4);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_loadd(5, kcol2 + e * lp + 32, lp * 4);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(5, kcol2 + e * lp + 48, lp * 4);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, s, KT * 4); _tile_stored(1, s + 16, KT * 4);
+            _tile_stored(2, s + 32, KT * 4); _tile_stored(3, s + 48, KT * 4);
+            const __m512 sc = _mm512_set1_ps(scale);
+            for (int64_t r = 0; r < rows; r++)
+                for (int v = 0; v < 4; v++) _mm512_store_ps(s + r * KT + 16 * v, _mm512_mul_ps(_mm512_load_ps(s + r * KT + 16 * v), sc));
+        }
+#endif
         /* Scores: 4 rows x 64 keys per pass, summed over D. */
-        for (int64_t r = 0; r < rows; r += 4) {
+        for (int64_t r = 0; r < (BF == 2 ? 0 : rows); r += 4) {
             __m512 a[4][4];
             for (int i = 0; i < 4; i++)
                 for (int v = 0; v < 4; v++) a[i][v] = _mm512_setzero_ps();
@@ -210,6 +268,30 @@ INLINE void rows_item(const int NV, const int BF, const float *qf, const uint32_
                                        (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(s + r * KT + 16 * v + 16),
                                                                     _mm512_load_ps(s + r * KT + 16 * v)));
             const uint32_t *vcol = vp2 + ((j0 - kfirst) / 2) * d;
+#ifdef PF_AMX
+            if (BF == 2) {   /* acc (C, 16 rows x 64 dims at a time) += p (A, 32 keys) x vp2's pairs (B) */
+                memset(p2 + rows * (KT / 2), 0, sizeof(uint32_t) * (MR - rows) * (KT / 2));   /* padding rows */
+                for (int64_t j = 0; j < d; j += 64) {
+                    _tile_loadd(0, acc + j, d * 4); _tile_loadd(1, acc + j + 16, d * 4);
+                    _tile_loadd(2, acc + j + 32, d * 4); _tile_loadd(3, acc + j + 48, d * 4);
+                    for (int kc = 0; kc < KT / 32; kc++) {
+                        const uint32_t *vr = vcol + 16 * kc * d + j;
+                        _tile_loadd(4, p2 + 16 * kc, KT * 2);
+                        _tile_loadd(5, vr, d * 4);
+                        _tile_dpbf16ps(0, 4, 5);
+                        _tile_loadd(5, vr + 16, d * 4);
+                        _tile_dpbf16ps(1, 4, 5);
+                        _tile_loadd(5, vr + 32, d * 4);
+                        _tile_dpbf16ps(2, 4, 5);
+                        _tile_loadd(5, vr + 48, d * 4);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                    _tile_stored(0, acc + j, d * 4); _tile_stored(1, acc + j + 16, d * 4);
+                    _tile_stored(2, acc + j + 32, d * 4); _tile_stored(3, acc + j + 48, d * 4);
+                }
+                continue;
+            }
+#endif
             for (int64_t r = 0; r < rows; r += RB) {
                 __m512 a[4][16];
                 for (int i = 0; i < RB; i++)
@@ -270,8 +352,14 @@ INLINE void item(int kind, const int NV, const int BF, const void *q, int64_t q_
             _mm512_store_ps(qf + r * d + 16 * j, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
         }
     int64_t padded = (rows + 3) / 4 * 4;   /* whole 4-row passes; the padding rows are never stored */
+#ifdef PF_AMX
+    if (BF == 2) amx_configure();
+#endif
     rows_item(NV, BF, qf, q2, padded < MR ? padded : MR, c + r0, kfirst, window, (const float *)kbuf,
               (const float *)vbuf, (const uint32_t *)kbuf, (const uint32_t *)vbuf, lp, scale, acc, m, l);
+#ifdef PF_AMX
+    if (BF == 2) _tile_release();
+#endif
     for (int64_t r = 0; r < rows; r++) {
         __m512 inv = _mm512_set1_ps(1.0f / l[r]);
         for (int j = 0; j < NV; j++)
@@ -321,18 +409,42 @@ FOR_NV(PACK_PAIRS, _) FOR_NV(ITEM_PAIRS, _)
 #else
 #define PAIRS(F) {NULL, NULL, NULL}
 #endif
+#ifdef PF_AMX
+#define ITEM_AMX(X, NV)                                                                                            \
+    static void item_amx_##NV(const void *q, int64_t q_stride, void *out, int64_t r0, int64_t rows, int64_t head,   \
+                              int64_t hq, int64_t c, int64_t kfirst, int64_t window, const void *kbuf,            \
+                              const void *vbuf, int64_t lp, float scale) {                                        \
+        item(KIND_BF16, NV, 2, q, q_stride, out, r0, rows, head, hq, c, kfirst, window, kbuf, vbuf, lp, scale);       \
+    }
+FOR_NV(ITEM_AMX, _)
+#define AMX_ITEMS {item_amx_4, item_amx_8, item_amx_16}
+#else
+#define AMX_ITEMS {NULL, NULL, NULL}
+#endif
 #define BY_NV(F, A) {F##_##A##_4, F##_##A##_8, F##_##A##_16}
 static const pack_fn PACKS[5][3] = {BY_NV(pack, KIND_F32), BY_NV(pack, KIND_BF16), BY_NV(pack, KIND_F16), BY_NV(pack, KIND_I8),
                                     PAIRS(pack)};
-static const item_fn ITEMS[4][3] = {BY_NV(item, KIND_F32), BY_NV(item, KIND_BF16), BY_NV(item, KIND_F16), PAIRS(item)};
+static const item_fn ITEMS[5][3] = {BY_NV(item, KIND_F32), BY_NV(item, KIND_BF16), BY_NV(item, KIND_F16), PAIRS(item),
+                                    AMX_ITEMS};
+
+/* 1 where bf16 prefill runs its products on AMX tiles (built for a CPU with AMX-BF16, and the kernel let this
+ * process use them): there it is faster than torch's flash SDPA, which the torch path would otherwise take. */
+int paged_prefill_amx(void) {
+#ifdef PF_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
 
 /* One prefill chunk, every head. Returns 0, -1 if a buffer could not be allocated. */
 static int prefill(int kind, int ckind, int nvi, int64_t d, const void *q, int64_t q_stride, void *out,
                    const void *k_pool, const void *v_pool, const int32_t *table, int64_t c, int64_t n, int64_t hq,
                    int64_t hkv, int64_t bs, int64_t block_stride, float scale, int64_t window, int num_threads) {
     const int pairs = kind == KIND_BF16 && ckind == KIND_BF16 && PACKS[4][nvi] != NULL;
+    const int amx = pairs && ITEMS[4][nvi] != NULL && paged_prefill_amx();
     const pack_fn pack = pairs ? PACKS[4][nvi] : PACKS[ckind][nvi];
-    const item_fn run = pairs ? ITEMS[3][nvi] : ITEMS[kind][nvi];
+    const item_fn run = amx ? ITEMS[4][nvi] : pairs ? ITEMS[3][nvi] : ITEMS[kind][nvi];
     const int64_t group = hq / hkv;
     const int64_t kend = c + n, kfirst = window > 0 && c - window + 1 > 0 ? c - window + 1 : 0;
     /* One spare tile (tiles start KT-aligned), and 16 more so that kt's rows are an odd number of cache lines
