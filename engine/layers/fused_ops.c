@@ -10,7 +10,8 @@
  *
  * Compiled on first use by engine/attention/native.py (cc -O3 -march=native -fopenmp); loaded with ctypes.
  * Rows are split over `threads` OpenMP threads when there are enough of them to pay for the fork. */
-#pragma GCC optimize("fp-contract=off")
+#pragma GCC optimize("fp-contract=off")   /* GCC */
+#pragma STDC FP_CONTRACT OFF              /* clang (GCC ignores it) */
 #include "../attention/paged_simd.h"   /* bf16 <-> fp32 as torch rounds, KIND_* */
 #ifdef _OPENMP
 #include <omp.h>
