@@ -3,7 +3,9 @@
 A pool laid out as the engine's (layer-major, several layers, scattered block tables), B decode rows
 with contexts uniform in [--min-len, --max-len]; each call is one layer of one decode step. Prints the
 median time per call of both, their ratio, and the K/V bytes read per second against the machine's
-read bandwidth measured in the same run (a sum over a 1 GiB tensor, which reads every byte once).
+read bandwidth measured in the same run (a sum over a 1 GiB tensor, which reads every byte once). Every call
+reads layer 0 (cache-resident where the CPU's caches hold a layer), or with `--cycle-layers` the next layer each
+time, as a decode step does.
 With `--kv-dtype int8` the same K/V is also quantized into an int8 pool (engine/kv_cache.py: int8 values and
 an fp16 scale per token and KV head) and both paths run over it too, in the same run.
 
@@ -12,6 +14,7 @@ an fp16 scale per token and KV head) and both paths run over it too, in the same
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -73,6 +76,9 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--cycle-layers", action="store_true",
+                   help="each call reads the next layer, as a decode step does (with enough layers the K/V comes "
+                        "from memory, not from the CPU's caches); default: every call reads layer 0")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
@@ -86,8 +92,9 @@ def main() -> None:
     scale = args.head_dim ** -0.5
     kv_bytes = int(lens.sum()) * args.kv_heads * args.head_dim * 2 * k_cache.element_size()
     limit_before = read_gbps()
-    t_torch = median_s(lambda: torch_path._decode(q, k_cache, v_cache, meta), args.repeats)
-    t_native = median_s(lambda: native.paged_decode(kernel, q, k_cache, v_cache, meta.decode_block_tables,
+    layers = itertools.cycle(range(args.layers) if args.cycle_layers else [0])   # the layer each call reads
+    t_torch = median_s(lambda: torch_path._decode(q, *pool[next(layers)], meta), args.repeats)
+    t_native = median_s(lambda: native.paged_decode(kernel, q, *pool[next(layers)], meta.decode_block_tables,
                                                     meta.decode_context_lens, scale), args.repeats)
     limit = (limit_before + read_gbps()) / 2
     out = {"dtype": args.dtype, "batch": args.batch, "lens": [args.min_len, args.max_len],
@@ -99,13 +106,12 @@ def main() -> None:
     if args.kv_dtype == "int8":
         pool8 = torch.empty(*pool.shape[:-1], args.head_dim + 2, dtype=torch.int8)
         for layer in range(args.layers):   # a layer at a time: quantizing goes through fp32
-            pool8[:, layer] = quantize_rows(pool[:, layer])
-        k8, v8 = pool8[:, 0, 0], pool8[:, 0, 1]
+            pool8[layer] = quantize_rows(pool[layer])
         kernel8 = native.decode_kernel(dtype, torch.int8)
-        t_torch8 = median_s(lambda: torch_path._decode(q, k8, v8, meta), args.repeats)
-        t_native8 = median_s(lambda: native.paged_decode(kernel8, q, k8, v8, meta.decode_block_tables,
+        t_torch8 = median_s(lambda: torch_path._decode(q, *pool8[next(layers)], meta), args.repeats)
+        t_native8 = median_s(lambda: native.paged_decode(kernel8, q, *pool8[next(layers)], meta.decode_block_tables,
                                                          meta.decode_context_lens, scale), args.repeats)
-        t_native_again = median_s(lambda: native.paged_decode(kernel, q, k_cache, v_cache, meta.decode_block_tables,
+        t_native_again = median_s(lambda: native.paged_decode(kernel, q, *pool[next(layers)], meta.decode_block_tables,
                                                               meta.decode_context_lens, scale), args.repeats)
         kv8_bytes = int(lens.sum()) * args.kv_heads * (args.head_dim + 2) * 2
         out.update({"int8_kv_mib": round(kv8_bytes / 2**20, 1), "int8_torch_ms": round(t_torch8 * 1e3, 3),

@@ -35,17 +35,18 @@ def test_rows_hold_values_and_their_fp16_scale_within_half_a_step():
     assert (rows[..., :64].abs().amax(-1) >= 126).flatten()[1:].all()   # the range is used
 
 
-def _int8_case(dtype, batch, hq, hkv, d, bs, seed=0):
+def _int8_case(dtype, batch, hq, hkv, d, bs, seed=0, max_len=200):
     """`paged_case` with the pool quantized: (q, int8 k, int8 v, float k, float v, tables, lens)."""
-    q, k, v, tables, lens = paged_case(dtype, batch, hq, hkv, d, bs, seed)
+    q, k, v, tables, lens = paged_case(dtype, batch, hq, hkv, d, bs, seed, max_len)
     return q, quantize_rows(k), quantize_rows(v), k, v, tables, lens
 
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("hq, hkv, d", [(8, 2, 64), (4, 4, 128), (6, 3, 48)])   # AVX-512 sizes and plain C
-def test_native_int8_decode_matches_dequantized_reference_and_stays_close_to_float(dtype, hq, hkv, d):
-    q, k8, v8, k, v, tables, lens = _int8_case(dtype, 6, hq, hkv, d, 16)
+@pytest.mark.parametrize("hq, hkv, d, max_len", [(8, 2, 64, 200), (4, 4, 128, 200), (6, 3, 48, 200),
+                                                 (12, 2, 64, 600)])   # AVX-512 sizes and plain C; 3 chunks
+def test_native_int8_decode_matches_dequantized_reference_and_stays_close_to_float(dtype, hq, hkv, d, max_len):
+    q, k8, v8, k, v, tables, lens = _int8_case(dtype, 6, hq, hkv, d, 16, max_len=max_len)
     kernel = native.decode_kernel(dtype, torch.int8)
     out = native.paged_decode(kernel, q, k8, v8, tables, lens, d ** -0.5).float()
     exact = dense_attention(q, dequantize_rows(k8, torch.float32), dequantize_rows(v8, torch.float32), tables, lens, 16)

@@ -15,16 +15,20 @@ from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch,hq,hkv,d,bs", [
-    (9, 16, 8, 128, 16),    # GQA, the benchmark's head size (vector path on AVX-512)
-    (1, 8, 2, 64, 7),       # one row: KV heads split across threads; blocks not a multiple of the tile
-    (5, 12, 1, 80, 32),     # MQA, head size without a vector path (plain C)
-    (4, 4, 4, 16, 1),       # MHA, one-token blocks
+@pytest.mark.parametrize("batch,hq,hkv,d,bs,max_len", [
+    (9, 16, 8, 128, 16, 200),    # GQA, the benchmark's head size (vector path on AVX-512)
+    (1, 8, 2, 64, 7, 200),       # one row: KV heads split across threads; blocks not a multiple of the tile
+    (5, 12, 1, 80, 32, 200),     # MQA, head size without a vector path (plain C)
+    (4, 4, 4, 16, 1, 200),       # MHA, one-token blocks
+    # the vector path's softmax chunks (16 tiles) and register row groups (4 rows at 64, 2 at 128, 1 at 256):
+    (3, 24, 4, 64, 16, 700),     # 6 query rows a KV head (a group of 4, one of 2), three chunks
+    (3, 8, 2, 128, 5, 400),      # 5-token tiles: a chunk is 80 tokens
+    (2, 6, 2, 256, 16, 300),     # head size 256, one row at a time
 ])
-def test_kernel_matches_dense_attention(dtype, batch, hq, hkv, d, bs):
+def test_kernel_matches_dense_attention(dtype, batch, hq, hkv, d, bs, max_len):
     kernel = native.decode_kernel(dtype)
     assert kernel is not None
-    q, k_cache, v_cache, tables, lens = paged_case(dtype, batch, hq, hkv, d, bs)
+    q, k_cache, v_cache, tables, lens = paged_case(dtype, batch, hq, hkv, d, bs, max_len=max_len)
     out = native.paged_decode(kernel, q, k_cache, v_cache, tables, lens, d ** -0.5)
     assert out.shape == (batch, hq, d) and out.dtype == dtype
     ref = dense_attention(q, k_cache, v_cache, tables, lens, bs)

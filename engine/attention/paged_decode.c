@@ -57,9 +57,14 @@ INLINE void store1(void *p, int64_t i, float x, int kind) {
 }
 
 
-/* Per-item work buffer: for each query row, q * scale and acc [D], running max m and sum l, scores of one
- * tile; plus one tile of converted rows. */
-static size_t work_floats(int64_t rows, int64_t d) { return (size_t)(rows * (2 * d + 2 + TILE) + TILE * d); }
+#define CHUNK 16   /* tiles per softmax update in the AVX-512 path */
+
+/* Per-item work buffer: for each query row, q * scale and acc [D], running max m and sum l, a chunk's scores and
+ * rescaling factor (the plain C path uses one tile of them); the V scales of a chunk's int8 rows; one tile of
+ * converted rows. */
+static size_t work_floats(int64_t rows, int64_t d) {
+    return (size_t)(rows * (2 * d + 3 + CHUNK * TILE) + CHUNK * TILE * rows + TILE * d);
+}
 
 /* Softmax update of one query row over a tile of n scores (in place: scores become probabilities).
  * Returns the factor by which the row's accumulator must be scaled first. */
@@ -144,87 +149,162 @@ INLINE void prefetch_span(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T1);
 }
 
+/* Lane t of the result = the sum of v[t]'s 16 lanes: a transposed reduction, ~3 instructions a vector where a
+ * horizontal sum of each costs ~8. Pairs of vectors fold halves, then quarters, then pairs of lanes; the result
+ * comes out 4 x 4 transposed and one permute puts it back in order. */
+INLINE __m512 sum16x16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++)   /* w[i]: lanes 0-7 sum to v[2i]'s total, lanes 8-15 to v[2i+1]'s */
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)   /* x[i]: quarter q sums to v[4i+q]'s total */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) {   /* y[i]: quarter q, lanes 0-1: v[8i+q]; lanes 2-3: v[8i+4+q] */
+        __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+        y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    /* quarter q, lane j: v[q + 4j] */
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), z);
+}
+
 /* One sequence, KV heads [h0, h1), head size 16 * NV (NV a compile-time constant after inlining, so the
- * per-row vectors stay in registers). */
+ * per-row vectors stay in registers). The context goes by chunks of up to CHUNK tiles (a tile: up to 16 tokens of
+ * one block), each in three passes:
+ *   scores   per tile, KV head and query row: one vector of products per token, summed across in one transposed
+ *            reduction (a bf16 query over a bf16 cache multiplies raw bf16 pairs, AVX512-BF16's dot product: exact
+ *            products summed in fp32, the scale applied to the sums); the next tile's K and this tile's V are
+ *            prefetched meanwhile (blocks lie anywhere in the pool, out of the hardware prefetcher's sight)
+ *   softmax  per query row over the chunk's scores at once (one rescale of the running sums per chunk, the exps
+ *            independent of each other rather than one dependent chain per tile)
+ *   values   per KV head, the weighted V rows of the whole chunk into accumulators held in registers, RB query
+ *            rows at a time. */
 INLINE void item_avx512(int kind, int ckind, const int NV, const void *q, void *out, const void *k_pool,
                         const void *v_pool, const int32_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1,
                         int64_t hkv, int64_t group, int64_t bs, int64_t block_stride, float scale, float *work) {
     const int64_t d = 16 * NV;
-    int64_t rows = (h1 - h0) * group, es = elem_size(kind), hs = head_stride(d, ckind), tok_stride = hkv * hs;
-    int64_t ces = elem_size(ckind);
-    float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *s = l + rows;
+    const int RB = NV <= 4 ? 4 : NV <= 8 ? 2 : 1;   /* RB rows x NV accumulators + NV V vectors fit 32 registers */
+#ifdef __AVX512BF16__
+    const int dot_bf16 = kind == KIND_BF16 && ckind == KIND_BF16;
+#else
+    const int dot_bf16 = 0;
+#endif
+    int64_t heads = h1 - h0, rows = heads * group, es = elem_size(kind), hs = head_stride(d, ckind);
+    int64_t tok_stride = hkv * hs, ces = elem_size(ckind);
+    /* qf: the query rows (fp32 x scale, or raw bf16); acc; running max m and sum l; the chunk's scores, then
+     * weights, [row][tile][16]; the chunk's rescaling factor per row; int8 rows' V scales [tile][head][16] */
+    float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *sc = l + rows;
+    float *corr = sc + rows * CHUNK * TILE, *vsc = corr + rows;
     for (int64_t r = 0; r < rows; r++) {
-        for (int j = 0; j < NV; j++) {
-            __m512 x = load16((const char *)q + ((h0 * group + r) * d + 16 * j) * es, kind);
-            _mm512_storeu_ps(qf + r * d + 16 * j, _mm512_mul_ps(x, _mm512_set1_ps(scale)));
-            _mm512_storeu_ps(acc + r * d + 16 * j, _mm512_setzero_ps());
-        }
+        const char *qr = (const char *)q + (h0 * group + r) * d * es;
+        if (dot_bf16) memcpy(qf + r * d, qr, d * 2);
+        else
+            for (int j = 0; j < NV; j++)
+                _mm512_storeu_ps(qf + r * d + 16 * j, _mm512_mul_ps(load16(qr + 16 * j * es, kind), _mm512_set1_ps(scale)));
+        for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + r * d + 16 * j, _mm512_setzero_ps());
         m[r] = -INFINITY;
         l[r] = 0.0f;
     }
-    const int64_t span = (h1 - h0) * hs * ces;   /* bytes of one token's K (or V) row this item reads */
-    int64_t pos = first, n = tile_len(first, ctx, bs), base = tile_base(table, first, bs, block_stride, tok_stride) + h0 * hs;
+    int64_t tn[CHUNK + 1], tb[CHUNK + 1];   /* tokens and element offset (head h0) of the chunk's tiles + the next */
+    int64_t pos = first;
+    tn[0] = tile_len(pos, ctx, bs), tb[0] = tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs;
     while (pos < ctx) {
-        int64_t next_pos = pos + n, next_n = next_pos < ctx ? tile_len(next_pos, ctx, bs) : 0;
-        int64_t next_base = next_n ? tile_base(table, next_pos, bs, block_stride, tok_stride) + h0 * hs : 0;
-        const char *kb = (const char *)k_pool + base * ces, *vb = (const char *)v_pool + base * ces;
-        const char *next_kb = (const char *)k_pool + next_base * ces, *next_vb = (const char *)v_pool + next_base * ces;
-        __mmask16 live = (__mmask16)((1u << n) - 1u);
-        /* Scores, in memory order (token by token, the item's heads side by side); the next tile's rows are
-         * prefetched meanwhile: its block is anywhere in the pool, out of the hardware prefetcher's sight. */
-        for (int64_t t = 0; t < n; t++) {
-            if (t < next_n) prefetch_span(next_kb + t * tok_stride * ces, span);
-            for (int64_t h = h0; h < h1; h++) {
-                const char *kr = kb + (t * tok_stride + (h - h0) * hs) * ces;
-                int64_t r0 = (h - h0) * group;
-                float ks = row_scale(kr, d, ckind);
-                __m512 k[16];   /* NV <= 16; a fixed size lets the compiler keep the unrolled rows in registers */
-                for (int j = 0; j < NV; j++) k[j] = load16(kr + 16 * j * ces, ckind);
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = qf + (r0 + g) * d;
-                    __m512 a0 = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]), a1 = _mm512_setzero_ps();
-                    for (int j = 1; j < NV; j++) {
-                        if (j & 1) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], a1);
-                        else a0 = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], a0);
+        int nt = 0;
+        while (nt < CHUNK && pos < ctx) {   /* the chunk's tiles, and the first of the next chunk */
+            pos += tn[nt++];
+            tn[nt] = pos < ctx ? tile_len(pos, ctx, bs) : 0;
+            tb[nt] = tn[nt] ? tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs : 0;
+        }
+        for (int i = 0; i < nt; i++) {   /* scores */
+            const int64_t n = tn[i], next_n = tn[i + 1];
+            const __mmask16 live = (__mmask16)((1u << n) - 1u);
+            for (int64_t h = 0; h < heads; h++) {
+                const char *kh = (const char *)k_pool + (tb[i] + h * hs) * ces;
+                const char *vh = (const char *)v_pool + (tb[i] + h * hs) * ces;
+                const char *next_kh = (const char *)k_pool + (tb[i + 1] + h * hs) * ces;
+                __m512 ksv = _mm512_set1_ps(dot_bf16 ? scale : 1.0f);
+                if (ckind == KIND_I8) {   /* the rows' scales */
+                    float ks[TILE] = {0}, *vs = vsc + (i * heads + h) * TILE;
+                    for (int64_t t = 0; t < TILE; t++) {
+                        ks[t] = t < n ? row_scale(kh + t * tok_stride * ces, d, ckind) : 0.0f;
+                        vs[t] = t < n ? row_scale(vh + t * tok_stride * ces, d, ckind) : 0.0f;
                     }
-                    s[(r0 + g) * TILE + t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * ks;
+                    ksv = _mm512_loadu_ps(ks);
                 }
-            }
-        }
-        for (int64_t r = 0; r < rows; r++) {
-            float *sr = s + r * TILE;
-            __m512 sv = _mm512_maskz_loadu_ps(live, sr);
-            float mx = _mm512_mask_reduce_max_ps(live, sv);
-            mx = mx > m[r] ? mx : m[r];
-            __m512 p = _mm512_maskz_mov_ps(live, exp16_nonpositive(_mm512_sub_ps(sv, _mm512_set1_ps(mx))));
-            _mm512_storeu_ps(sr, p);
-            float corr = mx != m[r] ? exp_nonpositive(m[r] - mx) : 1.0f;
-            l[r] = l[r] * corr + _mm512_reduce_add_ps(p);
-            m[r] = mx;
-            if (corr != 1.0f)
-                for (int j = 0; j < NV; j++) {
-                    float *a = acc + r * d + 16 * j;
-                    _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_set1_ps(corr)));
-                }
-        }
-        /* Weighted V, again in memory order. */
-        for (int64_t t = 0; t < n; t++) {
-            if (t < next_n) prefetch_span(next_vb + t * tok_stride * ces, span);
-            for (int64_t h = h0; h < h1; h++) {
-                const char *vr = vb + (t * tok_stride + (h - h0) * hs) * ces;
-                int64_t r0 = (h - h0) * group;
-                float vs = row_scale(vr, d, ckind);
-                __m512 v[16];
-                for (int j = 0; j < NV; j++) v[j] = load16(vr + 16 * j * ces, ckind);
                 for (int64_t g = 0; g < group; g++) {
-                    float *a = acc + (r0 + g) * d;
-                    __m512 p = _mm512_set1_ps(s[(r0 + g) * TILE + t] * vs);
-                    for (int j = 0; j < NV; j++)
-                        _mm512_storeu_ps(a + 16 * j, _mm512_fmadd_ps(p, v[j], _mm512_loadu_ps(a + 16 * j)));
+                    const float *qg = qf + (h * group + g) * d;
+                    __m512 part[TILE];
+#pragma GCC unroll 16   /* part[] must stay in registers */
+                    for (int t = 0; t < TILE; t++) {
+                        part[t] = _mm512_setzero_ps();
+                        if (g == 0) {
+                            if (t < next_n) prefetch_span(next_kh + t * tok_stride * ces, hs * ces);
+                            if (t < n) prefetch_span(vh + t * tok_stride * ces, hs * ces);
+                        }
+                        if (t >= n) continue;
+                        const char *kr = kh + t * tok_stride * ces;
+#ifdef __AVX512BF16__
+                        if (dot_bf16) {
+                            for (int j = 0; j < NV / 2; j++)
+                                part[t] = _mm512_dpbf16_ps(part[t], (__m512bh)_mm512_loadu_si512(qg + 16 * j),
+                                                           (__m512bh)_mm512_loadu_si512(kr + 64 * j));
+                            continue;
+                        }
+#endif
+                        for (int j = 0; j < NV; j++)
+                            part[t] = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), load16(kr + 16 * j * ces, ckind), part[t]);
+                    }
+                    _mm512_storeu_ps(sc + ((h * group + g) * CHUNK + i) * TILE,
+                                     _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, _mm512_mul_ps(sum16x16(part), ksv)));
                 }
             }
         }
-        pos = next_pos, n = next_n, base = next_base;
+        for (int64_t r = 0; r < rows; r++) {   /* softmax */
+            float *sr = sc + r * CHUNK * TILE;
+            __m512 vm = _mm512_set1_ps(m[r]);
+            for (int i = 0; i < nt; i++) vm = _mm512_max_ps(vm, _mm512_loadu_ps(sr + i * TILE));
+            float mx = _mm512_reduce_max_ps(vm);
+            __m512 sum = _mm512_setzero_ps(), mv = _mm512_set1_ps(mx);
+            for (int i = 0; i < nt; i++) {
+                __mmask16 live = (__mmask16)((1u << tn[i]) - 1u);
+                __m512 p = _mm512_maskz_mov_ps(live, exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + i * TILE), mv)));
+                sum = _mm512_add_ps(sum, p);
+                if (ckind == KIND_I8) p = _mm512_mul_ps(p, _mm512_loadu_ps(vsc + (i * heads + r / group) * TILE));
+                _mm512_storeu_ps(sr + i * TILE, p);
+            }
+            corr[r] = mx != m[r] ? exp_nonpositive(m[r] - mx) : 1.0f;
+            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
+            m[r] = mx;
+        }
+        for (int64_t h = 0; h < heads; h++)   /* weighted V, RB rows' accumulators in registers */
+            for (int64_t g0 = 0; g0 < group; g0 += RB) {
+                const int64_t r0 = h * group + g0;
+                __m512 a[4][16];
+                for (int gg = 0; gg < RB; gg++) {
+                    if (g0 + gg >= group) break;
+                    __m512 c = _mm512_set1_ps(corr[r0 + gg]);
+                    for (int j = 0; j < NV; j++) a[gg][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + gg) * d + 16 * j), c);
+                }
+                for (int i = 0; i < nt; i++) {
+                    const char *vh = (const char *)v_pool + (tb[i] + h * hs) * ces;
+                    for (int64_t t = 0; t < tn[i]; t++) {
+                        const char *vr = vh + t * tok_stride * ces;
+                        __m512 v[16];
+                        for (int j = 0; j < NV; j++) v[j] = load16(vr + 16 * j * ces, ckind);
+                        for (int gg = 0; gg < RB; gg++) {
+                            if (g0 + gg >= group) break;
+                            __m512 pb = _mm512_set1_ps(sc[((r0 + gg) * CHUNK + i) * TILE + t]);
+                            for (int j = 0; j < NV; j++) a[gg][j] = _mm512_fmadd_ps(pb, v[j], a[gg][j]);
+                        }
+                    }
+                }
+                for (int gg = 0; gg < RB; gg++) {
+                    if (g0 + gg >= group) break;
+                    for (int j = 0; j < NV; j++) _mm512_storeu_ps(acc + (r0 + gg) * d + 16 * j, a[gg][j]);
+                }
+            }
+        tn[0] = tn[nt], tb[0] = tb[nt];
     }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < d; i++) store1(out, (h0 * group + r) * d + i, acc[r * d + i] / l[r], kind);
