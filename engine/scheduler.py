@@ -162,7 +162,7 @@ class Scheduler:
                     and len(loras) >= self.max_loras:
                 i += 1   # its adapter waits for a slot (remote prefills land beside any adapter): a later step
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
+            n = self._step_tokens(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget, batch)
             del seq.spec_token_ids[max(n - 1, 0):]   # drafts past the budget wait (a decoding sequence: n = 1 + drafts)
             while not bm.allocate(seq, seq.num_computed_tokens + n):
                 if seq.spec_token_ids:   # drafts are given up before anyone is preempted
@@ -199,7 +199,7 @@ class Scheduler:
                 continue
             num_cached = len(hits) * self.block_size
             remaining = seq.num_tokens - num_cached
-            n = min(remaining, budget)
+            n = self._step_tokens(remaining, budget, batch)
             if n < remaining and not self.enable_chunked_prefill:
                 break
             if not bm.allocate(seq, num_cached + n, hits):
@@ -214,6 +214,17 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             budget -= n
         return batch
+
+    @staticmethod
+    def _step_tokens(remaining: int, budget: int, batch: ScheduledBatch) -> int:
+        """A sequence's tokens in this step: up to what is left of the budget, or all `remaining` where the rest
+        would be no more than the step's one-token rows. Those decodes then ride along the prompt's last chunk:
+        a 2048-token prompt arriving beside 4 decoding sequences under a 2048 budget is prefilled in one step of
+        2052 tokens instead of 2044 now and 4 in a step of its own (which delays its first token by that step).
+        A step's prompt tokens stay within the budget; its total, within the budget plus its decodes."""
+        if remaining <= budget:
+            return remaining
+        return remaining if remaining - budget <= batch.num_new_tokens.count(1) else budget
 
     def _load_from_tiers(self, seq: Sequence, hits: list[int]) -> bool:
         """When the blocks after `seq`'s pool hits are in a KV tier: blocks for them (the hits shared), pinned, a

@@ -67,6 +67,30 @@ def test_a_chunk_that_samples_nothing_still_advances():
     sched.abort("a")
 
 
+@pytest.mark.parametrize("prompt_len, chunks", [(30, [30]), (32, [32]), (33, [29, 4])])
+def test_decodes_ride_along_a_prompts_last_chunk(prompt_len, chunks):
+    """Budget 32 with 3 sequences decoding: a prompt is one step where its rest after a 29-token chunk (32 - 3)
+    would be no more than those 3 decode rows; a longer one is chunked as before (the step's prompt tokens
+    stay within the budget)."""
+    sched = _scheduler(num_blocks=32, budget=32)
+    decoding = [_seq(f"d{i}", [50 + i], max_tokens=20) for i in range(3)]
+    for seq in decoding:
+        sched.add(seq)
+    batch = sched.schedule()
+    sched.update_from_output(batch, batch.seqs, [[1]] * 3, [[None]] * 3)
+    sched.add(p := _seq("p", list(range(10, 10 + prompt_len)), max_tokens=2))
+    got = []
+    while p.num_computed_tokens < prompt_len:
+        batch = sched.schedule()
+        assert batch.num_new_tokens[:3] == [1, 1, 1] and batch.seqs[3] is p
+        assert sum(batch.num_new_tokens) - 3 <= 32
+        got.append(batch.num_new_tokens[3])
+        # a prompt's chunk samples nothing until its last
+        sampled = batch.seqs if p.num_computed_tokens + got[-1] == prompt_len else batch.seqs[:3]
+        sched.update_from_output(batch, sampled, [[1]] * len(sampled), [[None]] * len(sampled))
+    assert got == chunks
+
+
 def test_preemption_frees_the_newest_and_recomputes_it_later():
     sched = _scheduler(num_blocks=4, budget=64)
     a, b = _seq("a", list(range(8)), max_tokens=8), _seq("b", list(range(40, 48)), max_tokens=8)
