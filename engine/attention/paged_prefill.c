@@ -180,10 +180,7 @@ INLINE void rows_item(const int NV, const int BF, const float *qf, const uint32_
                 _tile_dpbf16ps(3, 4, 5);
             }
             _tile_stored(0, s, KT * 4); _tile_stored(1, s + 16, KT * 4);
-            _tile_stored(2, s + 32, KT * 4); _tile_stored(3, s + 48, KT * 4);
-            const __m512 sc = _mm512_set1_ps(scale);
-            for (int64_t r = 0; r < rows; r++)
-                for (int v = 0; v < 4; v++) _mm512_store_ps(s + r * KT + 16 * v, _mm512_mul_ps(_mm512_load_ps(s + r * KT + 16 * v), sc));
+            _tile_stored(2, s + 32, KT * 4); _tile_stored(3, s + 48, KT * 4);   /* unscaled: the softmax scales */
         }
 #endif
         /* Scores: 4 rows x 64 keys per pass, summed over D. */
@@ -225,15 +222,21 @@ INLINE void rows_item(const int NV, const int BF, const float *qf, const uint32_
             for (int i = 0; i < 4; i++)
                 for (int v = 0; v < 4; v++) _mm512_store_ps(s + (r + i) * KT + 16 * v, a[i][v]);
         }
-        /* Online softmax per row over its visible keys of the tile; p replaces s. */
+        /* Online softmax per row over its visible keys of the tile; p replaces s. The AMX scores come unscaled (the
+         * scale is positive: the tile's maximum scales with them). Below the diagonal and inside any window every
+         * key of the tile is visible to every row: no masks to build. */
+        const float sscale = BF == 2 ? scale : 1.0f;
+        const int all_visible = j0 + KT - 1 <= p0 && (window <= 0 || j0 >= p0 + rows - window);
         for (int64_t r = 0; r < rows; r++) {
             int64_t pos = p0 + r, first = window > 0 && pos - window + 1 > kfirst ? pos - window + 1 : kfirst;
-            __mmask16 vis[4];
+            __mmask16 vis[4] = {0xffff, 0xffff, 0xffff, 0xffff};
             __m512 mx = _mm512_set1_ps(-INFINITY);
             for (int v = 0; v < 4; v++) {
-                __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(j0 + 16 * v)));
-                vis[v] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)pos)) &
-                         _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32((int)first));
+                if (!all_visible) {
+                    __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32((int)(j0 + 16 * v)));
+                    vis[v] = _mm512_cmple_epi32_mask(key, _mm512_set1_epi32((int)pos)) &
+                             _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32((int)first));
+                }
                 mx = _mm512_mask_max_ps(mx, vis[v], mx, _mm512_load_ps(s + r * KT + 16 * v));
             }
             float tmax = _mm512_reduce_max_ps(mx);
@@ -241,14 +244,15 @@ INLINE void rows_item(const int NV, const int BF, const float *qf, const uint32_
                 for (int v = 0; v < 4; v++) _mm512_store_ps(s + r * KT + 16 * v, _mm512_setzero_ps());
                 continue;
             }
+            tmax *= sscale;
             float mnew = tmax > m[r] ? tmax : m[r];
-            __m512 sum = _mm512_setzero_ps(), mb = _mm512_set1_ps(mnew);
+            __m512 sum = _mm512_setzero_ps(), mb = _mm512_set1_ps(mnew), sb = _mm512_set1_ps(sscale);
             for (int v = 0; v < 4; v++) {
-                __m512 p = _mm512_maskz_mov_ps(vis[v], exp16_nonpositive(_mm512_sub_ps(_mm512_load_ps(s + r * KT + 16 * v), mb)));
+                __m512 p = _mm512_maskz_mov_ps(vis[v], exp16_nonpositive(_mm512_fmsub_ps(_mm512_load_ps(s + r * KT + 16 * v), sb, mb)));
                 _mm512_store_ps(s + r * KT + 16 * v, p);
                 sum = _mm512_add_ps(sum, p);
             }
-            float corr = m[r] == -INFINITY ? 0.0f : mnew != m[r] ? expf(m[r] - mnew) : 1.0f;
+            float corr = m[r] == -INFINITY ? 0.0f : mnew != m[r] ? exp_nonpositive(m[r] - mnew) : 1.0f;
             l[r] = l[r] * corr + _mm512_reduce_add_ps(sum);
             m[r] = mnew;
             if (corr != 1.0f) {
