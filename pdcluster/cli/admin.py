@@ -35,6 +35,9 @@ from pdcluster.control.transport import LoadSubscriber
 ENV_ETCD = "PDCLUSTER_ETCD"
 ENV_CLUSTER = "PDCLUSTER_CLUSTER"
 LOAD_WAIT = 1.5  # seconds to listen for Load reports (nodes publish at ~2 Hz)
+# seconds an etcd read may take: a one-shot command waits out an etcd that a busy host starves for a moment (the
+# nodes' default, 3 s, timed out here on a 2-core box under a migration drill); a refused login still fails at once
+ETCD_WAIT = 10.0
 METRICS_WAIT = 1.5  # seconds to wait for a node's /metrics
 USAGE_KEYS = ("device_kind", "device_utilization_pct", "device_memory_used_bytes", "device_memory_total_bytes",
               "batch_occupancy", "preemptions", "expert_imbalance", "spec_method", "spec_acceptance_rate",
@@ -143,7 +146,7 @@ class Health:
 
 async def _client(endpoints: list[str], credentials: EtcdCredentials | None):
     try:
-        return await connect(endpoints, credentials=credentials)
+        return await connect(endpoints, timeout=ETCD_WAIT, credentials=credentials)
     except EtcdUnavailable as exc:
         raise AdminError(str(exc)) from None
 
