@@ -37,7 +37,6 @@ def make_inputs(args, dtype):
     num_blocks = 2 * sum(blocks)
     pool = torch.empty(args.layers, 2, num_blocks, bs, hkv, d, dtype=dtype)   # engine/kv_cache.py's layout
     pool.normal_(generator=g)
-    k_cache, v_cache = pool[0, 0], pool[0, 1]
     perm = torch.randperm(num_blocks, generator=g)
     tables = perm[:args.batch * max(blocks)].view(args.batch, max(blocks)).to(torch.int32)
     q = torch.randn(args.batch, hq + hkv, d, generator=g).to(dtype)[:, :hq]
@@ -45,7 +44,7 @@ def make_inputs(args, dtype):
     meta = TorchAttentionBackend.prepare(AttentionMetadata(   # the torch path's per-step metadata
         slot_mapping=none, num_decode_tokens=args.batch, decode_block_tables=tables,
         decode_context_lens=lens.to(torch.int32)))
-    return q, k_cache, v_cache, meta, lens, pool
+    return q, meta, lens, pool
 
 
 def median_s(fn, repeats: int) -> float:
@@ -87,10 +86,10 @@ def main() -> None:
     kernel = native.decode_kernel(dtype)
     if kernel is None:
         raise SystemExit("native kernel unavailable here (no C compiler?): nothing to compare")
-    q, k_cache, v_cache, meta, lens, pool = make_inputs(args, dtype)
+    q, meta, lens, pool = make_inputs(args, dtype)
     torch_path = TorchAttentionBackend(args.heads, args.kv_heads, args.head_dim)
     scale = args.head_dim ** -0.5
-    kv_bytes = int(lens.sum()) * args.kv_heads * args.head_dim * 2 * k_cache.element_size()
+    kv_bytes = int(lens.sum()) * args.kv_heads * args.head_dim * 2 * pool.element_size()
     limit_before = read_gbps()
     layers = itertools.cycle(range(args.layers) if args.cycle_layers else [0])   # the layer each call reads
     t_torch = median_s(lambda: torch_path._decode(q, *pool[next(layers)], meta), args.repeats)
