@@ -104,15 +104,16 @@ def wide_model(tmp_path_factory):
 
 
 async def test_a_node_short_of_kv_blocks_moves_a_stream_instead_of_preempting(wide_model, tmp_path):
-    """`preempt_migrate`: three long streams on a 64-block pool would preempt; the node asks the router to move
-    the newest one away with its KV first. All three outputs exact, at least one moved for pressure, none
-    preempted."""
+    """`preempt_migrate`: three long streams (3 x 1060 tokens = 199 blocks) on a 128-block pool would preempt; the
+    node asks the router to move the newest one away with its KV first. All three outputs exact, at least one moved
+    for pressure, none preempted. The pool leaves each stream ~500 tokens of growth while the router learns that
+    decode-1 is active (64 blocks left ~200: a busy 2-core CI host used them up)."""
     model = wide_model
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 400) for _ in range(PROMPT)] for _ in range(3)]
-    output = 600
+    output = 1000
     want = reference(model, prompts, output)
-    cluster = decode_cluster(model, tmp_path, node={"num_gpu_blocks_override": 64, "preempt_migrate": True})
+    cluster = decode_cluster(model, tmp_path, node={"num_gpu_blocks_override": 128, "preempt_migrate": True})
     with cluster:
         await only_decode_0(cluster)   # all three start on decode-0
         progress = [0, 0, 0]
