@@ -44,7 +44,8 @@ class EngineArgs:
                                     help="weights and KV dtype; auto: float32 on CPU, else the checkpoint's "
                                          "(bfloat16 for a float32 one on cuda)")
     device: str | None = knob(None, choices=DEVICE_CHOICES, help="auto: npu > cuda > cpu")
-    block_size: int = knob(16, help="tokens per KV block (vLLM-Ascend commonly uses 128)")
+    block_size: int | None = knob(None, help="tokens per KV block; unset (0): 128 on CPU and NPU (vLLM-CPU's and "
+                                             "vLLM-Ascend's default), 16 on CUDA")
     kv_cache_dtype: str = knob("auto", choices=KV_CACHE_DTYPE_CHOICES,
                                help="KV pool dtype; auto: the model dtype, int8: int8 with a scale per token "
                                     "and KV head")

@@ -58,6 +58,7 @@ class LLMEngine:
         self.device = resolve_device(args.device)
         bind_thread(self.device)
         self.args = args = with_device_defaults(args, self.device)
+        assert args.block_size is not None   # the device's default where unset
         self.dtype = resolve_dtype(args.dtype, self.device, args.model)
         self.model_config = ModelConfig.from_pretrained(args.model)
         cfg = self.model_config

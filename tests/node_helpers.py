@@ -29,7 +29,7 @@ PREFILL_PEER = "prefill-fake"
 
 def node_config(kind: str, model: str, etcd: EtcdServer, cluster: str) -> NodeConfig:
     config = NodeConfig(model=model, etcd=[etcd.endpoint], cluster=cluster, node_id=f"{kind}-under-test",
-                        lease_ttl=2, num_gpu_blocks_override=64, max_num_seqs=4)
+                        lease_ttl=2, block_size=16, num_gpu_blocks_override=64, max_num_seqs=4)
     config.finish(kind)
     config.validate()
     return config

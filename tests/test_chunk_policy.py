@@ -43,7 +43,7 @@ def test_engine_resolves_auto(tmp_path, make_engine):
     from pdcluster.engine.testing import make_tiny_model
 
     model = make_tiny_model(str(tmp_path / "m"), "llama", max_position_embeddings=16384)
-    auto = dict(max_num_batched_tokens="auto")
+    auto = dict(max_num_batched_tokens="auto", block_size=16)   # the cap counts the pool's tokens: 750 x 16 = 12000
     assert make_engine(model, num_gpu_blocks_override=1100, **auto).scheduler.max_num_batched_tokens == 4096
     assert make_engine(model, num_gpu_blocks_override=750, **auto).scheduler.max_num_batched_tokens == 3000   # capped
     assert make_engine(model, max_num_batched_tokens=100).scheduler.max_num_batched_tokens == 100

@@ -65,7 +65,7 @@ def test_defaults():
     cfg = load_config("decode", overrides={"model": "/m"}, env={})
     assert isinstance(cfg, NodeConfig)
     assert (cfg.role, cfg.cluster, cfg.etcd, cfg.block_size, cfg.kv_backend) == (
-        "decode", "default", ["127.0.0.1:2379"], 16, "auto")
+        "decode", "default", ["127.0.0.1:2379"], None, "auto")   # block size unset: the device's default
     assert cfg.node_id.startswith("decode-") and str(os.getpid()) in cfg.node_id
     router = load_config("router", env={})
     assert isinstance(router, RouterConfig) and router.port == 8000 and router.log_format == "text"
@@ -122,7 +122,7 @@ def test_bad_values_are_named():
         ({"kv_backend": "rdma"}, "kv_backend: 'rdma'"),
         ({"device": "tpu"}, "device: 'tpu'"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-        ({"block_size": 0}, "block_size: must be >= 1"),
+        ({"block_size": -16}, "block_size: must be >= 1"),   # 0 is unset
         ({"etcd": ["nohost"]}, "'nohost' is not host:port"),
         ({"control_port": 70000}, "control_port"),
         ({"cluster": "a/b"}, "cluster:"),

@@ -397,7 +397,7 @@ def check_node_instances(deployed: Deployment, host: str, role: str, groups: lis
         assert config.etcd == [f"127.0.0.1:{deployed.etcd_port}"]
         assert config.host == "127.0.0.1" and config.model == str(deployed.model)
         assert config.device == ("npu" if host == "npuhost" else "cpu")
-        assert config.block_size == (128 if host == "npuhost" else 16)
+        assert config.block_size is None   # unset: the engine takes the device's (with_device_defaults)
         assert config.tensor_parallel_size == tensor_parallel_size
         assert config.cpu_cores == (PREFILL_CORES if (host, role) == ("cpuhost", "prefill") else "")
         assert config.collective_timeout == everywhere["pdcluster_collective_timeout"]

@@ -144,7 +144,7 @@ def test_stop_rules_eos_stop_ids_min_tokens_max_tokens(tiny_llama, make_engine):
 
 
 def test_hold_blocks_keeps_blocks_until_abort_and_they_feed_the_prefix_cache(tiny_llama, make_engine):
-    engine = make_engine(tiny_llama)
+    engine = make_engine(tiny_llama, block_size=16)
     start = engine.get_stats().num_free_blocks
     prompt = make_prompts([70], seed=40)[0]
     engine.add_request("p", prompt, SamplingParams(temperature=0, max_tokens=1), hold_blocks=True)
@@ -161,8 +161,8 @@ def test_hold_blocks_keeps_blocks_until_abort_and_they_feed_the_prefix_cache(tin
 def test_prefill_engine_to_decode_engine_via_reserved_blocks(tiny_llama, make_engine):
     """The P/D flow in one process: D reserves blocks for the prompt, P prefills with hold_blocks, its
     blocks are copied into D's, D decodes from the first token. Output must equal a local run."""
-    prefill = make_engine(tiny_llama)
-    decode = make_engine(tiny_llama, kv_connector=Reservations(), num_gpu_blocks_override=64)
+    prefill = make_engine(tiny_llama, block_size=16)
+    decode = make_engine(tiny_llama, block_size=16, kv_connector=Reservations(), num_gpu_blocks_override=64)
     prompts = make_prompts([1, 37, 100, 16], seed=50)
     want = hf_greedy(tiny_llama, prompts)
     first_outputs = []
@@ -191,7 +191,7 @@ def test_prefill_engine_to_decode_engine_via_reserved_blocks(tiny_llama, make_en
 
 
 def test_remote_kv_reservation_limits_lifecycle_and_errors(tiny_llama, make_engine):
-    decode = make_engine(tiny_llama, kv_connector=Reservations(), num_gpu_blocks_override=8)
+    decode = make_engine(tiny_llama, block_size=16, kv_connector=Reservations(), num_gpu_blocks_override=8)
     assert len(reserve(decode, "x", [6] * 100, GREEDY)[0]) == 7
     assert reserve(decode, "big", [5] * 20, GREEDY) is None
     assert decode.get_stats().num_waiting_for_kv == 1      # a failed reservation leaves nothing behind
@@ -216,7 +216,7 @@ def test_remote_kv_reservation_limits_lifecycle_and_errors(tiny_llama, make_engi
 
 
 def test_two_reservations_sharing_a_cached_prefix(tiny_llama, make_engine):
-    engine = make_engine(tiny_llama, kv_connector=Reservations(), num_gpu_blocks_override=16)
+    engine = make_engine(tiny_llama, block_size=16, kv_connector=Reservations(), num_gpu_blocks_override=16)
     prompt = make_prompts([40], seed=70)[0]
     run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=1))      # caches 2 full blocks
     a, cached_a = reserve(engine, "a", prompt, SamplingParams(max_tokens=2, ignore_eos=True))
@@ -238,7 +238,7 @@ def test_remote_kv_reserved_hook_runs_before_add_request_returns_and_refusal_add
             stats = engine.get_stats()
             calls.append((request_id, list(block_ids), num_cached_tokens, stats.num_waiting_for_kv))
 
-    engine = make_engine(tiny_llama, kv_connector=Hook(), num_gpu_blocks_override=8)
+    engine = make_engine(tiny_llama, block_size=16, kv_connector=Hook(), num_gpu_blocks_override=8)
     assert engine.add_request("r", [5] * 40, GREEDY, remote_kv=True) is True
     assert len(calls) == 1 and calls[0][0] == "r" and len(calls[0][1]) == 3 and calls[0][2:] == (0, 1)
     assert engine.add_request("big", [5] * 100, GREEDY, remote_kv=True) is False
@@ -253,14 +253,14 @@ def test_a_failing_reserved_hook_leaves_nothing_behind(tiny_llama, make_engine):
         def on_remote_reserved(self, request_id, block_ids, num_cached_tokens):
             raise RuntimeError("no receiver")
 
-    engine = make_engine(tiny_llama, kv_connector=Broken(), num_gpu_blocks_override=8)
+    engine = make_engine(tiny_llama, block_size=16, kv_connector=Broken(), num_gpu_blocks_override=8)
     with pytest.raises(RuntimeError, match="no receiver"):
         engine.add_request("r", [5] * 40, GREEDY, remote_kv=True)
     assert not engine.scheduler.requests and engine.get_stats().num_free_blocks == 8
 
 
 def test_remote_kv_failed_falls_back_to_a_local_prefill_with_the_same_output(tiny_llama, make_engine):
-    engine = make_engine(tiny_llama, kv_connector=Reservations(), num_gpu_blocks_override=32)
+    engine = make_engine(tiny_llama, block_size=16, kv_connector=Reservations(), num_gpu_blocks_override=32)
     prompts = make_prompts([40, 23], seed=80)
     want = hf_greedy(tiny_llama, prompts)
     run_all(engine, [prompts[0][:32]], SamplingParams(temperature=0, max_tokens=1), "warm")   # 2 cached blocks
@@ -479,6 +479,19 @@ def test_device_layer_defaults_to_cpu_without_importing_torch_npu():
 
     with pytest.raises(ValueError, match="device"):
         resolve_device("tpu")
+
+
+def test_block_size_unset_takes_the_devices_default(tiny_llama, make_engine):
+    """Unset: 128 on CPU (vLLM-CPU's default), 16 on CUDA; a block size given is kept (NPU: 16 becomes 128,
+    test_npu_backend)."""
+    from pdcluster.engine.device import with_device_defaults
+
+    assert make_engine(tiny_llama, device="cpu", num_gpu_blocks_override=8).block_size == 128
+    assert make_engine(tiny_llama, device="cpu", num_gpu_blocks_override=8, block_size=16).block_size == 16
+    unset = EngineArgs(model=tiny_llama)
+    assert unset.block_size is None
+    assert with_device_defaults(unset, torch.device("cuda", 0)).block_size == 16
+    assert with_device_defaults(EngineArgs(model=tiny_llama, block_size=32), torch.device("cpu")).block_size == 32
 
 
 def test_attention_backend_registry():

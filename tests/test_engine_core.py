@@ -295,7 +295,7 @@ def test_sequence_hashes_follow_tokens_dropped_by_streaming_llm():
 
 
 def test_cached_hashes_reported_by_the_engine_predict_the_next_requests_hits(tiny_llama, make_engine):
-    engine = make_engine(tiny_llama)
+    engine = make_engine(tiny_llama, block_size=16)
     prompt = make_prompts([70], seed=90)[0]
     run_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     reported = engine.cached_block_hashes()
@@ -359,7 +359,8 @@ def test_kv_connector_hooks_carry_the_block_tables_of_prompts_finishing_in_the_s
     from pdcluster.engine.llm_engine import LLMEngine
 
     rec = Recorder()
-    engine = LLMEngine(EngineArgs(model=tiny_llama, num_gpu_blocks_override=64, max_num_batched_tokens=32),
+    engine = LLMEngine(EngineArgs(model=tiny_llama, block_size=16, num_gpu_blocks_override=64,
+                                  max_num_batched_tokens=32),
                        kv_connector=rec)
     layers = engine.model_config.num_layers
     prompts = make_prompts([40, 10], seed=5)

@@ -120,12 +120,13 @@ def _generate(engine, prompts, tokens=12):
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_prefix_cache_hit_on_int8_blocks_gives_the_output_of_a_recomputation(tiny_llama, make_engine, backend):
     prompt = list(range(3, 40))   # two full blocks of 16 are cached
-    cached = make_engine(tiny_llama, dtype="bfloat16", kv_cache_dtype="int8", attention_backend=backend)
+    cached = make_engine(tiny_llama, dtype="bfloat16", kv_cache_dtype="int8", attention_backend=backend,
+                         block_size=16)
     assert cached.kv_pool.tensor.dtype == torch.int8
     first = _generate(cached, [prompt])
     again = _generate(cached, [prompt + [7]])
     assert cached.get_stats().prefix_cache_hit_tokens == 32
-    fresh = make_engine(tiny_llama, dtype="bfloat16", kv_cache_dtype="int8", attention_backend=backend,
+    fresh = make_engine(tiny_llama, dtype="bfloat16", kv_cache_dtype="int8", attention_backend=backend, block_size=16,
                         enable_prefix_caching=False)
     assert _generate(fresh, [prompt]) == first and _generate(fresh, [prompt + [7]]) == again
 

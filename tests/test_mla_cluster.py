@@ -22,6 +22,7 @@ from cluster_helpers import client, node_metrics, total, wait_idle
 from engine_helpers import hf_greedy, make_prompts, run_all
 
 from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.engine.device import CPU_BLOCK_SIZE
 from pdcluster.kv_transfer import (
     KVLayout,
     KVReceiver,
@@ -312,10 +313,11 @@ def test_every_new_architecture_through_1p1d_deepseek_latent_kv_by_shm_and_tcp(d
     assert want["tiny-deepseek"][:2] == hf_greedy(deepseek_dir, prompts[:2], n)   # transformers' output too
     texts = {name: [tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
                     for ids in outs] for name, outs in want.items()}
-    # whole 16-token blocks; per token one latent plane per layer: 2 layers x 30 values x fp32, against the
-    # per-head pool's 2 layers x (K, V) x 2 KV heads x 24
-    latent_bytes = [sum(-(-len(p) // 16) for p in ps) * 16 * 2 * LATENT * 4 for ps in (prompts, again)]
-    per_head_bytes = sum(-(-len(p) // 16) for p in prompts) * 16 * 2 * 2 * 2 * 24 * 4
+    # whole blocks (the CPU's default size); per token one latent plane per layer: 2 layers x 30 values x fp32,
+    # against the per-head pool's 2 layers x (K, V) x 2 KV heads x 24
+    bs = CPU_BLOCK_SIZE
+    latent_bytes = [sum(-(-len(p) // bs) for p in ps) * bs * 2 * LATENT * 4 for ps in (prompts, again)]
+    per_head_bytes = sum(-(-len(p) // bs) for p in prompts) * bs * 2 * 2 * 2 * 24 * 4
     node = {"kv_cache_memory": "8MiB", "max_num_seqs": 8, "device": "cpu", "dtype": "float32"}
     (tmp_path / "cluster").mkdir()
     with LocalCluster(model=deepseek_dir, work_dir=tmp_path / "cluster", num_prefill=1, num_decode=1, port=0,

@@ -154,7 +154,9 @@ def net(module_hosts, tmp_path_factory):  # noqa: F811
     router = _write_config(router_host, "router", {
         **common, "host": router_host.address, "port": 8000, "node_id": "r0", "disagg_min_tokens": 0,
         "routing_policy": "round_robin", "stall_timeout": STALL_TIMEOUT, "request_timeout": REQUEST_TIMEOUT})
-    node = {**common, "device": "cpu", "kv_cache_memory": "48MiB", "max_num_seqs": 32, "metrics_port": 9100,
+    # 16-token blocks: the moving streams (40-64 prompt tokens) have whole blocks to pre-copy a few tokens in
+    node = {**common, "device": "cpu", "block_size": 16, "kv_cache_memory": "48MiB", "max_num_seqs": 32,
+            "metrics_port": 9100,
             "prefill_timeout": PREFILL_TIMEOUT, "router_reconnect_timeout": ROUTER_RECONNECT_TIMEOUT,
             "kv_connect_timeout": 2.0, "kv_port": KV_PORT}
     env = {"OMP_NUM_THREADS": "1"}

@@ -42,7 +42,7 @@ def cluster(converted, tmp_path_factory):
 
     c = LocalCluster(model=converted, work_dir=tmp_path_factory.mktemp("so-cluster"), num_prefill=1, num_decode=1,
                      port=0, threads_per_node=1,
-                     node_config={"kv_cache_memory": "128MiB", "dtype": "float32", "device": "cpu",
+                     node_config={"kv_cache_memory": "512MiB", "dtype": "float32", "device": "cpu",
                                   "served_model_name": "smollm2"},
                      router_config={"disagg_min_tokens": 0, "served_model_name": "smollm2"})
     with c:

@@ -96,7 +96,7 @@ class NodeConfig(CommonConfig):
     model: str = engine_knob("model")
     dtype: str | torch.dtype = engine_knob("dtype")
     device: str | None = engine_knob("device")
-    block_size: int = engine_knob("block_size")
+    block_size: int | None = engine_knob("block_size")
     kv_cache_dtype: str = engine_knob("kv_cache_dtype")
     kv_cache_memory: int | None = engine_knob("kv_cache_memory")
     gpu_memory_utilization: float = engine_knob("gpu_memory_utilization")
