@@ -5,7 +5,8 @@ Model: the project's default, SmolLM2-135M-Instruct (the GGUF of the `llm-smollm
 dtype into the engine's format, a HF-style safetensors directory that vLLM loads as is), or --model-dir.
 Workloads (WORKLOADS below): request count, prompt and output length ranges, and the batch limit
 (`max_num_seqs`, the same for both engines); greedy, ignore_eos. Every round draws new prompts (seed + round: no
-prefix-cache hit on an earlier round's) and runs them through both engines, the order alternating each round.
+prefix-cache hit on an earlier round's) and runs them through both engines, the order alternating each round, a
+1 s pause before each timed batch.
 Per workload and dtype it prints each engine's median tok/s over the rounds [min-max] and the ratio of medians,
 and how many greedy outputs were identical.
 
@@ -35,6 +36,7 @@ VOCAB = 49152            # SmolLM2's; random ids are drawn above its special tok
 FIRST_REGULAR_TOKEN = 17
 KV_CACHE_GIB = 2
 MAX_NUM_SEQS = 64
+SETTLE_S = 1.0   # pause before each timed batch: the other side's threads (still spinning or freeing) stay out of it
 
 # name -> (requests, prompt tokens lo..hi, output tokens lo..hi, max_num_seqs)
 WORKLOADS: dict[str, tuple[int, tuple[int, int], tuple[int, int], int]] = {
@@ -235,6 +237,7 @@ def main(argv=None) -> dict:
                         reqs = workload_requests(w, args.seed + r, vocab)
                         outs = {}
                         for s in (sides_order if r % 2 == 0 else sides_order[::-1]):
+                            time.sleep(SETTLE_S)
                             res = sides[s].run(reqs)
                             runs[s].append(res["tok_s"])
                             outs[s] = res["tokens"]
