@@ -8,7 +8,7 @@ import time
 
 from cluster_helpers import wait_until_async
 
-from pdcluster.cli.admin import set_state
+from pdcluster.cli.admin import AdminError, set_state
 from pdcluster.cli.smoke import scrape_metrics
 from pdcluster.cli.supervisor import LocalCluster
 
@@ -42,9 +42,23 @@ async def only(cluster: LocalCluster, *serving: str) -> None:
     """Cordon every other decode node; until the router lists exactly `serving`."""
     for s in cluster.services:
         if s.kind == "decode":
-            await set_state([cluster.etcd], CLUSTER, s.node_id, "active" if s.node_id in serving else "cordoned")
+            await set_admin_state(cluster, s.node_id, "active" if s.node_id in serving else "cordoned")
     await wait_until_async(lambda: sorted((cluster.health() or {}).get("decode_nodes", [])) == sorted(serving), 20,
                            f"the router lists {serving}")
+
+
+async def set_admin_state(cluster: LocalCluster, node_id: str, state: str, tries: int = 3) -> None:
+    """`pdcluster cordon/uncordon` as a drill's setup step, retried: in full-suite runs on 2 cores, with a stream
+    busy, a call has timed out reaching etcd (10 s) a few times, never in the drills alone; the step is setup, not
+    what the drills test."""
+    for attempt in range(tries):
+        try:
+            await set_state([cluster.etcd], CLUSTER, node_id, state)
+            return
+        except AdminError as exc:
+            if attempt == tries - 1:
+                raise
+            print(f"{time.strftime('%H:%M:%S')} {state} {node_id}: {exc}; again")
 
 
 def metric(cluster: LocalCluster, node_id: str, name: str) -> float:

@@ -24,10 +24,11 @@ from migration_helpers import (
     only,
     reference,
     router_metric,
+    set_admin_state,
     until_progress,
 )
 
-from pdcluster.cli.admin import drain_node, set_state
+from pdcluster.cli.admin import drain_node
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -79,7 +80,7 @@ async def test_target_dies_during_the_pre_copy(model, job, tmp_path):
         stream, drain, target = await pre_copy_to_stopped_decode_1(cluster, prompt)
         target.kill()
         target.wait(10)
-        await set_state([cluster.etcd], CLUSTER, "decode-2", "active")
+        await set_admin_state(cluster, "decode-2", "active")
         out = await asyncio.wait_for(stream, 120)
         assert out.text == want and out.usage == OUTPUT and out.finish == "length"
         await asyncio.wait_for(drain, 90)
