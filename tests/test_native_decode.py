@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -11,23 +15,21 @@ from paged_decode_cases import decode_meta, dense_attention, needs_compiler, pag
 from pdcluster.engine.attention import native
 from pdcluster.engine.attention.cpu_backend import CpuAttentionBackend
 from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
+from pdcluster.engine.kv_cache import dequantize_rows, quantize_rows
 
-
-@needs_compiler
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch,hq,hkv,d,bs,max_len", [
-    (9, 16, 8, 128, 16, 200),    # GQA, the benchmark's head size (vector path on AVX-512)
+CASES = [   # batch, hq, hkv, d, bs, max_len
+    (9, 16, 8, 128, 16, 200),    # GQA, the benchmark's head size (vector path on AVX-512 and AVX2)
     (1, 8, 2, 64, 7, 200),       # one row: KV heads split across threads; blocks not a multiple of the tile
     (5, 12, 1, 80, 32, 200),     # MQA, head size without a vector path (plain C)
     (4, 4, 4, 16, 1, 200),       # MHA, one-token blocks
-    # the vector path's softmax chunks (16 tiles) and register row groups (4 rows at 64, 2 at 128, 1 at 256):
+    # the AVX-512 path's softmax chunks (16 tiles) and register row groups (4 rows at 64, 2 at 128, 1 at 256):
     (3, 24, 4, 64, 16, 700),     # 6 query rows a KV head (a group of 4, one of 2), three chunks
     (3, 8, 2, 128, 5, 400),      # 5-token tiles: a chunk is 80 tokens
     (2, 6, 2, 256, 16, 300),     # head size 256, one row at a time
-])
-def test_kernel_matches_dense_attention(dtype, batch, hq, hkv, d, bs, max_len):
-    kernel = native.decode_kernel(dtype)
-    assert kernel is not None
+]
+
+
+def assert_matches_dense(kernel, dtype, batch, hq, hkv, d, bs, max_len):
     q, k_cache, v_cache, tables, lens = paged_case(dtype, batch, hq, hkv, d, bs, max_len=max_len)
     out = native.paged_decode(kernel, q, k_cache, v_cache, tables, lens, d ** -0.5)
     assert out.shape == (batch, hq, d) and out.dtype == dtype
@@ -38,6 +40,46 @@ def test_kernel_matches_dense_attention(dtype, batch, hq, hkv, d, bs, max_len):
     else:   # only the final rounding to the storage dtype: at most one unit in the last place
         ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
         assert err <= ulp * max(1.0, ref.abs().max().item())
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch,hq,hkv,d,bs,max_len", CASES)
+def test_kernel_matches_dense_attention(dtype, batch, hq, hkv, d, bs, max_len):
+    kernel = native.decode_kernel(dtype)
+    assert kernel is not None
+    assert_matches_dense(kernel, dtype, batch, hq, hkv, d, bs, max_len)
+
+
+def cpu_flags() -> set[str]:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        return set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
+    return set()
+
+
+@needs_compiler
+@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="this CPU cannot run an AVX2 build")
+def test_the_avx2_build_matches_dense_attention(tmp_path):
+    """CPUs with AVX2 but not AVX-512 (AMD Zen 2/3, Intel before Skylake-SP) take an 8-lane path: built here for
+    such a CPU (-march=x86-64-v3) whatever this one has, over every case above, float and int8 caches."""
+    lib_path = tmp_path / "paged_decode_avx2.so"
+    flags = [f for f in native.FLAGS if not f.startswith("-march=")]
+    subprocess.run([shutil.which("cc") or "gcc", *flags, "-march=x86-64-v3", str(native.SOURCES[0]), "-o",
+                    str(lib_path), "-lm"], check=True, capture_output=True, timeout=120)
+    lib = ctypes.CDLL(str(lib_path))
+    for fn in (getattr(lib, symbol) for symbol in native._SYMBOLS.values()):
+        fn.argtypes, fn.restype = native._ARGTYPES, ctypes.c_int
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for case in CASES:
+            assert_matches_dense(getattr(lib, native._SYMBOLS[(dtype, dtype)]), dtype, *case)
+        for hkv, d in ((2, 64), (4, 128), (1, 256)):
+            q, k, v, tables, lens = paged_case(dtype, 5, 4, hkv, d, 16, max_len=300)
+            k8, v8 = quantize_rows(k), quantize_rows(v)
+            out = native.paged_decode(getattr(lib, native._SYMBOLS[(dtype, torch.int8)]), q, k8, v8, tables, lens,
+                                      d ** -0.5).float()
+            ref = dense_attention(q, dequantize_rows(k8, torch.float32), dequantize_rows(v8, torch.float32), tables,
+                                  lens, 16)
+            assert (out - ref).abs().max() < (1e-4 if dtype == torch.float32 else 2e-2)
 
 
 @needs_compiler

@@ -31,6 +31,7 @@ SOURCES = [Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name(
            Path(__file__).parent.parent / "quant" / "int8_gemv.c",
            Path(__file__).parent.parent / "quant" / "int8_w8a8.c",
            Path(__file__).parent.parent / "layers" / "bf16_gemv.c",
+           Path(__file__).parent.parent / "layers" / "bf16_strips.c",
            Path(__file__).parent.parent / "layers" / "fused_ops.c"]   # one library
 HEADERS = [Path(__file__).with_name("paged_simd.h")]   # included by every source; part of the build key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
@@ -48,6 +49,8 @@ _GEMM_ARGTYPES = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes
 _W8A8_ARGTYPES = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_float,
                   ctypes.c_int, _ptr, ctypes.c_int, ctypes.c_int]
 _BF16_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_int]
+_STRIPS_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+STRIP = 16   # output channels per strip of bf16_strips.c's layout
 BF16_BLOCK = 64   # output channels per block of oneDNN's packed bf16 weight on AVX512-BF16 CPUs (BA16a64b2a)
 # ... and the blocks tried, in order: 32 where the CPU has AMX (BA16a32b2a, inputs padded to a multiple of 32)
 BF16_BLOCKS = (BF16_BLOCK, 32)
@@ -116,7 +119,8 @@ def load() -> ctypes.CDLL | None:
         return None
     for symbols, argtypes in ((_SYMBOLS, _ARGTYPES), (_PREFILL_SYMBOLS, _PREFILL_ARGTYPES),
                               ({"": "int8_gemm"}, _GEMM_ARGTYPES), ({"": "w8a8_gemm"}, _W8A8_ARGTYPES),
-                              ({"": "bf16_gemm"}, _BF16_ARGTYPES), ({"": "rms_norm"}, _NORM_ARGTYPES),
+                              ({"": "bf16_gemm"}, _BF16_ARGTYPES), ({"": "bf16_strips_gemm"}, _STRIPS_ARGTYPES),
+                              ({"": "bf16_strips_vector"}, []), ({"": "rms_norm"}, _NORM_ARGTYPES),
                               ({"": "silu_and_mul"}, _SILU_ARGTYPES), ({"": "rotary"}, _ROTARY_ARGTYPES)):
         for symbol in symbols.values():
             fn = getattr(lib, symbol, None)
@@ -227,6 +231,44 @@ def bf16_gemm(x: torch.Tensor, w: int, n: int, block: int, kpad: int, bias: torc
         raise ValueError(f"bf16_gemm: no path for blocks of {block} channels, {kpad} inputs")
     if rc != 0:
         raise MemoryError("bf16_gemm: could not allocate the packed activations")
+    return y
+
+
+def bf16_strips(w: torch.Tensor) -> torch.Tensor:
+    """The bf16 weight w [n, k] in bf16_strips.c's layout, as a tensor of w's shape (the same bytes): strips of
+    STRIP output channels input by input, w[s][i][c] = W[STRIP s + c][i], the last strip as wide as what is left."""
+    n, k = w.shape
+    full = n - n % STRIP
+    head = w[:full].reshape(-1, STRIP, k).transpose(1, 2).reshape(-1)
+    return torch.cat([head, w[full:].t().reshape(-1)]).reshape(n, k)
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_strips_vectorized() -> bool:
+    """Whether this machine's build has bf16_strips.c's vector path (AVX2 + FMA)."""
+    lib = load()
+    return lib is not None and hasattr(lib, "bf16_strips_vector") and lib.bf16_strips_vector() == 1
+
+
+def bf16_strips_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                     portable: bool = False) -> torch.Tensor | None:
+    """x [m, k] (bf16 or fp32) times the bf16 weight W [n, k] packed by `bf16_strips` (w), plus an optional `bias`
+    [n]: [m, n] in x's dtype, fp32 sums rounded once (engine/layers/bf16_strips.c); None without the native
+    library. `portable`: the plain C path."""
+    lib = load()
+    fn = None if lib is None else getattr(lib, "bf16_strips_gemm", None)
+    if fn is None:
+        return None
+    m, k = x.shape
+    n = w.shape[0]
+    if not (x.dtype in (torch.bfloat16, torch.float32) and w.dtype == torch.bfloat16 and w.is_contiguous()
+            and w.shape[1] == k and (bias is None or bias.shape == (n,))):
+        raise ValueError("bf16_strips_gemm: x [m, k] bf16 or fp32, w [n, k] bf16 contiguous, bias [n]")
+    xf = x.float().contiguous() if x.dtype != torch.float32 or x.stride(-1) != 1 else x
+    bf = None if bias is None else bias.float().contiguous()
+    y = torch.empty((m, n), dtype=x.dtype)
+    fn(xf.data_ptr(), xf.stride(0) if m > 1 else k, m, k, w.data_ptr(), n, None if bf is None else bf.data_ptr(),
+       y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads(), int(portable))
     return y
 
 

@@ -4,7 +4,8 @@
  *
  * Compiled on first use by engine/attention/native.py (cc -O3 -march=native -fopenmp); loaded with
  * ctypes. The OpenMP runtime is torch's own (same soname, already loaded), so no second thread pool.
- * An AVX-512 path serves head sizes 64/128/256; plain C (auto-vectorised) serves everything else.
+ * An AVX-512 path (or on CPUs without it an AVX2 one) serves head sizes 64/128/256; plain C (auto-vectorised)
+ * serves everything else.
  *
  * Layout (engine/kv_cache.py): a layer's K and V are two caches [num_blocks, block_size, Hkv, row] (contiguous
  * in the pool; any block stride `block_stride` elements, the same for both, with the rows inside a block
@@ -61,9 +62,14 @@ INLINE void store1(void *p, int64_t i, float x, int kind) {
 
 /* Per-item work buffer: for each query row, q * scale and acc [D], running max m and sum l, a chunk's scores and
  * rescaling factor (the plain C path uses one tile of them); the V scales of a chunk's int8 rows; one tile of
- * converted rows. */
-static size_t work_floats(int64_t rows, int64_t d) {
-    return (size_t)(rows * (2 * d + 3 + CHUNK * TILE) + CHUNK * TILE * rows + TILE * d);
+ * converted rows; on AVX2-only CPUs also a tile's K and V rows of every head as fp32 and their scales. */
+static size_t work_floats(int64_t heads, int64_t group, int64_t d) {
+    int64_t rows = heads * group;
+    size_t floats = (size_t)(rows * (2 * d + 3 + CHUNK * TILE) + CHUNK * TILE * rows + TILE * d);
+#if defined(PAGED_AVX2) && !defined(__AVX512F__)
+    floats += (size_t)(2 * TILE * heads * (d + 1));
+#endif
+    return floats;
 }
 
 /* Softmax update of one query row over a tile of n scores (in place: scores become probabilities).
@@ -311,6 +317,111 @@ INLINE void item_avx512(int kind, int ckind, const int NV, const void *q, void *
 }
 #endif
 
+#if defined(PAGED_AVX2) && !defined(__AVX512F__)
+/* One sequence, KV heads [h0, h1), head size 8 * NV, on CPUs with AVX2 but not AVX-512. Per tile (up to 16 tokens
+ * of one block): the K and V rows of its heads widened to fp32 once into the work buffer (an fp32 cache is read in
+ * place); the scores 8 tokens at a time (a vector of products per token, summed across in one transposed
+ * reduction); the tile's softmax update per query row; the weighted V rows into accumulators held in registers, 8
+ * vectors at a time. */
+INLINE void item_avx2(int kind, int ckind, const int NV, const void *q, void *out, const void *k_pool,
+                      const void *v_pool, const int32_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1,
+                      int64_t hkv, int64_t group, int64_t bs, int64_t block_stride, float scale, float *work) {
+    const int64_t d = 8 * NV;
+    int64_t heads = h1 - h0, rows = heads * group, es = elem_size(kind), hs = head_stride(d, ckind);
+    int64_t tok_stride = hkv * hs, ces = elem_size(ckind);
+    /* qf: the query rows x scale; acc; running max m and sum l; the tile's scores (then weights) [row][TILE] and
+     * rescaling factor per row; the tile's K and V rows as fp32 [t][head][d]; int8 rows' scales [head][TILE] */
+    float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *sc = l + rows, *corr = sc + rows * TILE;
+    float *kt = corr + rows, *vt = kt + TILE * heads * d, *ks = vt + TILE * heads * d, *vs = ks + TILE * heads;
+    for (int64_t r = 0; r < rows; r++) {
+        const char *qr = (const char *)q + (h0 * group + r) * d * es;
+        for (int j = 0; j < NV; j++) {
+            _mm256_storeu_ps(qf + r * d + 8 * j, _mm256_mul_ps(load8(qr + 8 * j * es, kind), _mm256_set1_ps(scale)));
+            _mm256_storeu_ps(acc + r * d + 8 * j, _mm256_setzero_ps());
+        }
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t pos = first; pos < ctx;) {
+        const int64_t n = tile_len(pos, ctx, bs), base = tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs;
+        const char *kb = (const char *)k_pool + base * ces, *vb = (const char *)v_pool + base * ces;
+        const float *K = (const float *)kb, *V = (const float *)vb;   /* row (t, h) at t * ts + h * hstr */
+        int64_t ts = tok_stride, hstr = hs;
+        if (ckind != KIND_F32) {
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t h = 0; h < heads; h++) {
+                    const char *kr = kb + (t * tok_stride + h * hs) * ces, *vr = vb + (t * tok_stride + h * hs) * ces;
+                    float *kd = kt + (t * heads + h) * d, *vd = vt + (t * heads + h) * d;
+                    for (int j = 0; j < NV; j++) {
+                        _mm256_storeu_ps(kd + 8 * j, load8(kr + 8 * j * ces, ckind));
+                        _mm256_storeu_ps(vd + 8 * j, load8(vr + 8 * j * ces, ckind));
+                    }
+                    if (ckind == KIND_I8) {
+                        ks[h * TILE + t] = row_scale(kr, d, ckind);
+                        vs[h * TILE + t] = row_scale(vr, d, ckind);
+                    }
+                }
+            K = kt, V = vt, ts = heads * d, hstr = d;
+        }
+        for (int64_t h = 0; h < heads; h++)   /* scores */
+            for (int64_t g = 0; g < group; g++) {
+                const float *qg = qf + (h * group + g) * d;
+                float *sr = sc + (h * group + g) * TILE;
+                for (int64_t t0 = 0; t0 < n; t0 += 8) {
+                    __m256 part[8];
+                    for (int tt = 0; tt < 8; tt++) {
+                        part[tt] = _mm256_setzero_ps();
+                        if (t0 + tt >= n) continue;
+                        const float *kr = K + (t0 + tt) * ts + h * hstr;
+                        for (int j = 0; j < NV; j++)
+                            part[tt] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), _mm256_loadu_ps(kr + 8 * j), part[tt]);
+                    }
+                    __m256 s8 = sum8x8(part);
+                    if (ckind == KIND_I8) s8 = _mm256_mul_ps(s8, _mm256_loadu_ps(ks + h * TILE + t0));
+                    _mm256_storeu_ps(sr + t0, s8);
+                }
+            }
+        for (int64_t r = 0; r < rows; r++) {   /* softmax */
+            float *sr = sc + r * TILE, mx = m[r];
+            for (int64_t t = 0; t < n; t++) mx = sr[t] > mx ? sr[t] : mx;
+            __m256 sum = _mm256_setzero_ps(), mv = _mm256_set1_ps(mx);
+            for (int64_t t0 = 0; t0 < n; t0 += 8) {
+                __m256 live = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)t0)), _mm256_set1_ps((float)n), _CMP_LT_OQ);
+                __m256 p = _mm256_and_ps(live, exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sr + t0), mv)));
+                sum = _mm256_add_ps(sum, p);
+                if (ckind == KIND_I8) p = _mm256_mul_ps(p, _mm256_loadu_ps(vs + (r / group) * TILE + t0));
+                _mm256_storeu_ps(sr + t0, p);
+            }
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+            s4 = _mm_hadd_ps(s4, s4);
+            s4 = _mm_hadd_ps(s4, s4);
+            corr[r] = mx != m[r] ? exp_nonpositive(m[r] - mx) : 1.0f;
+            l[r] = l[r] * corr[r] + _mm_cvtss_f32(s4);
+            m[r] = mx;
+        }
+        for (int64_t r = 0; r < rows; r++) {   /* weighted V, 8 accumulators at a time in registers */
+            const int64_t h = r / group;
+            float *ar = acc + r * d;
+            const __m256 c = _mm256_set1_ps(corr[r]);
+            for (int jb = 0; jb < NV; jb += 8) {
+                __m256 a[8];
+                for (int jj = 0; jj < 8; jj++) a[jj] = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * (jb + jj)), c);
+                for (int64_t t = 0; t < n; t++) {
+                    const __m256 pb = _mm256_set1_ps(sc[r * TILE + t]);
+                    const float *vr = V + t * ts + h * hstr + 8 * jb;
+                    for (int jj = 0; jj < 8; jj++) a[jj] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr + 8 * jj), a[jj]);
+                }
+                for (int jj = 0; jj < 8; jj++) _mm256_storeu_ps(ar + 8 * (jb + jj), a[jj]);
+            }
+        }
+        pos += n;
+    }
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < d; i++) store1(out, (h0 * group + r) * d + i, acc[r * d + i] / l[r], kind);
+}
+#endif
+
 typedef void (*item_fn)(const void *q, void *out, const void *k_pool, const void *v_pool, const int32_t *table,
                         int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,
                         int64_t block_stride, float scale, float *work);
@@ -360,11 +471,38 @@ ITEM_AVX512(item_i8_bf16_d256, KIND_BF16, KIND_I8, 16)
 ITEM_AVX512(item_i8_f16_d64, KIND_F16, KIND_I8, 4)
 ITEM_AVX512(item_i8_f16_d128, KIND_F16, KIND_I8, 8)
 ITEM_AVX512(item_i8_f16_d256, KIND_F16, KIND_I8, 16)
+#elif defined(PAGED_AVX2)
+#define ITEM_AVX2(NAME, KIND, CKIND, NV)                                                                       \
+    static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int32_t *table,  \
+                     int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
+                     int64_t block_stride, float scale, float *work) {                                         \
+        (void)d;                                                                                               \
+        item_avx2(KIND, CKIND, NV, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, bs, block_stride, \
+                  scale, work);                                                                                \
+    }
+ITEM_AVX2(item_f32_d64, KIND_F32, KIND_F32, 8)
+ITEM_AVX2(item_f32_d128, KIND_F32, KIND_F32, 16)
+ITEM_AVX2(item_f32_d256, KIND_F32, KIND_F32, 32)
+ITEM_AVX2(item_bf16_d64, KIND_BF16, KIND_BF16, 8)
+ITEM_AVX2(item_bf16_d128, KIND_BF16, KIND_BF16, 16)
+ITEM_AVX2(item_bf16_d256, KIND_BF16, KIND_BF16, 32)
+ITEM_AVX2(item_f16_d64, KIND_F16, KIND_F16, 8)
+ITEM_AVX2(item_f16_d128, KIND_F16, KIND_F16, 16)
+ITEM_AVX2(item_f16_d256, KIND_F16, KIND_F16, 32)
+ITEM_AVX2(item_i8_f32_d64, KIND_F32, KIND_I8, 8)
+ITEM_AVX2(item_i8_f32_d128, KIND_F32, KIND_I8, 16)
+ITEM_AVX2(item_i8_f32_d256, KIND_F32, KIND_I8, 32)
+ITEM_AVX2(item_i8_bf16_d64, KIND_BF16, KIND_I8, 8)
+ITEM_AVX2(item_i8_bf16_d128, KIND_BF16, KIND_I8, 16)
+ITEM_AVX2(item_i8_bf16_d256, KIND_BF16, KIND_I8, 32)
+ITEM_AVX2(item_i8_f16_d64, KIND_F16, KIND_I8, 8)
+ITEM_AVX2(item_i8_f16_d128, KIND_F16, KIND_I8, 16)
+ITEM_AVX2(item_i8_f16_d256, KIND_F16, KIND_I8, 32)
 #endif
 
 static item_fn pick_item(int kind, int ckind, int64_t d) {
     int i8 = ckind == KIND_I8;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(PAGED_AVX2)
     static const item_fn fast[2][3][3] = {{{item_f32_d64, item_f32_d128, item_f32_d256},
                                            {item_bf16_d64, item_bf16_d128, item_bf16_d256},
                                            {item_f16_d64, item_f16_d128, item_f16_d256}},
@@ -398,7 +536,7 @@ static int decode(int kind, int ckind, const void *q, int64_t q_stride, void *ou
     int64_t heads = hkv;
     while (heads > 1 && batch * ((hkv + heads - 1) / heads) < 4 * (int64_t)num_threads) heads = (heads + 1) / 2;
     int64_t per_seq = (hkv + heads - 1) / heads, items = batch * per_seq;
-    size_t floats = work_floats(heads * group, d);
+    size_t floats = work_floats(heads, group, d);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {

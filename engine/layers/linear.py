@@ -10,7 +10,8 @@ which was never written (its pages were never touched), and `forward` multiplies
 bf16 on CPU: up to GEMV_MAX_ROWS[layout] rows (decode) the product runs in the native GEMV
 (engine/layers/bf16_gemv.c), which reads oneDNN's packed weight in place (no second copy), faster than oneDNN's own
 matmul there; more rows take oneDNN's (`packed_matmul`, also the body of the compiled model's opaque op,
-engine/compiled.py).
+engine/compiled.py). Where oneDNN packs no bf16 weight (CPUs without avx512_bf16: AVX2 ones) every bf16 product
+runs in engine/layers/bf16_strips.c over the weight in its strip layout (`strips_packed`).
 `PDCLUSTER_BF16_GEMV=0` in the environment when a model is loaded turns the native GEMV off for its layers (for
 A/B measurements)."""
 
@@ -42,9 +43,23 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 128)   # hint: a typical decode batch
-    except RuntimeError:   # e.g. fp16 on a CPU without avx512_fp16 / avx_ne_convert: plain F.linear then
-        return None
+    except RuntimeError:   # bf16 on a CPU without avx512_bf16 (AVX2): the strip layout; fp16 there: plain F.linear
+        return strips_packed(weight)
     packed.gemv = gemv_layout(packed, weight)   # (read by `linear`)
+    return packed
+
+
+def strips_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 weight in engine/layers/bf16_strips.c's layout (same shape and bytes), for CPUs where oneDNN packs
+    no bf16 weight and torch multiplies bf16 one row at a time; None where that kernel has no vector path (or
+    PDCLUSTER_BF16_GEMV=0)."""
+    from pdcluster.engine.attention import native
+
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or os.environ.get("PDCLUSTER_BF16_GEMV", "1") == "0" \
+            or not native.bf16_strips_vectorized():
+        return None
+    packed = native.bf16_strips(weight.detach())
+    packed.strips = True   # (read by `packed_matmul`)
     return packed
 
 
@@ -104,6 +119,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias) over the weight `onednn_packed` made: the native GEMV up to its row limit, else oneDNN's."""
+    if getattr(packed, "strips", False):   # (set by strips_packed)
+        from pdcluster.engine.attention.native import bf16_strips_gemm
+
+        y = bf16_strips_gemm(x.reshape(-1, x.shape[-1]), packed, bias)
+        assert y is not None   # (strips_packed found the library)
+        return y.reshape(*x.shape[:-1], packed.shape[0])
     gemv = getattr(packed, "gemv", None)   # (set by onednn_packed)
     if gemv is not None and x.numel() <= gemv[3] * x.shape[-1] and x.dtype == torch.bfloat16 \
             and (bias is None or bias.dtype == torch.bfloat16):
