@@ -79,7 +79,7 @@ def timed(generate, reqs) -> dict:
     for (_, n), toks in zip(reqs, tokens, strict=True):
         if len(toks) != n:
             raise RuntimeError(f"got {len(toks)} output tokens, asked for {n}")
-    return {"tok_s": round(sum(n for _, n in reqs) / elapsed, 1), "tokens": tokens}
+    return {"tok_s": round(sum(n for _, n in reqs) / elapsed, 3), "tokens": tokens}
 
 
 # ---------------------------------------------------------------- this engine

@@ -435,15 +435,6 @@ typedef void (*item_fn)(const void *q, void *out, const void *k_pool, const void
         item_generic(KIND, CKIND, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, d, bs, block_stride, \
                      scale, work);                                                                             \
     }
-#define ITEM_AVX512(NAME, KIND, CKIND, NV)                                                                     \
-    static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int32_t *table,  \
-                     int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
-                     int64_t block_stride, float scale, float *work) {                                         \
-        (void)d;                                                                                               \
-        item_avx512(KIND, CKIND, NV, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, bs, block_stride, \
-                    scale, work);                                                                              \
-    }
-
 ITEM_GENERIC(item_f32, KIND_F32, KIND_F32)
 ITEM_GENERIC(item_bf16, KIND_BF16, KIND_BF16)
 ITEM_GENERIC(item_i8_f32, KIND_F32, KIND_I8)
@@ -452,57 +443,47 @@ ITEM_GENERIC(item_i8_bf16, KIND_BF16, KIND_I8)
 ITEM_GENERIC(item_f16, KIND_F16, KIND_F16)
 ITEM_GENERIC(item_i8_f16, KIND_F16, KIND_I8)
 #endif
-#ifdef __AVX512F__
-ITEM_AVX512(item_f32_d64, KIND_F32, KIND_F32, 4)
-ITEM_AVX512(item_f32_d128, KIND_F32, KIND_F32, 8)
-ITEM_AVX512(item_f32_d256, KIND_F32, KIND_F32, 16)
-ITEM_AVX512(item_bf16_d64, KIND_BF16, KIND_BF16, 4)
-ITEM_AVX512(item_bf16_d128, KIND_BF16, KIND_BF16, 8)
-ITEM_AVX512(item_bf16_d256, KIND_BF16, KIND_BF16, 16)
-ITEM_AVX512(item_f16_d64, KIND_F16, KIND_F16, 4)
-ITEM_AVX512(item_f16_d128, KIND_F16, KIND_F16, 8)
-ITEM_AVX512(item_f16_d256, KIND_F16, KIND_F16, 16)
-ITEM_AVX512(item_i8_f32_d64, KIND_F32, KIND_I8, 4)
-ITEM_AVX512(item_i8_f32_d128, KIND_F32, KIND_I8, 8)
-ITEM_AVX512(item_i8_f32_d256, KIND_F32, KIND_I8, 16)
-ITEM_AVX512(item_i8_bf16_d64, KIND_BF16, KIND_I8, 4)
-ITEM_AVX512(item_i8_bf16_d128, KIND_BF16, KIND_I8, 8)
-ITEM_AVX512(item_i8_bf16_d256, KIND_BF16, KIND_I8, 16)
-ITEM_AVX512(item_i8_f16_d64, KIND_F16, KIND_I8, 4)
-ITEM_AVX512(item_i8_f16_d128, KIND_F16, KIND_I8, 8)
-ITEM_AVX512(item_i8_f16_d256, KIND_F16, KIND_I8, 16)
+
+/* The vector path of this build: AVX-512 (16 lanes) or, on CPUs without it, AVX2 (8 lanes). */
+#if defined(__AVX512F__)
+#define VECTOR_ITEM item_avx512
+#define LANES 16
 #elif defined(PAGED_AVX2)
-#define ITEM_AVX2(NAME, KIND, CKIND, NV)                                                                       \
+#define VECTOR_ITEM item_avx2
+#define LANES 8
+#endif
+#ifdef VECTOR_ITEM
+#define ITEM_VECTOR(NAME, KIND, CKIND, D)                                                                      \
     static void NAME(const void *q, void *out, const void *k_pool, const void *v_pool, const int32_t *table,  \
                      int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group, int64_t d, int64_t bs,   \
                      int64_t block_stride, float scale, float *work) {                                         \
         (void)d;                                                                                               \
-        item_avx2(KIND, CKIND, NV, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, bs, block_stride, \
-                  scale, work);                                                                                \
+        VECTOR_ITEM(KIND, CKIND, (D) / LANES, q, out, k_pool, v_pool, table, first, ctx, h0, h1, hkv, group, bs,    \
+                    block_stride, scale, work);                                                                \
     }
-ITEM_AVX2(item_f32_d64, KIND_F32, KIND_F32, 8)
-ITEM_AVX2(item_f32_d128, KIND_F32, KIND_F32, 16)
-ITEM_AVX2(item_f32_d256, KIND_F32, KIND_F32, 32)
-ITEM_AVX2(item_bf16_d64, KIND_BF16, KIND_BF16, 8)
-ITEM_AVX2(item_bf16_d128, KIND_BF16, KIND_BF16, 16)
-ITEM_AVX2(item_bf16_d256, KIND_BF16, KIND_BF16, 32)
-ITEM_AVX2(item_f16_d64, KIND_F16, KIND_F16, 8)
-ITEM_AVX2(item_f16_d128, KIND_F16, KIND_F16, 16)
-ITEM_AVX2(item_f16_d256, KIND_F16, KIND_F16, 32)
-ITEM_AVX2(item_i8_f32_d64, KIND_F32, KIND_I8, 8)
-ITEM_AVX2(item_i8_f32_d128, KIND_F32, KIND_I8, 16)
-ITEM_AVX2(item_i8_f32_d256, KIND_F32, KIND_I8, 32)
-ITEM_AVX2(item_i8_bf16_d64, KIND_BF16, KIND_I8, 8)
-ITEM_AVX2(item_i8_bf16_d128, KIND_BF16, KIND_I8, 16)
-ITEM_AVX2(item_i8_bf16_d256, KIND_BF16, KIND_I8, 32)
-ITEM_AVX2(item_i8_f16_d64, KIND_F16, KIND_I8, 8)
-ITEM_AVX2(item_i8_f16_d128, KIND_F16, KIND_I8, 16)
-ITEM_AVX2(item_i8_f16_d256, KIND_F16, KIND_I8, 32)
+ITEM_VECTOR(item_f32_d64, KIND_F32, KIND_F32, 64)
+ITEM_VECTOR(item_f32_d128, KIND_F32, KIND_F32, 128)
+ITEM_VECTOR(item_f32_d256, KIND_F32, KIND_F32, 256)
+ITEM_VECTOR(item_bf16_d64, KIND_BF16, KIND_BF16, 64)
+ITEM_VECTOR(item_bf16_d128, KIND_BF16, KIND_BF16, 128)
+ITEM_VECTOR(item_bf16_d256, KIND_BF16, KIND_BF16, 256)
+ITEM_VECTOR(item_f16_d64, KIND_F16, KIND_F16, 64)
+ITEM_VECTOR(item_f16_d128, KIND_F16, KIND_F16, 128)
+ITEM_VECTOR(item_f16_d256, KIND_F16, KIND_F16, 256)
+ITEM_VECTOR(item_i8_f32_d64, KIND_F32, KIND_I8, 64)
+ITEM_VECTOR(item_i8_f32_d128, KIND_F32, KIND_I8, 128)
+ITEM_VECTOR(item_i8_f32_d256, KIND_F32, KIND_I8, 256)
+ITEM_VECTOR(item_i8_bf16_d64, KIND_BF16, KIND_I8, 64)
+ITEM_VECTOR(item_i8_bf16_d128, KIND_BF16, KIND_I8, 128)
+ITEM_VECTOR(item_i8_bf16_d256, KIND_BF16, KIND_I8, 256)
+ITEM_VECTOR(item_i8_f16_d64, KIND_F16, KIND_I8, 64)
+ITEM_VECTOR(item_i8_f16_d128, KIND_F16, KIND_I8, 128)
+ITEM_VECTOR(item_i8_f16_d256, KIND_F16, KIND_I8, 256)
 #endif
 
 static item_fn pick_item(int kind, int ckind, int64_t d) {
     int i8 = ckind == KIND_I8;
-#if defined(__AVX512F__) || defined(PAGED_AVX2)
+#ifdef VECTOR_ITEM
     static const item_fn fast[2][3][3] = {{{item_f32_d64, item_f32_d128, item_f32_d256},
                                            {item_bf16_d64, item_bf16_d128, item_bf16_d256},
                                            {item_f16_d64, item_f16_d128, item_f16_d256}},

@@ -71,6 +71,34 @@ static void tile_portable(int rows, const float *x, int64_t ldx, const uint16_t 
         }
 }
 
+/* One work item: rows [m0, m1) of x against strip s, into y (+ bias). */
+static void strip_item(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, const uint16_t *w, int64_t n,
+                       int64_t s, const float *bias, void *y, int out_kind, int portable) {
+    int64_t width = n - s * STRIP < STRIP ? n - s * STRIP : STRIP;
+    const uint16_t *ws = w + s * STRIP * k;
+    float c[MC * STRIP];
+    for (int64_t kc = 0; kc < k; kc += KC) {
+        int64_t kn = k - kc < KC ? k - kc : KC;
+        for (int64_t r0 = m0; r0 < m1; r0 += MR) {
+            int rows = (int)(m1 - r0 < MR ? m1 - r0 : MR);
+            float *cr = c + (r0 - m0) * STRIP;
+#ifdef PAGED_AVX2
+            if (!portable && width == STRIP) {
+                tile_full(rows, x + r0 * ldx + kc, ldx, ws + kc * STRIP, kn, cr, kc == 0);
+                continue;
+            }
+#endif
+            tile_portable(rows, x + r0 * ldx + kc, ldx, ws + kc * width, width, kn, cr, kc == 0);
+        }
+    }
+    for (int64_t r = m0; r < m1; r++)
+        for (int64_t j = 0; j < width; j++) {
+            float v = c[(r - m0) * STRIP + j] + (bias ? bias[s * STRIP + j] : 0.0f);
+            if (out_kind == OUT_BF16) ((uint16_t *)y)[r * n + s * STRIP + j] = float_to_bf16(v);
+            else ((float *)y)[r * n + s * STRIP + j] = v;
+        }
+}
+
 /* x: [m, k] fp32, rows ldx apart; w: W [n, k] bf16 in the strip layout above; bias: [n] fp32 or NULL; y: [m, n]
  * of `out_kind` (fp32 or bf16), contiguous. `portable`: the plain C path everywhere (tests). Returns 0. */
 int bf16_strips_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *w, int64_t n,
@@ -79,32 +107,17 @@ int bf16_strips_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const ui
 #ifndef PAGED_AVX2
     portable = 1;
 #endif
+    if (chunks == 1) {   /* decode rows: each thread streams a contiguous run of strips */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t it = 0; it < chunks * strips; it++) {   /* a thread's items share x's rows: they stay in cache */
-        int64_t s = it % strips, m0 = (it / strips) * MC, m1 = m0 + MC < m ? m0 + MC : m;
-        int64_t width = n - s * STRIP < STRIP ? n - s * STRIP : STRIP;
-        const uint16_t *ws = w + s * STRIP * k;
-        float c[MC * STRIP];
-        for (int64_t kc = 0; kc < k; kc += KC) {
-            int64_t kn = k - kc < KC ? k - kc : KC;
-            for (int64_t r0 = m0; r0 < m1; r0 += MR) {
-                int rows = (int)(m1 - r0 < MR ? m1 - r0 : MR);
-                float *cr = c + (r0 - m0) * STRIP;
-#ifdef PAGED_AVX2
-                if (!portable && width == STRIP) {
-                    tile_full(rows, x + r0 * ldx + kc, ldx, ws + kc * STRIP, kn, cr, kc == 0);
-                    continue;
-                }
-#endif
-                tile_portable(rows, x + r0 * ldx + kc, ldx, ws + kc * width, width, kn, cr, kc == 0);
-            }
-        }
-        for (int64_t r = m0; r < m1; r++)
-            for (int64_t j = 0; j < width; j++) {
-                float v = c[(r - m0) * STRIP + j] + (bias ? bias[s * STRIP + j] : 0.0f);
-                if (out_kind == OUT_BF16) ((uint16_t *)y)[r * n + s * STRIP + j] = float_to_bf16(v);
-                else ((float *)y)[r * n + s * STRIP + j] = v;
-            }
+        for (int64_t s = 0; s < strips; s++) strip_item(x, ldx, 0, m, k, w, n, s, bias, y, out_kind, portable);
+        return 0;
+    }
+    /* Items in row-chunk-major order handed out one at a time: the threads work through one chunk of x's rows
+     * together (it stays in their caches) and end together whatever the split of rows into chunks. */
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t it = 0; it < chunks * strips; it++) {
+        int64_t m0 = (it / strips) * MC, m1 = m0 + MC < m ? m0 + MC : m;
+        strip_item(x, ldx, m0, m1, k, w, n, it % strips, bias, y, out_kind, portable);
     }
     return 0;
 }
