@@ -59,7 +59,7 @@ def strips_packed(weight: torch.Tensor) -> torch.Tensor | None:
             or not native.bf16_strips_vectorized():
         return None
     packed = native.bf16_strips(weight.detach())
-    packed.strips = True   # (read by `packed_matmul`)
+    packed.strips = True   # type: ignore[attr-defined]   # (read by `packed_matmul`)
     return packed
 
 
