@@ -36,7 +36,8 @@ def default_model(node_config: dict[str, Any], router_config: dict[str, Any]) ->
 
 def default_model_dtype(device: str | None) -> str:
     """bfloat16 on accelerators and on CPUs with native bf16 (AVX512-BF16 / AMX: oneDNN's bf16 GEMMs beat fp32
-    there, docs/benchmarks.md); float32 on other CPUs, where bf16 is emulated and slower. Imports torch."""
+    there, docs/benchmarks.md); float32 on other CPUs, where bf16 prompts run slower (docs/cluster.md). Imports
+    torch."""
     import torch
 
     from pdcluster.engine.config import cpu_computes_natively
