@@ -6,24 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bf16_helpers import assert_bf16_close, needs_native, reference
 
 from pdcluster.engine.attention import native
 from pdcluster.engine.layers.linear import GEMV_MAX_ROWS, Linear, gemv_layout, linear, onednn_packed
-
-needs_native = pytest.mark.skipif(native.load() is None, reason="no C compiler: native kernels not built")
-
-
-def reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    y = x.double() @ w.double().T
-    return y if bias is None else y + bias.double()
-
-
-def assert_bf16_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-    """got within bf16 rounding (half an ulp: 2^-8 relative) of the exact product, plus fp32 summation error"""
-    want = reference(x, w, bias)
-    slack = 2 ** -8 * want.abs() + 2 ** -20 * (x.double().abs() @ w.double().abs().T) + 1e-30
-    assert got.dtype == torch.bfloat16 and got.shape == want.shape
-    assert ((got.double() - want).abs() <= slack).all(), (got.double() - want).abs().max().item()
 
 
 @needs_native

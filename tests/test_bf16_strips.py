@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_bf16_gemv import assert_bf16_close, needs_native, reference
+from bf16_helpers import assert_bf16_close, needs_native, reference
 
 from pdcluster.engine.attention import native
 from pdcluster.engine.layers.linear import Linear, onednn_packed, strips_packed

@@ -92,7 +92,8 @@ def test_bf16_loading_runs(tiny_llama, make_engine):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN not built into this torch")
 def test_bf16_cpu_projections_use_onednn_packed_weights_bitwise_equal(tiny_llama, make_engine):
     """(fp32 also runs on packed weights: the token-exact tests against transformers cover it.) The packed
-    copies replace the dense weights, so packing costs no memory."""
+    copies replace the dense weights, so packing costs no memory. Where oneDNN packs no bf16 weight, the strip
+    layout (engine/layers/bf16_strips.c) takes its place, equal within bf16 rounding."""
     engine = make_engine(tiny_llama, dtype="bfloat16", device="cpu")   # oneDNN: a CPU-only test
     model = engine.runner.model
     layer = model.model.layers[0]
@@ -108,7 +109,14 @@ def test_bf16_cpu_projections_use_onednn_packed_weights_bitwise_equal(tiny_llama
     finally:
         torch.backends.mkldnn.enabled = True
     assert plain.runner.model.model.layers[0].self_attn.qkv_proj.packed is None
-    assert torch.equal(_engine_logits(plain, ids), packed)
+    unpacked = _engine_logits(plain, ids)
+    if getattr(layer.self_attn.qkv_proj.packed, "strips", False):
+        # a CPU where oneDNN packs no bf16 weight (AVX2 only): our strip matmul, fp32 sums in another order than
+        # torch's per-row GEMV, each output rounded once to bf16 as there
+        assert (unpacked.float() - packed.float()).abs().max() <= 0.02 * packed.float().abs().max()
+        assert torch.equal(unpacked.argmax(-1), packed.argmax(-1))
+    else:
+        assert torch.equal(unpacked, packed)
 
 
 @pytest.mark.parametrize("chunked", [True, False])
