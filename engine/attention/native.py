@@ -265,9 +265,10 @@ def bf16_strips_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
             and w.shape[1] == k and (bias is None or bias.shape == (n,))):
         raise ValueError("bf16_strips_gemm: x [m, k] bf16 or fp32, w [n, k] bf16 contiguous, bias [n]")
     xf = x.float().contiguous() if x.dtype != torch.float32 or x.stride(-1) != 1 else x
-    bf = None if bias is None else bias.float().contiguous()
+    if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):   # (a layer's bias has its dtype)
+        bias = bias.to(x.dtype).contiguous()
     y = torch.empty((m, n), dtype=x.dtype)
-    fn(xf.data_ptr(), xf.stride(0) if m > 1 else k, m, k, w.data_ptr(), n, None if bf is None else bf.data_ptr(),
+    fn(xf.data_ptr(), xf.stride(0) if m > 1 else k, m, k, w.data_ptr(), n, None if bias is None else bias.data_ptr(),
        y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads(), int(portable))
     return y
 

@@ -73,7 +73,7 @@ static void tile_portable(int rows, const float *x, int64_t ldx, const uint16_t 
 
 /* One work item: rows [m0, m1) of x against strip s, into y (+ bias). */
 static void strip_item(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t k, const uint16_t *w, int64_t n,
-                       int64_t s, const float *bias, void *y, int out_kind, int portable) {
+                       int64_t s, const void *bias, void *y, int out_kind, int portable) {
     int64_t width = n - s * STRIP < STRIP ? n - s * STRIP : STRIP;
     const uint16_t *ws = w + s * STRIP * k;
     float c[MC * STRIP];
@@ -93,16 +93,19 @@ static void strip_item(const float *x, int64_t ldx, int64_t m0, int64_t m1, int6
     }
     for (int64_t r = m0; r < m1; r++)
         for (int64_t j = 0; j < width; j++) {
-            float v = c[(r - m0) * STRIP + j] + (bias ? bias[s * STRIP + j] : 0.0f);
+            int64_t col = s * STRIP + j;
+            float b = !bias ? 0.0f : out_kind == OUT_BF16 ? bf16_to_float(((const uint16_t *)bias)[col])
+                                                          : ((const float *)bias)[col];
+            float v = c[(r - m0) * STRIP + j] + b;
             if (out_kind == OUT_BF16) ((uint16_t *)y)[r * n + s * STRIP + j] = float_to_bf16(v);
             else ((float *)y)[r * n + s * STRIP + j] = v;
         }
 }
 
-/* x: [m, k] fp32, rows ldx apart; w: W [n, k] bf16 in the strip layout above; bias: [n] fp32 or NULL; y: [m, n]
- * of `out_kind` (fp32 or bf16), contiguous. `portable`: the plain C path everywhere (tests). Returns 0. */
+/* x: [m, k] fp32, rows ldx apart; w: W [n, k] bf16 in the strip layout above; bias: [n] or NULL and y: [m, n]
+ * contiguous, both of `out_kind` (fp32 or bf16). `portable`: the plain C path everywhere (tests). Returns 0. */
 int bf16_strips_gemm(const float *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *w, int64_t n,
-                     const float *bias, void *y, int out_kind, int num_threads, int portable) {
+                     const void *bias, void *y, int out_kind, int num_threads, int portable) {
     int64_t strips = (n + STRIP - 1) / STRIP, chunks = (m + MC - 1) / MC;
 #ifndef PAGED_AVX2
     portable = 1;
