@@ -20,7 +20,7 @@ import time
 import torch
 
 from pdcluster.engine.attention.native import bf16_gemm
-from pdcluster.engine.layers.linear import onednn_packed
+from pdcluster.engine.layers.linear import cpu_packed
 
 SHAPES = {   # name: (in, out)
     "smollm2.qkv": (576, 960), "smollm2.o": (576, 576), "smollm2.gate": (576, 1536), "smollm2.down": (1536, 576),
@@ -54,7 +54,7 @@ def main() -> None:
         k, n = SHAPES[name]
         weight = torch.randn(n, k).to(torch.bfloat16)
         count = max(1, -(-args.working_set * 2**20 // weight.nbytes))
-        packed = [onednn_packed(weight) for _ in range(count)]
+        packed = [cpu_packed(weight) for _ in range(count)]
         assert all(p is not None and p.gemv for p in packed), "no native GEMV for this layout / machine"
         variants = {"onednn": (lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), packed),
                     "native": (lambda x, p, n=n: bf16_gemm(x, p.gemv[0], n, p.gemv[2], p.gemv[1]), packed)}

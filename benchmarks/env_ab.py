@@ -1,6 +1,6 @@
 """A/B of one engine under two environments: the engine's switches that are read at process start (e.g.
 PDCLUSTER_FUSED_OPS=0: torch's elementwise ops instead of engine/layers/fused_ops.c; PDCLUSTER_MALLOC_TUNING=0:
-glibc's own malloc thresholds, engine/malloc.py; PDCLUSTER_BF16_GEMV=0) compared in fresh processes, A and B
+glibc's own malloc thresholds, engine/malloc.py; PDCLUSTER_NATIVE_MATMUL=0) compared in fresh processes, A and B
 alternated round by round (ABBA), so drift of the machine hits both alike.
 
 Each process builds the engine on the model (default: SmolLM2-135M-Instruct, converted once), then times
@@ -12,7 +12,7 @@ A / B (below 1: A is faster).
 
     .venv/bin/python benchmarks/env_ab.py --b PDCLUSTER_FUSED_OPS=0                 # the fused kernels' gain
     .venv/bin/python benchmarks/env_ab.py --b PDCLUSTER_MALLOC_TUNING=0 --rounds 4  # the malloc thresholds'
-    .venv/bin/python benchmarks/env_ab.py --a PDCLUSTER_BF16_GEMV=0 --b X=1 --dtype bfloat16 --json
+    .venv/bin/python benchmarks/env_ab.py --a PDCLUSTER_NATIVE_MATMUL=0 --b X=1 --dtype bfloat16 --json
 """
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from pdcluster.engine.layers.linear import linear, onednn_packed
+from pdcluster.engine.layers.linear import cpu_packed, linear
 from pdcluster.engine.quant.kernels import pack, quant_linear, resident_bytes
 from pdcluster.engine.quant.scheme import QuantScheme, quantize_weight
 
@@ -38,7 +38,7 @@ def kernels(in_features: int, out_features: int) -> dict[str, tuple[Callable[[to
     torch.manual_seed(0)
     w = torch.randn(out_features, in_features) * 0.02
     dense_w = w.to(torch.bfloat16)
-    packed = onednn_packed(dense_w)
+    packed = cpu_packed(dense_w)
     out: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {
         "bf16 dense": (lambda x: linear(x, dense_w, None, packed), dense_w.numel() * 2)}
     group = 128 if in_features % 128 == 0 else 64
@@ -79,7 +79,7 @@ def gemv_layer(label: str, in_features: int, out_features: int, rows: int, round
     dense, native, aten = [], [], []
     for _ in range(copies):
         w = torch.randn(out_features, in_features) * 0.02
-        dense.append((w.to(torch.bfloat16), onednn_packed(w.to(torch.bfloat16))))
+        dense.append((w.to(torch.bfloat16), cpu_packed(w.to(torch.bfloat16))))
         qw = quantize_weight(w, scheme)
         native.append(pack(qw, scheme, cpu, torch.bfloat16))
         aten.append(pack(qw, scheme, cpu, torch.bfloat16, variant="aten"))

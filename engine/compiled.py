@@ -64,7 +64,7 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Te
 
 @torch.library.custom_op("pdcluster::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) through a oneDNN-packed weight (engine/layers/linear.py `onednn_packed`): inductor cannot
+    """x @ W.T (+ bias) through a oneDNN-packed weight (engine/layers/linear.py `cpu_packed`): inductor cannot
     lower `mkldnn._linear_pointwise` over a weight it did not pack itself, so the compiled body calls it opaquely,
     and the eager dispatch with it (the native bf16 GEMV for decode rows)."""
     from pdcluster.engine.layers.linear import packed_matmul

@@ -1,4 +1,4 @@
-"""Shared by the bf16 matmul tests (tests/test_bf16_gemv.py, tests/test_bf16_strips.py): the fp32-accumulated
+"""Shared by the bf16 matmul tests (tests/test_bf16_gemv.py, tests/test_strips_gemm.py): the fp32-accumulated
 reference and the bf16 rounding bound."""
 
 from __future__ import annotations

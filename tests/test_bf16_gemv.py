@@ -9,7 +9,7 @@ import torch
 from bf16_helpers import assert_bf16_close, needs_native, reference
 
 from pdcluster.engine.attention import native
-from pdcluster.engine.layers.linear import GEMV_MAX_ROWS, Linear, gemv_layout, linear, onednn_packed
+from pdcluster.engine.layers.linear import GEMV_MAX_ROWS, Linear, cpu_packed, gemv_layout, linear
 
 
 @needs_native
@@ -41,7 +41,7 @@ def test_kernel_rejects_layouts_it_has_no_path_for() -> None:
 
 def _gemv_packed(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
-    packed = onednn_packed(w)
+    packed = cpu_packed(w)
     if packed is None or getattr(packed, "gemv", None) is None:
         pytest.skip("no oneDNN bf16 packing in the layout the native GEMV reads on this machine")
     return w, packed
@@ -69,16 +69,16 @@ def test_linear_on_onednn_packed_weight(n: int, k: int) -> None:
 
 def test_env_turns_the_gemv_off(monkeypatch: pytest.MonkeyPatch) -> None:
     _gemv_packed(64, 64)
-    monkeypatch.setenv("PDCLUSTER_BF16_GEMV", "0")
-    packed = onednn_packed(torch.ones(64, 64, dtype=torch.bfloat16))
+    monkeypatch.setenv("PDCLUSTER_NATIVE_MATMUL", "0")
+    packed = cpu_packed(torch.ones(64, 64, dtype=torch.bfloat16))
     assert packed is not None and packed.gemv is None
 
 
-def test_fp32_weights_keep_onednn() -> None:
-    packed = onednn_packed(torch.ones(64, 64))
+def test_fp32_weights_get_no_bf16_gemv() -> None:
+    packed = cpu_packed(torch.ones(64, 64))
     if packed is None:
         pytest.skip("oneDNN not built into this torch")
-    assert packed.gemv is None
+    assert getattr(packed, "gemv", None) is None   # (oneDNN's fp32 packing, or the strips: tests/test_strips_gemm.py)
 
 
 def _layer(w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:

@@ -93,7 +93,7 @@ def test_bf16_loading_runs(tiny_llama, make_engine):
 def test_bf16_cpu_projections_use_onednn_packed_weights_bitwise_equal(tiny_llama, make_engine):
     """(fp32 also runs on packed weights: the token-exact tests against transformers cover it.) The packed
     copies replace the dense weights, so packing costs no memory. Where oneDNN packs no bf16 weight, the strip
-    layout (engine/layers/bf16_strips.c) takes its place, equal within bf16 rounding."""
+    layout (engine/layers/strips_gemm.c) takes its place, equal within bf16 rounding."""
     engine = make_engine(tiny_llama, dtype="bfloat16", device="cpu")   # oneDNN: a CPU-only test
     model = engine.runner.model
     layer = model.model.layers[0]

@@ -31,7 +31,7 @@ SOURCES = [Path(__file__).with_name("paged_decode.c"), Path(__file__).with_name(
            Path(__file__).parent.parent / "quant" / "int8_gemv.c",
            Path(__file__).parent.parent / "quant" / "int8_w8a8.c",
            Path(__file__).parent.parent / "layers" / "bf16_gemv.c",
-           Path(__file__).parent.parent / "layers" / "bf16_strips.c",
+           Path(__file__).parent.parent / "layers" / "strips_gemm.c",
            Path(__file__).parent.parent / "layers" / "fused_ops.c"]   # one library
 HEADERS = [Path(__file__).with_name("paged_simd.h")]   # included by every source; part of the build key
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared", "-std=gnu11"]
@@ -49,15 +49,16 @@ _GEMM_ARGTYPES = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _i64, _ptr, ctypes
 _W8A8_ARGTYPES = [_ptr, ctypes.c_int, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_float,
                   ctypes.c_int, _ptr, ctypes.c_int, ctypes.c_int]
 _BF16_ARGTYPES = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _ptr, ctypes.c_int, ctypes.c_int]
-_STRIPS_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-STRIP = 16   # output channels per strip of bf16_strips.c's layout
+_STRIPS_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, ctypes.c_int, _i64, _ptr, _ptr, ctypes.c_int, ctypes.c_int,
+                    ctypes.c_int]
+STRIP = 16   # output channels per strip of strips_gemm.c's layout
 BF16_BLOCK = 64   # output channels per block of oneDNN's packed bf16 weight on AVX512-BF16 CPUs (BA16a64b2a)
 # ... and the blocks tried, in order: 32 where the CPU has AMX (BA16a32b2a, inputs padded to a multiple of 32)
 BF16_BLOCKS = (BF16_BLOCK, 32)
 _NORM_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 _SILU_ARGTYPES = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 _ROTARY_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-_FUSED_KINDS = {torch.float32: 0, torch.bfloat16: 1}   # KIND_F32, KIND_BF16 (paged_simd.h)
+_FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}   # KIND_F32, KIND_BF16 (paged_simd.h)
 # PDCLUSTER_FUSED_OPS=0 in the environment at import: the layers keep torch's elementwise ops (for A/B runs)
 FUSED_OPS = os.environ.get("PDCLUSTER_FUSED_OPS", "1") != "0"
 _PREFILL_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
@@ -119,8 +120,8 @@ def load() -> ctypes.CDLL | None:
         return None
     for symbols, argtypes in ((_SYMBOLS, _ARGTYPES), (_PREFILL_SYMBOLS, _PREFILL_ARGTYPES),
                               ({"": "int8_gemm"}, _GEMM_ARGTYPES), ({"": "w8a8_gemm"}, _W8A8_ARGTYPES),
-                              ({"": "bf16_gemm"}, _BF16_ARGTYPES), ({"": "bf16_strips_gemm"}, _STRIPS_ARGTYPES),
-                              ({"": "bf16_strips_vector"}, []), ({"": "rms_norm"}, _NORM_ARGTYPES),
+                              ({"": "bf16_gemm"}, _BF16_ARGTYPES), ({"": "strips_gemm"}, _STRIPS_ARGTYPES),
+                              ({"": "strips_vector"}, []), ({"": "rms_norm"}, _NORM_ARGTYPES),
                               ({"": "silu_and_mul"}, _SILU_ARGTYPES), ({"": "rotary"}, _ROTARY_ARGTYPES)):
         for symbol in symbols.values():
             fn = getattr(lib, symbol, None)
@@ -234,8 +235,8 @@ def bf16_gemm(x: torch.Tensor, w: int, n: int, block: int, kpad: int, bias: torc
     return y
 
 
-def bf16_strips(w: torch.Tensor) -> torch.Tensor:
-    """The bf16 weight w [n, k] in bf16_strips.c's layout, as a tensor of w's shape (the same bytes): strips of
+def strips_layout(w: torch.Tensor) -> torch.Tensor:
+    """The weight w [n, k] in strips_gemm.c's layout, as a tensor of w's shape and dtype (the same bytes): strips of
     STRIP output channels input by input, w[s][i][c] = W[STRIP s + c][i], the last strip as wide as what is left."""
     n, k = w.shape
     full = n - n % STRIP
@@ -244,32 +245,34 @@ def bf16_strips(w: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=1)
-def bf16_strips_vectorized() -> bool:
-    """Whether this machine's build has bf16_strips.c's vector path (AVX2 + FMA)."""
+def strips_vector_level() -> int:
+    """strips_gemm.c's path in this machine's build: 0 plain C (or no library), 1 AVX2 + FMA, 2 that on a CPU with
+    AVX-512."""
     lib = load()
-    return lib is not None and hasattr(lib, "bf16_strips_vector") and lib.bf16_strips_vector() == 1
+    return int(lib.strips_vector()) if lib is not None and hasattr(lib, "strips_vector") else 0
 
 
-def bf16_strips_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                     portable: bool = False) -> torch.Tensor | None:
-    """x [m, k] (bf16 or fp32) times the bf16 weight W [n, k] packed by `bf16_strips` (w), plus an optional `bias`
-    [n]: [m, n] in x's dtype, fp32 sums rounded once (engine/layers/bf16_strips.c); None without the native
-    library. `portable`: the plain C path."""
+def strips_gemm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                portable: bool = False) -> torch.Tensor | None:
+    """x [m, k] (bf16 or fp32) times the weight W [n, k] (bf16 or fp32) packed by `strips_layout` (w), plus an
+    optional `bias` [n]: [m, n] in x's dtype, fp32 sums rounded once (engine/layers/strips_gemm.c); None without
+    the native library. `portable`: the plain C path."""
     lib = load()
-    fn = None if lib is None else getattr(lib, "bf16_strips_gemm", None)
+    fn = None if lib is None else getattr(lib, "strips_gemm", None)
     if fn is None:
         return None
     m, k = x.shape
     n = w.shape[0]
-    if not (x.dtype in (torch.bfloat16, torch.float32) and w.dtype == torch.bfloat16 and w.is_contiguous()
-            and w.shape[1] == k and (bias is None or bias.shape == (n,))):
-        raise ValueError("bf16_strips_gemm: x [m, k] bf16 or fp32, w [n, k] bf16 contiguous, bias [n]")
+    if not (x.dtype in _FLOAT_KINDS and w.dtype in _FLOAT_KINDS and w.is_contiguous() and w.shape[1] == k
+            and (bias is None or bias.shape == (n,))):
+        raise ValueError("strips_gemm: x [m, k] and w [n, k] bf16 or fp32, w contiguous, bias [n]")
     xf = x.float().contiguous() if x.dtype != torch.float32 or x.stride(-1) != 1 else x
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):   # (a layer's bias has its dtype)
         bias = bias.to(x.dtype).contiguous()
     y = torch.empty((m, n), dtype=x.dtype)
-    fn(xf.data_ptr(), xf.stride(0) if m > 1 else k, m, k, w.data_ptr(), n, None if bias is None else bias.data_ptr(),
-       y.data_ptr(), int(x.dtype == torch.bfloat16), torch.get_num_threads(), int(portable))
+    fn(xf.data_ptr(), xf.stride(0) if m > 1 else k, m, k, w.data_ptr(), _FLOAT_KINDS[w.dtype], n,
+       None if bias is None else bias.data_ptr(), y.data_ptr(), _FLOAT_KINDS[x.dtype], torch.get_num_threads(),
+       int(portable))
     return y
 
 
@@ -287,7 +290,7 @@ def _fused(name: str, portable: bool, *tensors: torch.Tensor | None):
         return None
     present = [t for t in tensors if t is not None]
     dtype = present[0].dtype
-    if dtype not in _FUSED_KINDS or any(t.device.type != "cpu" or t.dtype != dtype or t.stride(-1) != 1
+    if dtype not in _FLOAT_KINDS or any(t.device.type != "cpu" or t.dtype != dtype or t.stride(-1) != 1
                                         or t.requires_grad for t in present):
         return None
     lib = load()
@@ -306,7 +309,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     y = torch.empty_like(x)
     s = None if residual is None else torch.empty_like(x)
     fn(x.data_ptr(), None if residual is None else residual.data_ptr(), None if s is None else s.data_ptr(),
-       weight.data_ptr(), y.data_ptr(), x.numel() // max(hidden, 1), hidden, eps, _FUSED_KINDS[x.dtype],
+       weight.data_ptr(), y.data_ptr(), x.numel() // max(hidden, 1), hidden, eps, _FLOAT_KINDS[x.dtype],
        torch.get_num_threads(), int(portable))
     return y, s
 
@@ -320,7 +323,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor, portable: bool = False) -
     rows, n = gate.shape
     out = torch.empty((rows, n), dtype=gate.dtype)
     fn(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows, n,
-       _FUSED_KINDS[gate.dtype], torch.get_num_threads(), int(portable))
+       _FLOAT_KINDS[gate.dtype], torch.get_num_threads(), int(portable))
     return out
 
 
@@ -335,7 +338,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, portable: bool
     rows, heads, d = x.shape
     out = torch.empty((rows, heads, d), dtype=x.dtype)
     fn(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), cos.stride(0), out.data_ptr(), rows, heads, d,
-       _FUSED_KINDS[x.dtype], torch.get_num_threads(), int(portable))
+       _FLOAT_KINDS[x.dtype], torch.get_num_threads(), int(portable))
     return out
 
 

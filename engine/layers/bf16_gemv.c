@@ -1,7 +1,7 @@
 /* bf16 matrix products on CPU for few rows (decode): y[m, n] = sum_k x[m, k] * W[n, k] (+ bias[n]), bf16 in and
  * out, fp32 accumulation, each output rounded to nearest even once, as torch does.
  *
- * The weight is read in place in oneDNN's packed layout (engine/layers/linear.py onednn_packed; BA16a64b2a on
+ * The weight is read in place in oneDNN's packed layout (engine/layers/linear.py cpu_packed; BA16a64b2a on
  * AVX512-BF16 CPUs): blocks of BW output channels, input pair by input pair, in vdpbf16ps' order,
  *
  *     w[b][p][c][j] = W[BW b + c][2 p + j]     b < ceil(n / BW), p < kpad / 2, c < BW, j < 2; zero padded

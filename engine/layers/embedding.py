@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdcluster.engine.layers.linear import Linear, linear, onednn_packed
+from pdcluster.engine.layers.linear import Linear, cpu_packed, linear
 from pdcluster.engine.parallel import TPGroup
 from pdcluster.engine.tp_shards import split_range
 
@@ -45,7 +45,7 @@ class LMHead(Linear):
     def prepack(self) -> None:
         if not self.tied:
             return super().prepack()
-        self.packed = onednn_packed(self.weight)   # the dense weight stays: the embedding reads it
+        self.packed = cpu_packed(self.weight)   # the dense weight stays: the embedding reads it
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]  # None: TP rank > 0
         return self.tp.gather_last_dim(self._local_logits(hidden), self.sizes)

@@ -10,10 +10,10 @@ which was never written (its pages were never touched), and `forward` multiplies
 bf16 on CPU: up to GEMV_MAX_ROWS[layout] rows (decode) the product runs in the native GEMV
 (engine/layers/bf16_gemv.c), which reads oneDNN's packed weight in place (no second copy), faster than oneDNN's own
 matmul there; more rows take oneDNN's (`packed_matmul`, also the body of the compiled model's opaque op,
-engine/compiled.py). Where oneDNN packs no bf16 weight (CPUs without avx512_bf16: AVX2 ones) every bf16 product
-runs in engine/layers/bf16_strips.c over the weight in its strip layout (`strips_packed`).
-`PDCLUSTER_BF16_GEMV=0` in the environment when a model is loaded turns the native GEMV off for its layers (for
-A/B measurements)."""
+engine/compiled.py). On CPUs with AVX2 and no AVX-512 every fp32 product, and every bf16 one where oneDNN packs no
+bf16 weight (CPUs without avx512_bf16), runs in engine/layers/strips_gemm.c over the weight in its strip layout
+(`strips_packed`). `PDCLUSTER_NATIVE_MATMUL=0` in the environment when a model is loaded turns both native kernels
+off for its layers (for A/B measurements)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ if TYPE_CHECKING:
     from pdcluster.engine.quant.scheme import QuantizedWeight
 
 
-def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """The weight in oneDNN's blocked layout for CPU matmuls; None on other devices (their own BLAS).
+def cpu_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight laid out for CPU matmuls; None on other devices (their own BLAS): oneDNN's blocked layout, or
+    engine/layers/strips_gemm.c's strips where that kernel is the faster one (`strips_packed`).
     F.linear re-packs the weight on every call, so the packed matmul is faster (measured in
     docs/benchmarks.md); bf16 results are bitwise equal (except up to GEMV_MAX_ROWS rows, where the native GEMV
     reads it: equal up to summation order), fp32 ones equal up to summation order.
@@ -41,24 +42,39 @@ def onednn_packed(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16, torch.float16) \
             or not torch.backends.mkldnn.is_available() or not torch.backends.mkldnn.enabled:
         return None
+    if weight.dtype == torch.float32 and strips_for_fp32():
+        return strips_packed(weight)
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 128)   # hint: a typical decode batch
     except RuntimeError:   # bf16 on a CPU without avx512_bf16 (AVX2): the strip layout; fp16 there: plain F.linear
-        return strips_packed(weight)
+        return strips_packed(weight) if weight.dtype == torch.bfloat16 else None
     packed.gemv = gemv_layout(packed, weight)   # (read by `linear`)
     return packed
 
 
-def strips_packed(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bf16 weight in engine/layers/bf16_strips.c's layout (same shape and bytes), for CPUs where oneDNN packs
-    no bf16 weight and torch multiplies bf16 one row at a time; None where that kernel has no vector path (or
-    PDCLUSTER_BF16_GEMV=0)."""
+def native_matmul() -> bool:
+    """Whether weights may be laid out for this project's own CPU matmul kernels (bf16_gemv.c, strips_gemm.c):
+    `PDCLUSTER_NATIVE_MATMUL=0` in the environment when a model is loaded keeps oneDNN's (for A/B measurements)."""
+    return os.environ.get("PDCLUSTER_NATIVE_MATMUL", "1") != "0"
+
+
+def strips_for_fp32() -> bool:
+    """fp32 weights in the strip layout on CPUs with AVX2 and no AVX-512: there strips_gemm.c is 1.0-1.8x oneDNN's
+    fp32 matmul (docs/benchmarks.md "CPUs with AVX2 only"); with AVX-512 oneDNN's is twice as wide."""
     from pdcluster.engine.attention import native
 
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or os.environ.get("PDCLUSTER_BF16_GEMV", "1") == "0" \
-            or not native.bf16_strips_vectorized():
+    return native_matmul() and native.strips_vector_level() == 1
+
+
+def strips_packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 or fp32 weight in engine/layers/strips_gemm.c's layout (same shape and bytes); None where that kernel
+    has no vector path (or PDCLUSTER_NATIVE_MATMUL=0). For bf16 weights on CPUs where oneDNN packs none (torch then
+    multiplies bf16 one row at a time), fp32 ones where `strips_for_fp32`."""
+    from pdcluster.engine.attention import native
+
+    if weight.dim() != 2 or not native_matmul() or native.strips_vector_level() == 0:
         return None
-    packed = native.bf16_strips(weight.detach())
+    packed = native.strips_layout(weight.detach())
     packed.strips = True   # type: ignore[attr-defined]   # (read by `packed_matmul`)
     return packed
 
@@ -72,14 +88,13 @@ GEMV_MAX_ROWS = {64: 8, 32: 1}
 
 def gemv_layout(packed: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int, int] | None:
     """(buffer address, padded input count, channels per block, GEMV_MAX_ROWS of that width) of a oneDNN-packed
-    bf16 weight that the native GEMV reads in place, or None (not bf16, no native library, PDCLUSTER_BF16_GEMV=0,
+    bf16 weight that the native GEMV reads in place, or None (not bf16, no native library, PDCLUSTER_NATIVE_MATMUL=0,
     or a layout it does not take). oneDNN's layout is opaque (blocks of 64 channels on AVX512-BF16, of 32 with
     AMX), so each block width it may have chosen is tried: the padded input count taken from the buffer size,
     checked once by a product against oneDNN's own."""
     from pdcluster.engine.attention import native
 
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or os.environ.get("PDCLUSTER_BF16_GEMV", "1") == "0" \
-            or native.load() is None:
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not native_matmul() or native.load() is None:
         return None
     try:
         address, nbytes = torch.ops.mkldnn.data_ptr(packed), torch.ops.mkldnn._nbytes(packed)
@@ -118,14 +133,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias) over the weight `onednn_packed` made: the native GEMV up to its row limit, else oneDNN's."""
+    """x @ W.T (+ bias) over the weight `cpu_packed` made: the native GEMV up to its row limit, else oneDNN's."""
     if getattr(packed, "strips", False):   # (set by strips_packed)
-        from pdcluster.engine.attention.native import bf16_strips_gemm
+        from pdcluster.engine.attention.native import strips_gemm
 
-        y = bf16_strips_gemm(x.reshape(-1, x.shape[-1]), packed, bias)
+        y = strips_gemm(x.reshape(-1, x.shape[-1]), packed, bias)
         assert y is not None   # (strips_packed found the library)
         return y.reshape(*x.shape[:-1], packed.shape[0])
-    gemv = getattr(packed, "gemv", None)   # (set by onednn_packed)
+    gemv = getattr(packed, "gemv", None)   # (set by cpu_packed)
     if gemv is not None and x.numel() <= gemv[3] * x.shape[-1] and x.dtype == torch.bfloat16 \
             and (bias is None or bias.dtype == torch.bfloat16):
         return _gemv(x, packed, bias, gemv)
@@ -166,7 +181,7 @@ class Linear(nn.Module):
         if self.quantized:
             self._pack_quantized()
             return
-        self.packed = onednn_packed(self.weight) if self.packable else None
+        self.packed = cpu_packed(self.weight) if self.packable else None
         if self.packed is not None:
             release(self.weight)
 

@@ -9,7 +9,7 @@ from torch import nn
 
 from pdcluster.engine.attention import native
 from pdcluster.engine.device import is_npu
-from pdcluster.engine.layers.linear import MergedLinear, RowParallelLinear, linear, onednn_packed, release
+from pdcluster.engine.layers.linear import MergedLinear, RowParallelLinear, cpu_packed, linear, release
 from pdcluster.engine.parallel import TPGroup
 
 
@@ -31,7 +31,7 @@ class GatedMLP(nn.Module):
         w = self.gate_up_proj.weight
         if is_npu(w.device) or self.gate_up_proj.quantized:   # the whole merged weight (quantized: its own prepack)
             return
-        gate, up = onednn_packed(w[:n]), onednn_packed(w[n:])
+        gate, up = cpu_packed(w[:n]), cpu_packed(w[n:])
         self.packed_halves = None if gate is None or up is None else (gate, up)
         if self.packed_halves is not None:
             release(w)

@@ -5,7 +5,7 @@ pair and one down GEMM over its contiguous slice of the gathered rows, and a sin
 rows back into their tokens (in expert order per token, the order transformers' loop adds them). Experts with no
 token cost nothing. Pairs routed to another rank's experts (expert parallelism) sort past the local ones and are
 dropped. With oneDNN, `prepack` keeps each expert's gate+up and down matrices in its blocked layout
-(engine/layers/linear.py onednn_packed), which F.linear would otherwise re-pack on every call. Gate and up stay one
+(engine/layers/linear.py cpu_packed), which F.linear would otherwise re-pack on every call. Gate and up stay one
 GEMM (GatedMLP splits them): at the few rows an expert gets, one call over both was as fast or faster when timed.
 Quantized experts come packed for the quantized kernels (engine/quant/kernels.py `PackedWeight`s) instead."""
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pdcluster.engine.layers.linear import linear, onednn_packed
+from pdcluster.engine.layers.linear import cpu_packed, linear
 from pdcluster.engine.layers.moe_routing import RoutingConfig, select_experts
 from pdcluster.engine.quant.kernels import PackedWeight, quant_linear
 
@@ -32,7 +32,7 @@ class CpuMoEKernel:
         caller may release those); None where oneDNN does not serve this dtype / device."""
         packed: list[tuple[torch.Tensor, torch.Tensor]] = []
         for e in range(w13.shape[0]):
-            gate_up, down = onednn_packed(w13[e]), onednn_packed(w2[e])
+            gate_up, down = cpu_packed(w13[e]), cpu_packed(w2[e])
             if gate_up is None or down is None:
                 return None
             packed.append((gate_up, down))
