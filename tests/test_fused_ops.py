@@ -1,13 +1,16 @@
 """The fused elementwise kernels (engine/layers/fused_ops.c) against torch's eager ops they replace in the layers:
 the residual add and the rotary bit for bit, the RMSNorm and SiLU x up within rounding steps of the last bit
-(summation order, exp polynomial); both the AVX-512 path (where the CPU has it) and the plain C one; and the layers
-themselves with the kernels on and off."""
+(summation order, exp polynomial); the vector path this CPU's build has (AVX-512 or AVX2), the AVX2 one built for
+any CPU that runs it, and the plain C one; and the layers themselves with the kernels on and off."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
 import torch.nn.functional as F
+from avx2_build import build_avx2, needs_avx2_cpu
 
 from pdcluster.engine.attention import native
 from pdcluster.engine.layers import layernorm, mlp, rotary
@@ -25,7 +28,7 @@ def _no_grad():
 
 def skip_unless_path(portable: bool) -> None:
     if not portable and not native._fused_vectorized():
-        pytest.skip("no AVX-512 on this CPU: the kernels decline every call but the plain C path's")
+        pytest.skip("no AVX-512 or AVX2 on this CPU: the kernels decline every call but the plain C path's")
 
 
 def one_step(dtype: torch.dtype) -> float:
@@ -95,6 +98,26 @@ def test_rotary_is_bitwise_torch_on_a_qkv_view(portable: bool, dtype: torch.dtyp
     want = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
     got = native.rotary(x, cos, sin, portable=portable)
     assert got is not None and torch.equal(got, want)
+
+
+@needs_avx2_cpu
+def test_the_avx2_build_matches_torch(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPUs with AVX2 and no AVX-512 take an 8-lane path (a row's last n % 8 values in plain C): built here for such
+    a CPU whatever this one has, every case above through it."""
+    lib = build_avx2(next(s for s in native.SOURCES if s.name == "fused_ops.c"), tmp_path / "fused.so")
+    for name, argtypes in (("rms_norm", native._NORM_ARGTYPES), ("silu_and_mul", native._SILU_ARGTYPES),
+                           ("rotary", native._ROTARY_ARGTYPES)):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = argtypes, ctypes.c_int
+    assert lib.fused_ops_vectorized() == 1
+    monkeypatch.setattr(native, "load", lambda: lib)
+    monkeypatch.setattr(native, "_fused_vectorized", lambda: True)
+    for dtype in DTYPES:
+        for rows, hidden in ((1, 576), (3, 100), (70, 576), (5, 7)):
+            test_rms_norm_matches_torch(False, dtype, rows, hidden)
+        for rows, n in ((1, 1536), (2, 37), (40, 1536)):
+            test_silu_and_mul_matches_torch_on_strided_halves(False, dtype, rows, n)
+        for rows, heads, d in ((1, 12, 64), (9, 5, 80), (300, 12, 64), (2, 3, 6), (4, 2, 36)):
+            test_rotary_is_bitwise_torch_on_a_qkv_view(False, dtype, rows, heads, d)
 
 
 @needs_native

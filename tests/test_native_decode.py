@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
-import shutil
-import subprocess
 
 import pytest
 import torch
+from avx2_build import build_avx2, needs_avx2_cpu
 from paged_decode_cases import decode_meta, dense_attention, needs_compiler, paged_case
 
 from pdcluster.engine.attention import native
@@ -51,22 +49,11 @@ def test_kernel_matches_dense_attention(dtype, batch, hq, hkv, d, bs, max_len):
     assert_matches_dense(kernel, dtype, batch, hq, hkv, d, bs, max_len)
 
 
-def cpu_flags() -> set[str]:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        return set(next((line for line in f if line.startswith("flags")), ":").split(":", 1)[1].split())
-    return set()
-
-
-@needs_compiler
-@pytest.mark.skipif(not {"avx2", "fma", "f16c"} <= cpu_flags(), reason="this CPU cannot run an AVX2 build")
+@needs_avx2_cpu
 def test_the_avx2_build_matches_dense_attention(tmp_path):
     """CPUs with AVX2 but not AVX-512 (AMD Zen 2/3, Intel before Skylake-SP) take an 8-lane path: built here for
     such a CPU (-march=x86-64-v3) whatever this one has, over every case above, float and int8 caches."""
-    lib_path = tmp_path / "paged_decode_avx2.so"
-    flags = [f for f in native.FLAGS if not f.startswith("-march=")]
-    subprocess.run([shutil.which("cc") or "gcc", *flags, "-march=x86-64-v3", str(native.SOURCES[0]), "-o",
-                    str(lib_path), "-lm"], check=True, capture_output=True, timeout=120)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = build_avx2(native.SOURCES[0], tmp_path / "paged_decode_avx2.so")
     for fn in (getattr(lib, symbol) for symbol in native._SYMBOLS.values()):
         fn.argtypes, fn.restype = native._ARGTYPES, ctypes.c_int
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

@@ -69,9 +69,32 @@ INLINE __m512 vrounded(__m512 x, int kind) {
     if (kind != KIND_BF16) return x;
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(x)), 16));
 }
+#elif defined(PAGED_AVX2)
+#define FUSED_AVX2 1   /* 8 lanes on CPUs without AVX-512; a row's last n % 8 values take the plain C code */
+/* 8 fp32 lanes as bf16, rounded to nearest even as torch does (NaN kept a NaN). */
+INLINE __m128i to_bf16x8(__m256 x) {
+    __m256i u = _mm256_castps_si256(x);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));   /* (values < 2^16) */
+}
+
+INLINE __m256 vget8(const void *p, int64_t i, int kind) { return load8((const char *)p + i * elem_size(kind), kind); }
+
+INLINE void vput8(void *p, int64_t i, __m256 x, int kind) {
+    if (kind == KIND_BF16) _mm_storeu_si128((__m128i *)((uint16_t *)p + i), to_bf16x8(x));
+    else _mm256_storeu_ps((float *)p + i, x);
+}
+
+INLINE __m256 vrounded8(__m256 x, int kind) {
+    if (kind != KIND_BF16) return x;
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16x8(x)), 16));
+}
 #endif
 
-/* The plain C rows (the reference the tests compare with; without AVX-512 the library declines these calls,
+/* The plain C rows (the reference the tests compare with; without AVX-512 or AVX2 the library declines these calls,
  * `fused_ops_vectorized`, and the layers keep torch's ops, which are vectorised there). */
 static void add_row(const void *x, const void *r, void *out, int64_t n, int kind) {
     for (int64_t i = 0; i < n; i++) put(out, i, get(x, i, kind) + get(r, i, kind), kind);
@@ -147,16 +170,76 @@ static void rotary_head16(const char *x, const char *c, const char *s, char *o, 
 }
 #endif
 
-/* 1 where the kernels below have their AVX-512 path; 0: they decline every call not marked `portable`. */
+#ifdef FUSED_AVX2
+static void add_row8(const void *x, const void *r, void *out, int64_t n, int kind) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) vput8(out, i, _mm256_add_ps(vget8(x, i, kind), vget8(r, i, kind)), kind);
+    for (; i < n; i++) put(out, i, get(x, i, kind) + get(r, i, kind), kind);
+}
+
+static void norm_row8(const void *s, const void *weight, void *y, int64_t n, float eps, int kind) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = vget8(s, i, kind);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    __m128 half = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    float sum = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    for (int64_t t = i; t < n; t++) sum += get(s, t, kind) * get(s, t, kind);
+    float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    __m256 vinv = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= n; i += 8)
+        vput8(y, i, _mm256_mul_ps(vget8(weight, i, kind), vrounded8(_mm256_mul_ps(vget8(s, i, kind), vinv), kind)),
+              kind);
+    for (; i < n; i++) put(y, i, get(weight, i, kind) * rounded(get(s, i, kind) * inv, kind), kind);
+}
+
+static void silu_mul_row8(const void *g, const void *u, void *o, int64_t n, int kind) {
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = vget8(g, i, kind);
+        __m256 e = exp8_nonpositive(_mm256_or_ps(v, sign));   /* exp(-|v|) */
+        __m256 inv = _mm256_div_ps(one, _mm256_add_ps(one, e));
+        __m256 sigmoid = _mm256_blendv_ps(_mm256_mul_ps(e, inv), inv, _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ));
+        vput8(o, i, _mm256_mul_ps(vrounded8(_mm256_mul_ps(v, sigmoid), kind), vget8(u, i, kind)), kind);
+    }
+    for (; i < n; i++) put(o, i, rounded(silu(get(g, i, kind)), kind) * get(u, i, kind), kind);
+}
+
+static void rotary_head8(const char *x, const char *c, const char *s, char *o, int64_t d, int kind) {
+    int64_t half = d / 2, size = elem_size(kind), i = 0;
+    for (; i + 8 <= half; i += 8) {   /* lanes i.. of each half: x1 with -x2, x2 with x1 */
+        __m256 x1 = vget8(x, i, kind), x2 = vget8(x + half * size, i, kind);
+        __m256 c1 = vget8(c, i, kind), c2 = vget8(c + half * size, i, kind);
+        __m256 s1 = vget8(s, i, kind), s2 = vget8(s + half * size, i, kind);
+        __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), x2);
+        vput8(o, i, _mm256_add_ps(vrounded8(_mm256_mul_ps(x1, c1), kind), vrounded8(_mm256_mul_ps(neg, s1), kind)),
+              kind);
+        vput8(o + half * size, i,
+              _mm256_add_ps(vrounded8(_mm256_mul_ps(x2, c2), kind), vrounded8(_mm256_mul_ps(x1, s2), kind)), kind);
+    }
+    for (; i < half; i++) {
+        float x1 = get(x, i, kind), x2 = get(x, i + half, kind);
+        put(o, i, rounded(x1 * get(c, i, kind), kind) + rounded(-x2 * get(s, i, kind), kind), kind);
+        put(o, i + half, rounded(x2 * get(c, i + half, kind), kind) + rounded(x1 * get(s, i + half, kind), kind), kind);
+    }
+}
+#endif
+
+/* 1 where the kernels below have a vector path (AVX-512, or AVX2 + FMA); 0: they decline every call not marked
+ * `portable`. */
 int fused_ops_vectorized(void) {
-#ifdef FUSED_AVX512
+#if defined(FUSED_AVX512) || defined(FUSED_AVX2)
     return 1;
 #else
     return 0;
 #endif
 }
 
-/* Whether a call goes ahead: a kind it takes, and AVX-512 (or the plain C path asked for). */
+/* Whether a call goes ahead: a kind it takes, and a vector path (or the plain C path asked for). */
 static int takes(int kind, int portable) { return valid_kind(kind) && (portable || fused_ops_vectorized()); }
 
 /* y = weight * norm(s), s = x + residual (or x without one), over `rows` rows of `hidden` values of `kind`;
@@ -177,12 +260,18 @@ int rms_norm(const void *x, const void *residual, void *residual_out, const void
 #ifdef FUSED_AVX512
             if (!portable) add_row16(src, (const char *)residual + r * bytes, out, hidden, kind);
             else
+#elif defined(FUSED_AVX2)
+            if (!portable) add_row8(src, (const char *)residual + r * bytes, out, hidden, kind);
+            else
 #endif
                 add_row(src, (const char *)residual + r * bytes, out, hidden, kind);
             src = out;
         }
 #ifdef FUSED_AVX512
         if (!portable) norm_row16(src, weight, yr, hidden, eps, kind);
+        else
+#elif defined(FUSED_AVX2)
+        if (!portable) norm_row8(src, weight, yr, hidden, eps, kind);
         else
 #endif
             norm_row(src, weight, yr, hidden, eps, kind);
@@ -204,6 +293,9 @@ int silu_and_mul(const void *gate, int64_t gate_stride, const void *up, int64_t 
         char *o = (char *)out + r * n * size;
 #ifdef FUSED_AVX512
         if (!portable) silu_mul_row16(g, u, o, n, kind);
+        else
+#elif defined(FUSED_AVX2)
+        if (!portable) silu_mul_row8(g, u, o, n, kind);
         else
 #endif
             silu_mul_row(g, u, o, n, kind);
@@ -228,6 +320,9 @@ int rotary(const void *x, int64_t row_stride, const void *cos, const void *sin, 
             char *oh = (char *)out + (r * heads + h) * d * size;
 #ifdef FUSED_AVX512
             if (!portable) rotary_head16(xh, c, s, oh, d, kind);
+            else
+#elif defined(FUSED_AVX2)
+            if (!portable) rotary_head8(xh, c, s, oh, d, kind);
             else
 #endif
                 rotary_head(xh, c, s, oh, d, kind);
