@@ -59,8 +59,8 @@ def native_matmul() -> bool:
 
 
 def strips_for_fp32() -> bool:
-    """fp32 weights in the strip layout on CPUs with AVX2 and no AVX-512: there strips_gemm.c is 1.0-1.8x oneDNN's
-    fp32 matmul (docs/benchmarks.md "CPUs with AVX2 only"); with AVX-512 oneDNN's is twice as wide."""
+    """fp32 weights in the strip layout on CPUs with AVX2 and no AVX-512: there oneDNN's fp32 matmul takes 1.0-1.6x
+    strips_gemm.c's time (docs/benchmarks.md "CPUs with AVX2 only"); with AVX-512 oneDNN's is twice as wide."""
     from pdcluster.engine.attention import native
 
     return native_matmul() and native.strips_vector_level() == 1

@@ -2,7 +2,7 @@
  * y[m, n] = x[m, k] W[n, k]^T (+ bias[n]), fp32 sums, each output rounded once to y's dtype.
  *
  * bf16: there oneDNN packs no bf16 weight and torch's bf16 matmul runs one GEMV per row: ~8x an fp32 matmul's time
- * at 64 rows, ~10x for a prompt (docs/benchmarks.md, "bf16 on AVX2 CPUs"); here the weight stays bf16 in memory,
+ * at 64 rows, ~10x for a prompt (docs/benchmarks.md, "CPUs with AVX2 only"); here the weight stays bf16 in memory,
  * widened to fp32 in registers (a bf16 is an fp32's upper half). fp32: oneDNN's AVX2 matmul is slower than these
  * tiles for decode batches (same section). Either way the product runs as an fp32 GEMM: register tiles of MR rows x
  * 16 channels, KC inputs a pass so a strip's slice stays in L1 across the row tiles of a work item.
