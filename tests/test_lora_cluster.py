@@ -42,6 +42,7 @@ def setup(tmp_path_factory):
                      router_config={"disagg_min_tokens": 0})
     with c:
         wait_listed(c, {"a", "b"})   # the nodes' first Load reports name the adapters they hold
+        wait_prefilled_remotely(c, ["a", "b"])   # ... the prefill node's too (the decode node's alone list them)
         yield c, model, adapters
 
 
@@ -58,6 +59,30 @@ def wait_listed(cluster: LocalCluster, names: set[str], timeout: float = 20.0) -
             return
         assert time.monotonic() < end, f"the router lists {sorted(listed)}, not {sorted(names)}"
         time.sleep(0.1)
+
+
+def wait_prefilled_remotely(cluster: LocalCluster, names: list[str], timeout: float = 20.0) -> None:
+    """Until a request for each adapter is prefilled on the prefill node: the router sends an adapter's prefills
+    only to prefill nodes whose Load reports name it, and the prefill node's first report may come after the
+    decode node's."""
+    import json
+    import time
+    import urllib.request
+
+    end = time.monotonic() + timeout
+    for name in names:
+        while True:
+            before = total(node_metrics(cluster, "decode"), 'pdcluster_node_prefills_total{path="remote"}')
+            body = json.dumps({"model": name, "prompt": PROMPTS[0], "max_tokens": 1}).encode()
+            request = urllib.request.Request(cluster.url + "/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=30) as r:
+                assert r.status == 200
+            if total(node_metrics(cluster, "decode"), 'pdcluster_node_prefills_total{path="remote"}') > before:
+                break
+            assert time.monotonic() < end, f"requests for adapter {name} are not prefilled on the prefill node"
+            time.sleep(0.2)
+    wait_idle(cluster)
 
 
 @pytest.fixture(scope="module")
