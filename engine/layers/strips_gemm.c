@@ -23,8 +23,6 @@
 #define MC 48      /* rows of x per work item */
 #define BIG_WEIGHT (16 << 20)   /* bytes of weight past which the rows are the inner loop (see strips_gemm) */
 
-/* The weight's kind and y's (and the bias'): KIND_F32 or KIND_BF16 (paged_simd.h). */
-
 #ifdef PAGED_AVX2
 /* R rows of x (rows ldx apart, kn inputs from x) against a full strip slice w [kn][16] of kind WK -> c [R][16], added
  * to c unless `first`. R and WK are constants after inlining, so the accumulators stay in registers. */
@@ -66,11 +64,11 @@ static void tile_full(int rows, int wkind, const float *x, int64_t ldx, const ch
 }
 #endif
 
-/* Any strip width, plain C: the last strip, or every strip without AVX2. */
 INLINE float weight_at(const char *w, int64_t index, int wkind) {
     return wkind == KIND_F32 ? ((const float *)w)[index] : bf16_to_float(((const uint16_t *)w)[index]);
 }
 
+/* Any strip width, plain C: the last strip, or every strip without AVX2. */
 static void tile_portable(int rows, int wkind, const float *x, int64_t ldx, const char *w, int64_t width, int64_t kn,
                           float *c, int first) {
     for (int r = 0; r < rows; r++)
