@@ -18,6 +18,7 @@ from pdcluster.engine.attention.mla import mla_backend
 from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
 from pdcluster.engine.compiled import CompiledBody
 from pdcluster.engine.config import ModelConfig
+from pdcluster.engine.cpu_decode import DecodePlan
 from pdcluster.engine.expert_load import ExpertLoadCounter
 from pdcluster.engine.kv_cache import KVCachePool
 from pdcluster.engine.loader import load_model
@@ -65,6 +66,9 @@ class ModelRunner:
             body = self.model.model
             self.compiled = CompiledBody(lambda ids, positions: body(ids, positions, None),
                                          self.model.attention_layers())
+        # decode steps as flat native kernel calls where the model and device allow (engine/cpu_decode.py)
+        self.decode_plan = DecodePlan.build(self.model, self.attn_backend) if self.lora is None \
+            and self.tp.size == 1 and self.compiled is None else None
         self.sampler = Sampler(seed=seed)
         # A hidden-state head (engine/speculative/heads.py) takes each step's last hidden states (or the
         # residual stream entering the layers `capture_layers` names, concatenated) of its tokens
@@ -113,6 +117,10 @@ class ModelRunner:
             except torch._dynamo.exc.TorchDynamoException:   # could not compile: eager from now on (KV rewritten)
                 log.exception("compiling the model body failed; running eagerly")
                 self.compiled = None
+        plan = self.decode_plan
+        if hidden is None and plan is not None and layer_done_callback is None and not aux \
+                and plan.covers(meta, inputs.ids.shape[0]):
+            hidden = plan.forward(inputs.ids, inputs.positions, meta)
         if hidden is None:
             hidden = self.model(inputs.ids, inputs.positions, meta, layer_done_callback)
         self.expert_load.accumulate()

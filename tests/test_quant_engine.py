@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from engine_helpers import make_prompts, run_all
 
 from pdcluster.control.sampling_params import SamplingParams
-from pdcluster.engine.attention import native
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.convert import convert_model
 from pdcluster.engine.layers import moe_cpu
@@ -72,25 +71,39 @@ def _fake_quant_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x / scale).clamp(-128, 127) * scale
 
 
+# W8A8's greedy tokens may leave the reference's where its two best logits are closer than this (see below).
+W8A8_NEAR_TIE = 0.03
+
+
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_equals_the_dequantized_reference(arch, scheme, models, make_engine, tmp_path, monkeypatch):
-    # torch's elementwise ops on both sides. W8A8's kernel sums int8 products exactly, the reference sums their fp32
-    # values: equal to the last bits, and a per-token int8 rounding at a .5 boundary turns that into ~1e-3 of a
-    # logit. Which token hits one depends on every upstream rounding: with the AVX2 fused ops (2026-12-06) qwen3-w8a8
-    # parted at its last token (gap 0.006 of 3.1; the quantized engine alone changed with them on, the reference not).
-    monkeypatch.setattr(native, "FUSED_OPS", False)
     prompts = make_prompts([5, 40, 77], seed=3)
     quantized = make_engine(models[f"{arch}-{scheme}"], max_num_batched_tokens=64)
     layers = [m for m in quantized.runner.model.modules() if isinstance(m, Linear) and m.quant is not None]
     assert len(layers) == 4 * 2   # qkv, o, gate_up, down in each of the 2 layers: every one quantized
     got = run_all(quantized, prompts, GREEDY)
-    reference = dequantized_copy(models[f"{arch}-{scheme}"], str(tmp_path / "ref"))
+    reference_dir = dequantized_copy(models[f"{arch}-{scheme}"], str(tmp_path / "ref"))
     monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)   # the reference keeps its plain weights
     if scheme == "w8a8":
         _quantize_reference_activations(monkeypatch)
-    want = run_all(make_engine(reference, max_num_batched_tokens=64), prompts, GREEDY)
-    assert got == want
+    reference = make_engine(reference_dir, max_num_batched_tokens=64)
+    if scheme != "w8a8":
+        assert got == run_all(reference, prompts, GREEDY)
+        return
+    # W8A8's kernel sums int8 products exactly, the reference sums their fp32 values: equal to the last bits, but a
+    # per-token int8 rounding that lands on a .5 boundary turns that into ~1e-3 of a logit, so greedy may part from
+    # the reference's where its best two logits nearly tie (qwen3-w8a8 did at one token with the AVX2 fused ops:
+    # gap 0.006 of 3.1). The test: every token the engine chose scores within W8A8_NEAR_TIE of the reference's
+    # best, teacher-forced on the engine's own tokens; and most are the reference's best exactly.
+    exact = 0
+    for prompt, tokens in zip(prompts, got, strict=True):
+        logits = prefill_logits(reference, prompt + tokens)[len(prompt) - 1:-1]
+        chosen = logits.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+        gaps = logits.max(dim=1).values - chosen
+        assert float(gaps.max()) <= W8A8_NEAR_TIE, (prompt[:4], gaps.tolist())
+        exact += int((gaps == 0).sum())
+    assert exact >= 0.9 * sum(map(len, got))
 
 
 @pytest.mark.parametrize("fmt", ["gptq", "awq", "modelslim"])
