@@ -3,12 +3,13 @@ layout, per layer shape of SmolLM2-135M and of a 2048-hidden model, at m = 1 .. 
 - bf16 weights (where oneDNN packs none): against torch's `F.linear` in bf16 (what runs there without this kernel,
   and what vLLM-CPU falls back to: one GEMV per row) and oneDNN's fp32 matmul over an fp32 copy of the weight;
 - fp32 weights: against oneDNN's fp32 matmul over its own packed copy (what `cpu_packed` gave before, and what
-  vLLM-CPU runs in fp32).
+  vLLM-CPU runs in fp32) and torch's `F.linear` over the plain weight (MKL's sgemm).
 
 Each layer is held in enough copies that a pass over them reads at least --working-set MiB of weights (a decode
 step reads every layer's weight once from DRAM); a timed call cycles through the copies. Rounds alternate the sides
 (same machine load); per shape and m the median time per call over rounds and the ratios other / strips (> 1: the
-strips faster).
+strips faster), and the strips' rate in weight bytes read and in GFLOP/s (at many rows the products are bound by
+the arithmetic: what the CPU's peak leaves to gain).
 
     .venv/bin/python benchmarks/strips_gemm.py [--dtypes bf16,fp32] [--rows 1,16,256] [--rounds 3] [--json]
 """
@@ -34,7 +35,8 @@ SIDES = {
                              lambda x, w: packed_matmul(x.float(), w, None))},
     "fp32": {"strips": (lambda w: native.strips_layout(w), lambda x, w: native.strips_gemm(x, w)),
              "onednn_fp32": (lambda w: torch.ops.mkldnn._reorder_linear_weight(w, 128),
-                             lambda x, w: packed_matmul(x, w, None))},
+                             lambda x, w: packed_matmul(x, w, None)),
+             "torch_fp32": (lambda w: w, lambda x, w: F.linear(x, w))},
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -79,12 +81,14 @@ def main() -> None:
                 med = {s: statistics.median(t) for s, t in times.items()}
                 row = {"dtype": dtype, "shape": name, "m": m, **{f"{s}_ms": round(t * 1e3, 4) for s, t in med.items()},
                        **{f"{s}_over_strips": round(t / med["strips"], 2) for s, t in med.items() if s != "strips"},
-                       "strips_gbps": round(wbytes / med["strips"] / 1e9, 1)}
+                       "strips_gbps": round(wbytes / med["strips"] / 1e9, 1),
+                       "strips_gflops": round(2 * m * k * n / med["strips"] / 1e9, 1)}
                 results.append(row)
                 if not args.json:
                     print(f"{dtype} {name:14s} m={m:5d}  " + "  ".join(f"{s} {row[f'{s}_ms']:8.3f} ms" for s in sides)
                           + "  " + "  ".join(f"{s}/strips {row[f'{s}_over_strips']:5.2f}x" for s in sides
-                                             if s != "strips") + f"  ({row['strips_gbps']} GB/s of weight)",
+                                             if s != "strips")
+                          + f"  ({row['strips_gbps']} GB/s of weight, {row['strips_gflops']} GFLOP/s)",
                           flush=True)
     if args.json:
         print(json.dumps({"threads": torch.get_num_threads(), "results": results}))

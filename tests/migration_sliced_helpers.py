@@ -19,7 +19,7 @@ from pdcluster.cli.admin import drain_node, set_state
 from pdcluster.cli.supervisor import LocalCluster
 
 SLICED = {"tensor_parallel_size": 2, "kv_pool_per_rank": True}
-PROMPT, OUTPUT = 60, 1200
+PROMPT, OUTPUT = 60, 3000   # the stream must still run when the drain moves it
 
 
 def sliced_model(directory) -> str:
@@ -27,7 +27,7 @@ def sliced_model(directory) -> str:
     from pdcluster.engine.testing import make_tiny_model
 
     return make_tiny_model(str(directory / MODEL_NAME), "llama", num_attention_heads=8, num_key_value_heads=4,
-                           hidden_size=64, intermediate_size=128, max_position_embeddings=2048)
+                           hidden_size=64, intermediate_size=128, max_position_embeddings=4096)
 
 
 def sliced_cluster(model: str, work, **router) -> LocalCluster:
