@@ -37,9 +37,10 @@ class Matmul:
         self.packed, self.bias = packed, bias
         self.n, self.k = packed.shape
         self.strips = bool(getattr(packed, "strips", False))
-        self.args = (packed.data_ptr(), native._FLOAT_KINDS[packed.dtype], self.n,
-                     None if bias is None else bias.data_ptr()) if self.strips else (0, 0, 0, None)   # (oneDNN's:
-        # an opaque tensor, no data pointer)
+        self.args = (0, 0, 0, None)   # (oneDNN's packed weight is an opaque tensor: no data pointer)
+        if self.strips:
+            self.args = (packed.data_ptr(), native._FLOAT_KINDS[packed.dtype], self.n,
+                         None if bias is None else bias.data_ptr())
 
     def __call__(self, fn, x: torch.Tensor, out: torch.Tensor, threads: int) -> torch.Tensor:
         if not self.strips:
