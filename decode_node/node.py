@@ -383,6 +383,9 @@ class DecodeNode(NodeService):
         if isinstance(msg, KVFetched):
             self.fetches.answered(node_id, msg)
             return
+        if isinstance(msg, Progress):
+            self._prefill_progressed(node_id, msg.rids)
+            return
         if not isinstance(msg, PrefillDone):
             log.warning("decode node: dropped unexpected %s from prefill node %s", msg.TYPE, node_id)
             return
@@ -390,6 +393,18 @@ class DecodeNode(NodeService):
         if req is None or req.prefill_node != node_id or req.state is not State.PREFILLING:
             return  # late reply for a request that moved on
         self._prefill_answered(req, msg)
+
+    def _prefill_progressed(self, node_id: str, rids: list[str]) -> None:
+        """The prefill node still works through these prompts (queued behind others, or computing): their wait
+        and their KV reservations start afresh. `prefill_timeout` so bounds the prefill node's silence, not its
+        queue: a busy prefill node keeps its prompts, a stuck or stopped one sends nothing and loses them."""
+        for rid in rids:
+            req = self.requests.get(rid)
+            if req is None or req.prefill_node != node_id or req.state is not State.PREFILLING:
+                continue
+            if self.receiver.extend(rid, self.prefill_timeout):
+                req.timer.cancel()
+                req.timer = self.loop.call_later(self.prefill_timeout, self._prefill_timed_out, req)
 
     def on_peer_change(self, event: str, node_id: str) -> None:
         if event != "node_removed":

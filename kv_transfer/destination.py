@@ -47,6 +47,13 @@ class Destination:
     def __post_init__(self) -> None:
         self.expires = time.monotonic() + self.timeout_s if self.timeout_s > 0 else float("inf")
 
+    def renew(self, timeout_s: float) -> None:
+        """The receiver keeps the blocks `timeout_s` more (its owner heard that the sender still works on them)."""
+        self.timeout_s = timeout_s
+        self.expires = time.monotonic() + timeout_s if timeout_s > 0 else float("inf")
+        for rank in self.ranks:
+            rank.renew(timeout_s)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

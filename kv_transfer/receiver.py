@@ -177,6 +177,12 @@ class KVReceiver:
             timeout_s=timeout_s,
         )
 
+    def extend(self, request_id: str, timeout_s: float) -> bool:
+        """Keep the reservation `timeout_s` more from now (its sender is still working on it); False when it is
+        gone or failed."""
+        with self._lock:
+            return self._table.extend(request_id, timeout_s)
+
     def cancel(self, request_id: str) -> None:
         """Stop accepting writes; `wait` answers (failed, code "cancelled") once no write is in flight."""
         with self._lock:

@@ -250,6 +250,15 @@ class ReservationTable:
         self.fail(res, reason, "cancelled")
         return True
 
+    def extend(self, request_id: str, timeout_s: float) -> bool:
+        """Its owner still waits for it: the deadline moves to `timeout_s` from now (never earlier). False when
+        there is no such reservation or it already failed."""
+        res = self._active.get(request_id)
+        if res is None or res.state is State.FAILED:
+            return False
+        res.deadline = max(res.deadline, self.clock() + timeout_s)
+        return True
+
     def expire(self) -> list[Reservation]:
         now = self.clock()
         late = [r for r in self._active.values() if r.state is not State.FAILED and now > r.deadline]

@@ -65,7 +65,8 @@ class PrefillJob:
     prompt_ids: list[int]
     dst: Destination
     skip_blocks: int
-    deadline: float  # time.monotonic() seconds, from the Prefill message's timeout_s at receipt
+    deadline: float  # time.monotonic() seconds, from the Prefill message's timeout_s at receipt, renewed while queued
+    timeout_s: float = 0.0  # the Prefill message's: how far each renewal moves the deadline (node.renew)
     state: JobState = JobState.CONNECTING
     outgoing: Outgoing | None = None  # handed over by the connector once the prompt is done
     outcome: str = ""  # ok | error | aborted: set when answered

@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Mapping
 
-from pdcluster.control.protocol import Load, Message, Prefill, PrefillDone, logprob_to_wire
+from pdcluster.control.protocol import Load, Message, Prefill, PrefillDone, Progress, logprob_to_wire
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
@@ -33,6 +33,7 @@ from pdcluster.prefill_node.metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
+RENEW_SWEEP = 0.25  # seconds between checks for jobs whose deadline to renew
 
 
 class PrefillNode(NodeService):
@@ -66,6 +67,7 @@ class PrefillNode(NodeService):
         self._connects = started_pool(8, "kv-connect")
         self._connecting: dict[str, asyncio.Future] = {}  # receiver address -> its connect in flight
         self._tasks_extra: set[asyncio.Task] = set()   # admissions and ack waits in flight
+        self._renewed_at_step = -1   # the engine's step count at the last renewal
 
     def on_peer_change(self, event: str, node_id: str) -> None:
         """A decode node left: forget the KV connections of every receiver no longer in the view (a restarted
@@ -79,6 +81,7 @@ class PrefillNode(NodeService):
 
     async def on_start(self) -> None:
         self.start_engine_thread()
+        self._spawn(self._renew_loop(), "renew")
 
     async def on_stop(self) -> None:
         for task in self._tasks_extra:
@@ -144,6 +147,7 @@ class PrefillNode(NodeService):
             return
         job = PrefillJob(rid=msg.rid, owner=identity, prompt_ids=list(msg.prompt_ids), dst=dst,
                          skip_blocks=msg.skip_blocks, deadline=time.monotonic() + msg.timeout_s,
+                         timeout_s=msg.timeout_s,
                          lora=self.loras.request(msg.lora_name, msg.lora_path) if msg.lora_name else None,
                          lora_hash=msg.lora_hash)
         self.jobs[job.rid] = job
@@ -246,6 +250,36 @@ class PrefillNode(NodeService):
     def on_engine_failure(self) -> None:
         for job in list(self.jobs.values()):
             self._answer(job, error="prefill engine failure")
+
+    # ---- queued jobs stay alive while the engine works through them (loop) ----------------------------
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await asyncio.sleep(RENEW_SWEEP)
+            self.renew()
+
+    def renew(self) -> None:
+        """A prompt may wait in this node's queue longer than its timeout when prompts come faster than this node
+        prefills them. While the engine advances (a step done since the last renewal), each job in the engine
+        past a quarter of its timeout gets it afresh, here (its deadline, its destination's) and on its decode
+        node, which hears `Progress` and extends its wait and its KV reservation. A node whose engine is stuck
+        renews nothing: its jobs expire and their decode nodes prefill them themselves, as before."""
+        steps = self.engine_stats().num_steps
+        if steps == self._renewed_at_step:
+            return
+        now = time.monotonic()
+        due: dict[bytes, list[PrefillJob]] = {}
+        for job in self._held.values():
+            if job.state is JobState.QUEUED and job.timeout_s > 0 and job.deadline - now < 0.75 * job.timeout_s:
+                due.setdefault(job.owner, []).append(job)
+        if not due:
+            return
+        self._renewed_at_step = steps
+        for owner, jobs in due.items():
+            for job in jobs:
+                job.deadline = now + job.timeout_s
+                job.dst.renew(job.timeout_s)
+            self.control.send(owner, Progress(rids=[j.rid for j in jobs], states=["prefilling"] * len(jobs)))
 
     # ---- a prompt done: its KV handed over, its ack awaited, its blocks freed (loop) ---------------------
 

@@ -198,13 +198,13 @@ class SilentKVListener:
 
 
 @contextlib.asynccontextmanager
-async def prefill_setup(etcd: EtcdServer, cluster: str, model: str):
-    """(prefill node, fake decode node connected to its control socket)."""
+async def prefill_setup(etcd: EtcdServer, cluster: str, model: str, config: NodeConfig | None = None):
+    """(prefill node, fake decode node connected to its control socket); `config`: node_config's by default."""
     from pdcluster.prefill_node.node import PrefillNode
 
     decode = DealerClient()
     try:
-        node = PrefillNode(node_config("prefill", model, etcd, cluster))
+        node = PrefillNode(config or node_config("prefill", model, etcd, cluster))
         async with serving(node):
             decode.connect(node.control.address)
             yield node, decode

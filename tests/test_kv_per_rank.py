@@ -288,3 +288,22 @@ def test_a_node_record_with_rank_addresses_that_are_not_strings_is_refused():
             NodeInfo.from_json(json.dumps({**body, "kv_rank_addrs": bad}))
     with pytest.raises(ValueError, match="non-negative integer"):
         NodeInfo.from_json(json.dumps({**body, "capacity": {**body["capacity"], "kv_rank_slices": -1}}))
+
+
+def test_an_extended_reservation_outlives_its_first_deadline_in_every_rank_slice():
+    """A decode node whose prefill node reports progress extends the reservation: every rank's slice keeps it
+    past the first deadline (rank 1's through its link), and the transfer then lands."""
+    with ExitStack() as stack:
+        pair = Pair(stack)
+        dst = pair.receiver.reserve("r1", DST, timeout_s=1.0)
+        time.sleep(0.5)
+        assert pair.receiver.extend("r1", 3.0)
+        time.sleep(1.0)   # past the first deadline: the receivers' reapers ran
+        dst.renew(3.0)
+        pair.sender.connect(dst.to_dict())
+        transfer = pair.sender.start(dst.to_dict(), SRC, connect=False)
+        transfer.send_all()
+        checksum = transfer.finish(timeout=20)
+        result = wait(pair.receiver, "r1")
+        assert result.ok and result.checksum == checksum and pair.landed_exactly()
+        assert not pair.receiver.extend("gone", 3.0)

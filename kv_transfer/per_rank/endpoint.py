@@ -209,6 +209,8 @@ class RankEndpoint:
             return self._reserve(frame["rid"], frame["blocks"], frame["timeout_s"], frame.get("sender_slices", 1))
         if op == "cancel":
             self._need_receiver().cancel(frame["rid"])
+        elif op == "extend":
+            self._need_receiver().extend(frame["rid"], frame["timeout_s"])
         elif op == "active":
             return self._need_receiver().num_active_reservations
         elif op == "connect":

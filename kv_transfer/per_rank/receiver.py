@@ -94,6 +94,12 @@ class RankedReceiver:
                                     getattr(exc, "code", "refused")) from None
         return dst
 
+    def extend(self, request_id: str, timeout_s: float) -> bool:
+        """As KVReceiver.extend, in every rank's slice (rank 0's answer)."""
+        for link in self.links.links:
+            link.post("extend", rid=request_id, timeout_s=timeout_s)
+        return self.local.extend(request_id, timeout_s)
+
     def cancel(self, request_id: str) -> None:
         """Stop accepting writes in every rank's slice; `wait` answers once no write can land any more."""
         self.local.cancel(request_id)

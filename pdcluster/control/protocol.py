@@ -161,7 +161,9 @@ PROGRESS_STATES = ("queued", "prefilling", "waiting_kv")
 class Progress(Message):
     """decode -> router: these requests are alive but sent no token lately (queued, waiting on a prefill
     node or on its KV); once on admission and then every `heartbeat_interval` while silent, one frame per
-    router. The router's stall timer measures silence, so this keeps a slow first token from migrating."""
+    router. The router's stall timer measures silence, so this keeps a slow first token from migrating.
+    prefill -> decode: these prompts are still queued or computing there (their deadlines renewed); the decode
+    node extends its wait and their KV reservations (its `prefill_timeout` measures the prefill node's silence)."""
 
     TYPE: ClassVar[str] = "progress"
     rids: list[str]

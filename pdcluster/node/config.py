@@ -64,7 +64,8 @@ class NodeConfig(CommonConfig):
     load_port: int = knob(0, "zmq PUB port for Load reports; 0 = pick a free port")
     kv_port: int = knob(0, "KV transfer listener port; 0 = pick a free port")
     # Timeouts (docs/operations.md "Timeouts" lists them all, with what happens when each fires).
-    prefill_timeout: float = knob(15.0, "decode: seconds to wait for a prefill node's PrefillDone (the KV "
+    prefill_timeout: float = knob(15.0, "decode: seconds without word from the prefill node on a prompt (its "
+                                  "PrefillDone, or its Progress while the prompt is queued or computing; the KV "
                                   "reservation lives as long) before prefilling locally; below the router's "
                                   "stall_timeout")
     heartbeat_interval: float = knob(1.0, "decode: seconds between Progress messages to the router for a "
