@@ -278,7 +278,7 @@ class PrefillNode(NodeService):
         for owner, jobs in due.items():
             for job in jobs:
                 job.deadline = now + job.timeout_s
-                job.dst.renew(job.timeout_s)
+                job.dst.renew(job.timeout_s)   # the started transfer's too: its sender reads one float, later now
             self.control.send(owner, Progress(rids=[j.rid for j in jobs], states=["prefilling"] * len(jobs)))
 
     # ---- a prompt done: its KV handed over, its ack awaited, its blocks freed (loop) ---------------------
