@@ -81,7 +81,7 @@ class PrefillNode(NodeService):
 
     async def on_start(self) -> None:
         self.start_engine_thread()
-        self._spawn(self._renew_loop(), "renew")
+        self._tasks_extra.add(self.supervised(self._renew_loop(), "renew"))   # cancelled by on_stop
 
     async def on_stop(self) -> None:
         for task in self._tasks_extra:
