@@ -110,6 +110,28 @@ async def test_a_decode_node_waits_while_its_prefill_peer_reports_progress_and_n
         assert (await peer.recv(Abort))[1].rid == "r-queued"
 
 
+async def test_garbage_or_progress_for_other_requests_from_the_peer_keeps_nothing_waiting(etcd, cluster, tiny_llama):
+    """A broken prefill peer: garbage frames, a malformed Progress (states not matching rids, counted as dropped),
+    Progress for requests it does not hold. None of it renews the request: it is prefilled here one
+    prefill_timeout after its Prefill, and the node goes on serving."""
+    async with decode_setup(etcd, cluster, tiny_llama, prefill_timeout=TIMEOUT) as (node, peer, router):
+        identity = await remote_prefill_sent(node, peer, router, "r-held")
+        sent = time.monotonic()
+        dropped = node.peers.dropped.count
+        local = asyncio.create_task(stream(router, "r-held"))
+        while not local.done() and time.monotonic() - sent < 3.5 * TIMEOUT:
+            peer.server._sock.send_multipart([identity, b"\x00garbage"])
+            assert peer.server.send(identity, Progress(rids=["r-held"], states=[]))   # malformed: dropped
+            assert peer.server.send(identity, Progress(rids=["r-unknown", "r-held-not"], states=["queued"] * 2))
+            await asyncio.sleep(TIMEOUT / 5)
+        ids, first = await asyncio.wait_for(local, WAIT)
+        waited = time.monotonic() - sent
+        assert first.prefill_path == "local" and len(ids) == MAX_TOKENS
+        assert 0.9 * TIMEOUT <= waited < 3 * TIMEOUT and remote_failures(node, "timeout") == 1   # never renewed
+        assert node.peers.dropped.count >= dropped + 2
+        assert (await peer.recv(Abort))[1].rid == "r-held"
+
+
 async def test_a_prefill_node_renews_its_queued_prompts_while_its_engine_advances(etcd, cluster, tiny_llama):
     """One prompt at a time, each step slowed: six prompts with a one-second timeout take about two. The node
     sends Progress for those still waiting and answers every one with its KV (no deadline passes, here or at the
