@@ -1,10 +1,11 @@
 """The decode node: admission, remote (or local) prefill, the decode loop, token streaming to routers.
 
 A request's path (docs/design.md §3; the states are decode_node/request.py's): `Generate` from a router →
-`add_request(remote_kv=True)`: the engine reserves blocks for the whole prompt (leading blocks already in
-this node's prefix cache are shared, not re-sent) and reports them through the connector's
-`on_remote_reserved` → `Prefill` to the chosen prefill node, which writes the prompt's KV straight into the
-reserved blocks of this node's pool → on `PrefillDone` + the receiver's checksum ack, `remote_kv_landed`:
+`Prefill` to the chosen prefill node, which starts on the prompt, and `add_request(remote_kv=True)`: the engine
+reserves blocks for the whole prompt (leading blocks already in this node's prefix cache are shared, not
+re-sent) and reports them through the connector's `on_remote_reserved` → `PrefillDestination` to the prefill
+node, which writes the prompt's KV straight into the reserved blocks of this node's pool (layer by layer as it
+computes them) → on `PrefillDone` + the receiver's checksum ack, `remote_kv_landed`:
 the sequence joins the running batch → one message per engine step per router: a `TokenBatch` of the new
 tokens of each of its requests (`Tokens` when only one has any). Any failure of the remote part (timeout,
 checksum, prefill node gone or erroring) cancels the reservation, waits until no write can land, and hands
@@ -39,6 +40,7 @@ from pdcluster.control.protocol import (
     PreCopied,
     PreCopy,
     Prefill,
+    PrefillDestination,
     PrefillDone,
     Progress,
     Reject,
@@ -324,6 +326,19 @@ class DecodeNode(NodeService):
     # ---- remote prefill: message handling --------------------------------------------------------
 
     def _prefill_remotely(self, req: DecodeRequest, peer: NodeInfo, fetch_blocks: int = 0) -> None:
+        """The prompt goes to the prefill node at once and its KV destination once the engine has reserved the
+        blocks (at its next step boundary, up to a decode step away): the prefill overlaps the reservation."""
+        sent = self.peers.send(req.prefill_node, peer.control_addr, Prefill(
+            rid=req.rid, prompt_ids=req.prompt_ids, sampling=req.params.to_dict(), dst={},
+            decode_node=self.node_id, timeout_s=self.prefill_timeout,
+            lora_name=req.lora.lora_name if req.lora else "", lora_path=req.lora.lora_path if req.lora else "",
+            lora_hash=req.lora_hash))
+        if not sent:
+            log.info("request %s: could not queue Prefill to %s; prefilling locally", req.rid, req.prefill_node,
+                     extra={"request_id": req.rid})
+            self.metrics.remote_failures.labels(RemoteFailure.SEND_FAILED.value).inc()
+            self._prefill_locally(req, fetch_blocks=fetch_blocks)
+            return
         req.move(State.RESERVING)
         req.prefill_addr = peer.control_addr
         req.prefill_slices = peer.capacity.kv_rank_slices
@@ -344,6 +359,9 @@ class DecodeNode(NodeService):
             return   # aborted meanwhile: its engine abort, queued behind the add, frees the blocks
         skip = num_cached_tokens // self.block_size
         req.num_cached_tokens = num_cached_tokens
+        if req.early_failure is not None:   # the peer gave up before it had the destination
+            self._remote_failed(req, *req.early_failure)
+            return
         try:
             # a prefill engine sliced per rank: each of its ranks holding some of a pool's heads writes them
             dst = self.receiver.reserve(rid, block_ids[skip:], timeout_s=self.prefill_timeout,
@@ -352,17 +370,15 @@ class DecodeNode(NodeService):
             log.exception("request %s: the receiver refused the reservation", rid)
             self._remote_failed(req, RemoteFailure.INTERNAL, str(exc))
             return
-        sent = self.peers.send(req.prefill_node, req.prefill_addr, Prefill(
-            rid=rid, prompt_ids=req.prompt_ids, sampling=req.params.to_dict(), dst=dst.to_dict(),
-            decode_node=self.node_id, timeout_s=dst.timeout_s, skip_blocks=skip,
-            lora_name=req.lora.lora_name if req.lora else "", lora_path=req.lora.lora_path if req.lora else "",
-            lora_hash=req.lora_hash))
+        sent = self.peers.send(req.prefill_node, req.prefill_addr,
+                               PrefillDestination(rid=rid, dst=dst.to_dict(), skip_blocks=skip))
         if not sent:
-            self._remote_failed(req, RemoteFailure.SEND_FAILED, f"could not queue Prefill to {req.prefill_node}")
+            self._remote_failed(req, RemoteFailure.SEND_FAILED,
+                                f"could not queue PrefillDestination to {req.prefill_node}")
             return
         req.move(State.PREFILLING)
         req.timer = self.loop.call_later(self.prefill_timeout, self._prefill_timed_out, req)
-        log.info("request %s: prefill sent to %s (%d blocks reserved, %d cached here)", rid, req.prefill_node,
+        log.info("request %s: KV destination sent to %s (%d blocks reserved, %d cached here)", rid, req.prefill_node,
                  len(block_ids) - skip, skip, extra={"request_id": rid})
 
     def _reserve_answered(self, req: DecodeRequest, fut: asyncio.Future) -> None:
@@ -372,6 +388,7 @@ class DecodeNode(NodeService):
             log.info("request %s: not enough free KV blocks to reserve for a remote prefill; prefilling locally",
                      req.rid, extra={"request_id": req.rid})
             self.metrics.remote_failures.labels(RemoteFailure.NO_BLOCKS.value).inc()
+            self.peers.send_existing(req.prefill_node, Abort(rid=req.rid))
             self._prefill_locally(req)
 
     def _prefill_timed_out(self, req: DecodeRequest) -> None:
@@ -390,9 +407,12 @@ class DecodeNode(NodeService):
             log.warning("decode node: dropped unexpected %s from prefill node %s", msg.TYPE, node_id)
             return
         req = self.requests.get(msg.rid)
-        if req is None or req.prefill_node != node_id or req.state is not State.PREFILLING:
+        if req is None or req.prefill_node != node_id:
             return  # late reply for a request that moved on
-        self._prefill_answered(req, msg)
+        if req.state is State.RESERVING and req.early_failure is None:   # acted on once the blocks are reserved
+            req.early_failure = (RemoteFailure.PREFILL_ERROR, msg.error or "PrefillDone before its destination")
+        elif req.state is State.PREFILLING:
+            self._prefill_answered(req, msg)
 
     def _prefill_progressed(self, node_id: str, rids: list[str]) -> None:
         """The prefill node still works through these prompts (queued behind others, or computing): their wait
@@ -411,8 +431,8 @@ class DecodeNode(NodeService):
             return
         self.fetches.holder_left(node_id)
         self.peers.drop(node_id)
-        for req in [r for r in self.requests.values() if r.prefill_node == node_id and r.state is State.PREFILLING]:
-            self._prefill_answered(req, PrefillDone(rid=req.rid, error=f"prefill node {node_id} left the cluster"))
+        for req in [r for r in self.requests.values() if r.prefill_node == node_id and r.remote]:
+            self._on_peer_message(node_id, PrefillDone(rid=req.rid, error=f"prefill node {node_id} left the cluster"))
 
     def _prefill_answered(self, req: DecodeRequest, done: PrefillDone) -> None:
         req.timer.cancel()
@@ -519,6 +539,8 @@ class DecodeNode(NodeService):
         elif req.state is State.RELEASING:
             req.move(State.ABORTING)   # its release is running; it drops the request when done
         elif req.state is not State.ABORTING:
+            if req.state is State.RESERVING:   # the prefill node has the prompt already
+                self.peers.send_existing(req.prefill_node, Abort(rid=rid))
             self.engine_thread.post(lambda e: e.abort(rid))   # queued behind any add: it frees what that took
             self._forget(req, "abort")
 
@@ -617,6 +639,8 @@ class DecodeNode(NodeService):
         if self.requests.get(req.rid) is not req:
             return
         log.warning("request %s failed: %s", req.rid, error)
+        if req.state is State.RESERVING:   # the prefill node has the prompt already
+            self.peers.send_existing(req.prefill_node, Abort(rid=req.rid))
         self.control.send(req.owner, Tokens(rid=req.rid, ids=[], finish=finish, error=error))
         self.engine_thread.post(lambda e: e.abort(req.rid))
         self._forget(req, "error")

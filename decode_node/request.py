@@ -1,7 +1,7 @@
 """A request on the decode node: one typed lifecycle (a pure transition table, no I/O) and its token stream
 to the router.
 
-    NEW ──remote──► RESERVING ──blocks reserved, Prefill sent──► PREFILLING ──PrefillDone──► WAITING_KV
+    NEW ──remote──► RESERVING ──reserved, destination sent─────► PREFILLING ──PrefillDone──► WAITING_KV
      │                 │                                            │                          │
      │                 └──too few blocks──► ENGINE ◄──KV landed─────┼──────────────────────────┘
      │                                        ▲                     │ error / timeout / peer gone / bad KV
@@ -10,7 +10,10 @@ to the router.
     ENGINE ──the engine finished it, tokens held for the router──► FINISHED ──sent──► GONE
     ENGINE / FINISHED ──sent, aborted or failed──► GONE
     PREFILLING / WAITING_KV / RELEASING ──abort──► ABORTING (the reservation drains) ──► GONE
-    RESERVING ──abort──► GONE (the engine's abort, queued behind its add, frees the reservation)
+    RESERVING ──abort──► GONE (the engine's abort, queued behind its add, frees the reservation; Abort to the peer)
+    RESERVING: the Prefill went to the peer on entering it (the prefill starts while the blocks are reserved);
+    a PrefillDone (an error: the peer has no destination yet) is kept until the blocks are reserved,
+    then the request goes to RELEASING as from PREFILLING
     any state ──the engine failed (the node leaves)──► GONE
 
 Every field of a `DecodeRequest` belongs to the event loop: only the loop reads or writes it (the decode
@@ -32,7 +35,7 @@ from pdcluster.control.sampling_params import SamplingParams
 
 class State(enum.Enum):
     NEW = "new"  # admitted, not yet handed to the engine
-    RESERVING = "reserving"  # remote: the engine reserves blocks for the whole prompt
+    RESERVING = "reserving"  # remote: Prefill sent; the engine reserves blocks for the whole prompt
     PREFILLING = "prefilling"  # remote: Prefill sent; PrefillDone awaited
     WAITING_KV = "waiting_kv"  # remote: PrefillDone came; the receiver's checksum ack awaited
     RELEASING = "releasing"  # remote failed: reservation cancelled; waiting until no write can land
@@ -93,6 +96,7 @@ class DecodeRequest:
     num_cached_tokens: int = 0
     remote_started: float = 0.0  # monotonic time the remote prefill began (for its latency histogram)
     timer: Any = None  # the loop's prefill_timeout handle while PREFILLING
+    early_failure: tuple[RemoteFailure, str] | None = None  # the prefill peer failed it while RESERVING
     sent: int = 0  # token ids sent so far (the next Tokens.pos)
     ahead: int = 0  # of those, sent before the engine reported them (a remote prefill's first token)
     last_sent: float = 0.0  # monotonic time of the last message that reached the router

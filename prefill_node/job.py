@@ -13,13 +13,18 @@ answered job whose transfer may still read its blocks, so they are freed only on
 Owners: every field of a `PrefillJob` belongs to the event loop. An `Outgoing` (the transfer) belongs to the
 engine thread while its prompt is in the engine (`TransferConnector` owns the table of them and starts and
 feeds the transfer from the engine's hooks); once the prompt is done the connector hands it to the event loop
-(`PrefillJob.outgoing`), and from then on only the loop and the ack waiter it starts read it.
+(`PrefillJob.outgoing`), and from then on only the loop and the ack waiter it starts read it. One exception: a
+prompt sent before its destination (`Prefill` with no `dst`, then `PrefillDestination`) enters the engine with
+`Outgoing.dst` None; the loop sets `first_block` and then `dst`, once, and the engine thread starts the transfer
+at its next hook that sees `dst` (a later layer of the step, or the prompt's end). If the prompt is done first,
+the loop starts it (`PrefillJob.routed` is set once the transfer started or cannot).
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdcluster.control.lifecycle import check_move
@@ -49,13 +54,14 @@ ANSWER_PENDING = frozenset({JobState.CONNECTING, JobState.QUEUED, JobState.SENDI
 class Outgoing:
     """A prompt's KV on its way to the decode node: the engine thread's until the prompt is done."""
     rid: str
-    dst: Destination
+    dst: Destination | None  # None until the destination comes (set once, by the loop, after first_block)
     first_block: int  # the prompt's leading blocks the decode node already holds (not sent)
     num_blocks: int  # the prompt's blocks
     transfer: Transfer | RankedTransfer | None = None
     error: str | None = None  # why the transfer could not start
     nbytes: int = 0
     first_write: float = 0.0  # monotonic time the first write was queued
+    src_blocks: list[int] | None = None  # the prompt's blocks here, kept when it was done before its destination
 
 
 @dataclass
@@ -63,12 +69,15 @@ class PrefillJob:
     rid: str
     owner: bytes  # zmq identity of the decode node's DEALER: where PrefillDone goes, the only one that may abort
     prompt_ids: list[int]
-    dst: Destination
+    dst: Destination | None  # None until PrefillDestination comes
     skip_blocks: int
     deadline: float  # time.monotonic() seconds, from the Prefill message's timeout_s at receipt, renewed while queued
     timeout_s: float = 0.0  # the Prefill message's: how far each renewal moves the deadline (node.renew)
     state: JobState = JobState.CONNECTING
     outgoing: Outgoing | None = None  # handed over by the connector once the prompt is done
+    unrouted: Outgoing | None = None  # the engine's Outgoing while the destination is awaited (the loop sets it)
+    routed: asyncio.Event = field(default_factory=asyncio.Event)  # the transfer started, or never will
+    starting: bool = False  # the loop has the engine thread start the transfer of a prompt done before it
     outcome: str = ""  # ok | error | aborted: set when answered
     lora: Any = None  # the engine's LoRARequest of Prefill.lora_name (None: the base model)
     lora_hash: str = ""  # the decode node's content hash of that adapter: ours must equal it

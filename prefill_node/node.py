@@ -8,6 +8,10 @@ the engine thread (steps; `TransferConnector` starts each transfer and queues la
 KV-connector hooks, on connections already open: it never connects, and hands each transfer to the loop
 when its prompt is done), and a small pool that waits for the receivers' checksum acks for the loop, which
 then frees the held blocks (they stay in the prefix cache) and answers the decode node with `PrefillDone`.
+
+A decode node sends its prompt before its engine has reserved the KV blocks (`Prefill` with no `dst`) and their
+destination once reserved (`PrefillDestination`): the prompt enters the engine at once and its transfer starts
+when the destination comes (prefill_node/connector.py), so the reservation overlaps the prefill.
 """
 
 from __future__ import annotations
@@ -17,7 +21,15 @@ import logging
 import time
 from typing import Mapping
 
-from pdcluster.control.protocol import Load, Message, Prefill, PrefillDone, Progress, logprob_to_wire
+from pdcluster.control.protocol import (
+    Load,
+    Message,
+    Prefill,
+    PrefillDestination,
+    PrefillDone,
+    Progress,
+    logprob_to_wire,
+)
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
@@ -27,13 +39,14 @@ from pdcluster.node.config import NodeConfig, engine_args_from_config
 from pdcluster.node.rank_kv import RankKV
 from pdcluster.node.service import NodeService
 from pdcluster.node.threads import started_pool
-from pdcluster.prefill_node.connector import TransferConnector
+from pdcluster.prefill_node.connector import TransferConnector, start_transfer
 from pdcluster.prefill_node.job import JobState, Outgoing, PrefillJob
 from pdcluster.prefill_node.metrics import PrefillMetrics
 
 log = logging.getLogger(__name__)
 
 RENEW_SWEEP = 0.25  # seconds between checks for jobs whose deadline to renew
+ROUTE_GRACE_S = 1.0  # a done prompt waits for its destination until its deadline, and this (its expiry answers it)
 
 
 class PrefillNode(NodeService):
@@ -115,6 +128,8 @@ class PrefillNode(NodeService):
     def handle(self, identity: bytes, msg: Message) -> None:
         if isinstance(msg, Prefill):
             self._on_prefill(identity, msg)
+        elif isinstance(msg, PrefillDestination):
+            self._on_destination(identity, msg)
         else:
             log.warning("prefill node: dropped unexpected %s message", msg.TYPE)
 
@@ -133,15 +148,12 @@ class PrefillNode(NodeService):
             log.warning("prefill node: duplicate request id %s dropped", msg.rid)
             return
         try:
-            dst = Destination.from_dict(msg.dst)
+            num_blocks = -(-len(msg.prompt_ids) // self.block_size)
+            dst = self._destination(msg.dst, msg.skip_blocks, len(msg.prompt_ids)) if msg.dst else None
             sampling = dict(msg.sampling)
             sampling["max_tokens"] = 1  # the first token only; the decode node samples the rest
             sampling["min_tokens"] = min(int(sampling.get("min_tokens", 0)), 1)
             params = SamplingParams.from_dict(sampling)
-            num_blocks = -(-len(msg.prompt_ids) // self.block_size)
-            if not 0 <= msg.skip_blocks < num_blocks or len(dst.block_ids) != num_blocks - msg.skip_blocks:
-                raise ValueError(f"dst.block_ids: {len(dst.block_ids)} blocks after skipping {msg.skip_blocks} "
-                                 f"do not match a {len(msg.prompt_ids)}-token prompt of {num_blocks} blocks")
         except (ValueError, TypeError) as exc:
             self._reply_error(identity, msg.rid, f"bad Prefill: {exc}", "error")
             return
@@ -151,9 +163,80 @@ class PrefillNode(NodeService):
                          lora=self.loras.request(msg.lora_name, msg.lora_path) if msg.lora_name else None,
                          lora_hash=msg.lora_hash)
         self.jobs[job.rid] = job
-        log.info("prefill %s queued: %d prompt tokens (%d blocks cached on the decode node) for %s",
-                 job.rid, len(job.prompt_ids), job.skip_blocks, msg.decode_node, extra={"request_id": job.rid})
+        log.info("prefill %s queued: %d prompt tokens (%s) for %s", job.rid, len(job.prompt_ids),
+                 f"{job.skip_blocks} blocks cached on the decode node" if dst else "destination to follow",
+                 msg.decode_node, extra={"request_id": job.rid})
         self._spawn(self._admit(job, params, num_blocks), f"admit:{job.rid}")
+
+    def _destination(self, d: dict, skip_blocks: int, num_tokens: int) -> Destination:
+        """`d` parsed, its blocks checked against the prompt's (ValueError, TypeError)."""
+        dst = Destination.from_dict(d)
+        num_blocks = -(-num_tokens // self.block_size)
+        if not 0 <= skip_blocks < num_blocks or len(dst.block_ids) != num_blocks - skip_blocks:
+            raise ValueError(f"dst.block_ids: {len(dst.block_ids)} blocks after skipping {skip_blocks} "
+                             f"do not match a {num_tokens}-token prompt of {num_blocks} blocks")
+        return dst
+
+    def _on_destination(self, identity: bytes, msg: PrefillDestination) -> None:
+        """The destination of a prompt sent before it: only its owner's, once; a bad one fails the prompt."""
+        job = self.jobs.get(msg.rid)
+        if job is None or job.owner != identity or job.dst is not None:
+            self.control.dropped.drop(f"PrefillDestination of {msg.rid}: not a prompt of that peer awaiting one")
+            return
+        try:
+            dst = self._destination(msg.dst, msg.skip_blocks, len(job.prompt_ids))
+        except (ValueError, TypeError) as exc:
+            self._drop(job, f"bad PrefillDestination: {exc}", "error")
+            return
+        job.dst, job.skip_blocks = dst, msg.skip_blocks
+        self._spawn(self._route(job), f"route:{job.rid}")
+
+    async def _route(self, job: PrefillJob) -> None:
+        """Connect to the destination's receiver, then hand it to the prompt's transfer: to the engine thread's
+        `Outgoing` while the prompt is in the engine (`first_block` before `dst`: `dst` is what it looks at), or,
+        done already, start the transfer from here."""
+        assert job.dst is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(self._connect(job.dst)), self.kv_connect_timeout)
+        except Exception as exc:
+            detail = f"no connection within {self.kv_connect_timeout} s" if isinstance(
+                exc, asyncio.TimeoutError) else str(exc)
+            if not job.answered:
+                self._drop(job, f"kv destination {job.dst.address} unreachable: {detail}", "error")
+            return
+        out = job.unrouted
+        if job.answered or out is None:   # aborted or expired meanwhile, or still connecting (it routes itself)
+            return
+        job.unrouted = None
+        out.first_block = job.skip_blocks
+        out.dst = job.dst
+        if job.outgoing is not None:
+            await self._start_after_prompt(job)
+
+    async def _start_after_prompt(self, job: PrefillJob) -> None:
+        """The prompt was done before its destination came: every layer of its KV goes at once, started on the
+        engine thread between steps (where every transfer starts; a pool sliced per rank tells its other ranks
+        there). Its ack waiter goes on once the start is done."""
+        out = job.outgoing
+        assert out is not None and out.src_blocks is not None
+        blocks = out.src_blocks
+
+        def start(engine: LLMEngine) -> None:
+            if out.transfer is None and out.error is None:
+                transfer = start_transfer(self.sender, out, blocks)
+                if transfer is not None:
+                    transfer.send_all()
+
+        job.starting = True
+        try:
+            await self.engine_thread.call(start)
+        except Exception as exc:
+            out.error = out.error or f"kv transfer failed to start: {exc}"
+        finally:
+            job.starting = False
+        if job.answered and out.transfer is not None:   # aborted or expired meanwhile
+            out.transfer.abort("aborted")
+        job.routed.set()
 
     async def _admit(self, job: PrefillJob, params: SamplingParams, num_blocks: int) -> None:
         """Connect to the job's KV receiver (off the engine thread), then hand the prompt to the engine (under its
@@ -168,19 +251,22 @@ class PrefillNode(NodeService):
             except Exception as exc:
                 self._answer(job, error=f"LoRA adapter {name!r}: {exc}")
                 return
-        try:
-            await asyncio.wait_for(asyncio.shield(self._connect(job.dst)), self.kv_connect_timeout)
-        except Exception as exc:
-            detail = f"no connection within {self.kv_connect_timeout} s" if isinstance(
-                exc, asyncio.TimeoutError) else str(exc)
-            self._answer(job, error=f"kv destination {job.dst.address} unreachable: {detail}")
-            return
+        if job.dst is not None:   # with the prompt: connect first (else _route does when it comes)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._connect(job.dst)), self.kv_connect_timeout)
+            except Exception as exc:
+                detail = f"no connection within {self.kv_connect_timeout} s" if isinstance(
+                    exc, asyncio.TimeoutError) else str(exc)
+                self._answer(job, error=f"kv destination {job.dst.address} unreachable: {detail}")
+                return
         if job.answered:   # aborted, or its deadline passed, meanwhile
             return
         job.move(JobState.QUEUED)
         self._held[job.rid] = job
         rid, prompt, lora = job.rid, job.prompt_ids, job.lora
         outgoing = Outgoing(rid, job.dst, first_block=job.skip_blocks, num_blocks=num_blocks)   # the engine's now
+        if job.dst is None:   # (one that came while the LoRA adapter loaded is in `outgoing` already)
+            job.unrouted = outgoing
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(rid, prompt, params, hold_blocks=True, lora=lora)
@@ -207,8 +293,12 @@ class PrefillNode(NodeService):
 
     def abort(self, rid: str, reason: str, expired: bool = False) -> None:
         job = self.jobs.get(rid)
-        if job is None:
-            return
+        if job is not None:
+            self._drop(job, reason, "aborted")
+
+    def _drop(self, job: PrefillJob, reason: str, outcome: str) -> None:
+        """Answer `job` with `reason`, dropping what it has in the engine or on the wire."""
+        rid = job.rid
         if job.state is JobState.QUEUED:   # in the engine: drop it there (and its transfer, if it started)
             self._held.pop(rid, None)
 
@@ -219,7 +309,7 @@ class PrefillNode(NodeService):
             self.engine_thread.post(drop)
         elif job.state is JobState.SENDING and job.outgoing is not None and job.outgoing.transfer is not None:
             job.outgoing.transfer.abort(reason)   # the ack waiter returns and frees the blocks
-        self._answer(job, error=reason, outcome="aborted")
+        self._answer(job, error=reason, outcome=outcome)
 
     def _answer(self, job: PrefillJob, out: RequestOutput | None = None, checksum: int = 0,
                 error: str | None = None, outcome: str | None = None) -> None:
@@ -227,8 +317,11 @@ class PrefillNode(NodeService):
         if self.jobs.get(job.rid) is not job:
             return
         del self.jobs[job.rid]
+        if not job.starting:   # an ack waiter still waiting for the destination goes on (and frees the blocks)
+            job.routed.set()
         job.outcome = outcome or ("error" if error else "ok")
-        job.move(JobState.ABANDONED if job.state is JobState.SENDING and job.aborted else JobState.DONE)
+        # answered while sending by other than its ack waiter: the blocks wait for that
+        job.move(JobState.ABANDONED if job.state is JobState.SENDING and outcome else JobState.DONE)
         self.metrics.requests.labels(job.outcome).inc()
         outgoing = job.outgoing
         transfer = outgoing.transfer if outgoing is not None else None
@@ -278,7 +371,8 @@ class PrefillNode(NodeService):
         for owner, jobs in due.items():
             for job in jobs:
                 job.deadline = now + job.timeout_s
-                job.dst.renew(job.timeout_s)   # the started transfer's too: its sender reads one float, later now
+                if job.dst is not None:   # the started transfer's too: its sender reads one float, later now
+                    job.dst.renew(job.timeout_s)
             self.control.send(owner, Progress(rids=[j.rid for j in jobs], states=["prefilling"] * len(jobs)))
 
     # ---- a prompt done: its KV handed over, its ack awaited, its blocks freed (loop) ---------------------
@@ -295,6 +389,11 @@ class PrefillNode(NodeService):
                 outgoing.transfer.abort("aborted")
             return
         job.outgoing = outgoing
+        if outgoing.transfer is not None or outgoing.error is not None:
+            job.routed.set()
+        elif outgoing.dst is not None:   # came as the prompt ended, too late for the engine thread
+            self._spawn(self._start_after_prompt(job), f"route:{job.rid}")
+        # else: _route starts it when the destination comes
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -305,9 +404,16 @@ class PrefillNode(NodeService):
             self._spawn(self._await_ack(job, out), f"kv-ack:{job.rid}")
 
     async def _await_ack(self, job: PrefillJob, out: RequestOutput) -> None:
-        """Wait (on the ack pool) for the receiver's checksum ack; then free the blocks and answer."""
+        """Wait for the transfer to start (a destination that comes after the prompt is done), then (on the ack
+        pool) for the receiver's checksum ack; then free the blocks and answer."""
+        try:   # an answer (abort, expiry) sets it too
+            await asyncio.wait_for(job.routed.wait(), max(0.0, job.deadline - time.monotonic()) + ROUTE_GRACE_S)
+        except asyncio.TimeoutError:
+            pass
         outgoing = job.outgoing or Outgoing(job.rid, job.dst, job.skip_blocks, 0, error="kv transfer never started")
         error, checksum = outgoing.error, 0
+        if outgoing.transfer is None and error is None:
+            error = "no kv destination in time"
         transfer = outgoing.transfer
         backend = transfer.backend if transfer is not None else "unknown"
         if transfer is not None:

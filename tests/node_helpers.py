@@ -12,7 +12,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from pdcluster.control.etcd_server import EtcdServer
-from pdcluster.control.protocol import Generate, Message, Prefill, Progress, Tokens
+from pdcluster.control.protocol import Generate, Message, Prefill, PrefillDestination, Progress, Tokens
 from pdcluster.control.records import NodeInfo
 from pdcluster.control.registration import Registration
 from pdcluster.control.sampling_params import SamplingParams
@@ -106,6 +106,14 @@ class FakePrefill:
         assert isinstance(msg, kind), f"expected {kind.__name__}, got {msg!r}"
         return identity, msg
 
+    async def recv_prompt(self) -> tuple[bytes, Prefill, PrefillDestination]:
+        """A decode node's prompt: its `Prefill` (no destination yet), then its `PrefillDestination`."""
+        identity, prefill = await self.recv(Prefill)
+        assert prefill.dst == {}, "the prompt goes before its blocks are reserved"
+        again, dst = await self.recv(PrefillDestination)
+        assert again == identity and dst.rid == prefill.rid and dst.dst["block_ids"]
+        return identity, prefill, dst
+
     async def close(self) -> None:
         await self.registration.deregister()
         self.server.close()
@@ -159,9 +167,9 @@ async def local_tokens(router: DealerClient, rid: str) -> list[int]:
 async def remote_prefill_sent(node, peer: FakePrefill, router: DealerClient, rid: str) -> bytes:
     """Send a request that names the fake prefill peer; return the zmq identity its Prefill came from."""
     generate(router, rid, PREFILL_PEER)
-    identity, prefill = await peer.recv(Prefill)
+    identity, prefill, _ = await peer.recv_prompt()
     assert prefill.rid == rid and prefill.decode_node == node.node_id
-    assert prefill.prompt_ids == PROMPT and prefill.dst["block_ids"]
+    assert prefill.prompt_ids == PROMPT
     return identity
 
 

@@ -320,7 +320,7 @@ async def test_a_decode_node_reports_progress_while_its_prefill_is_slow_and_the_
             try:
                 assert watcher.send(Generate(rid="w", prompt_ids=PROMPT, sampling=GREEDY, prefill_node=PREFILL_PEER,
                                              timeout_s=60, router="watcher"))
-                identity, _ = await peer.recv(Prefill)
+                identity, _, _ = await peer.recv_prompt()
                 assert (await recv(watcher, Progress)).states == ["queued"]   # on admission
                 states = [(await recv(watcher, Progress)).states for _ in range(3)]   # then while it waits
                 assert states[-1] == ["prefilling"] and all(s in (["queued"], ["prefilling"]) for s in states)
@@ -339,7 +339,7 @@ async def test_a_decode_node_reports_progress_while_its_prefill_is_slow_and_the_
             async with router_client(source, disagg_min_tokens=0) as client:
                 stream = client.stream(PROMPT, GREEDY, deadline=time.monotonic() + 60)
                 task = asyncio.create_task(collect(stream))
-                identity, prefill = await peer.recv(Prefill)
+                identity, prefill, _ = await peer.recv_prompt()
                 await asyncio.sleep(4 * STALL)   # the first token takes several stall timeouts
                 assert not task.done() and migrations(client) == 0
                 assert peer.server.send(identity, PrefillDone(rid=prefill.rid, error="too slow"))

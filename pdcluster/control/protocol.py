@@ -255,13 +255,15 @@ class PreCopied(Message):
 
 @dataclass
 class Prefill(Message):
-    """decode -> prefill: compute the prompt's KV and write it into the reserved destination."""
+    """decode -> prefill: compute the prompt's KV and write it into the reserved destination. `dst` empty: the
+    destination follows (`PrefillDestination`): the decode node sends the prompt before its engine has reserved
+    the blocks, so the prefill starts while they are reserved."""
 
     TYPE: ClassVar[str] = "prefill"
     rid: str
     prompt_ids: list[int]
     sampling: dict[str, Any]
-    dst: dict[str, Any]  # kv_transfer destination (address, block ids, token, timeout_s, layout)
+    dst: dict[str, Any]  # kv_transfer destination (address, block ids, token, timeout_s, layout); {}: to follow
     decode_node: str
     timeout_s: float  # seconds left when sent (<= 0: already late); the receiver counts on its monotonic clock
     # Leading prompt blocks the decode node already holds from its own prefix cache: not sent.
@@ -275,6 +277,20 @@ class Prefill(Message):
     def check(self) -> None:
         check_timeout("prefill", self.timeout_s)
         check_lora("prefill", self.lora_name, self.lora_path)
+
+
+@dataclass
+class PrefillDestination(Message):
+    """decode -> prefill: where the KV of prompt `rid` (sent in a `Prefill` with no `dst`) goes, once reserved."""
+
+    TYPE: ClassVar[str] = "prefill_destination"
+    rid: str
+    dst: dict[str, Any]  # as Prefill.dst
+    skip_blocks: int = 0  # as Prefill.skip_blocks
+
+    def check(self) -> None:
+        if self.skip_blocks < 0:
+            raise ProtocolError(f"prefill_destination.skip_blocks: must be >= 0, got {self.skip_blocks}")
 
 
 @dataclass
@@ -472,8 +488,8 @@ class Pong(Message):
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.TYPE: cls for cls in (Generate, Tokens, TokenBatch, Progress, Reject, Abort, Handback, MoveAway, PreCopy,
-                              PreCopied, Prefill, PrefillDone, FetchKV, KVFetched, LoraAdapter, LoraDone, Load, Ping,
-                              Pong)
+                              PreCopied, Prefill, PrefillDestination, PrefillDone, FetchKV, KVFetched, LoraAdapter,
+                              LoraDone, Load, Ping, Pong)
 }
 _TOKENS_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Tokens) if f.default is not dataclasses.MISSING}
 
