@@ -378,8 +378,8 @@ class DecodeNode(NodeService):
             return
         req.move(State.PREFILLING)
         req.timer = self.loop.call_later(self.prefill_timeout, self._prefill_timed_out, req)
-        log.info("request %s: KV destination sent to %s (%d blocks reserved, %d cached here)", rid, req.prefill_node,
-                 len(block_ids) - skip, skip, extra={"request_id": rid})
+        log.info("request %s: prefill sent to %s, then its KV destination (%d blocks reserved, %d cached here)", rid,
+                 req.prefill_node, len(block_ids) - skip, skip, extra={"request_id": rid})
 
     def _reserve_answered(self, req: DecodeRequest, fut: asyncio.Future) -> None:
         if fut.exception() is not None:
