@@ -285,7 +285,17 @@ async def test_a_pool_sliced_per_rank_starts_a_destination_that_came_mid_step_af
     that comes during the prompt's step starts at its end (every layer at once from every rank), not mid-step."""
     config = node_config("prefill", tiny_llama, etcd, cluster)
     config.tensor_parallel_size, config.kv_pool_per_rank = 2, True
+    engines = []
+    try:
+        await sliced_prefill_node_mid_step(etcd, cluster, tiny_llama, config, engines)
+    finally:   # a node process ends its ranks at exit; this test process must leave their group for the next tests
+        for engine in engines:
+            engine.shutdown()
+
+
+async def sliced_prefill_node_mid_step(etcd, cluster, tiny_llama, config, engines: list) -> None:
     async with prefill_setup(etcd, cluster, tiny_llama, config=config) as (node, decode):
+        engines.append(node.engine)
         pool = torch.zeros_like(node.engine.kv_pool.tensor)   # rank 0's slice: half the KV heads
         whole = pool.new_zeros(*pool.shape[:-2], 2 * pool.shape[-2], pool.shape[-1])
         rx = KVReceiver(whole, host="127.0.0.1")   # one pool holding every head: both ranks write into it
