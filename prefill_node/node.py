@@ -195,14 +195,7 @@ class PrefillNode(NodeService):
         """Connect to the destination's receiver, then hand it to the prompt's transfer: to the engine thread's
         `Outgoing` while the prompt is in the engine (`first_block` before `dst`: `dst` is what it looks at), or,
         done already, start the transfer from here."""
-        assert job.dst is not None
-        try:
-            await asyncio.wait_for(asyncio.shield(self._connect(job.dst)), self.kv_connect_timeout)
-        except Exception as exc:
-            detail = f"no connection within {self.kv_connect_timeout} s" if isinstance(
-                exc, asyncio.TimeoutError) else str(exc)
-            if not job.answered:
-                self._drop(job, f"kv destination {job.dst.address} unreachable: {detail}", "error")
+        if not await self._reached(job):
             return
         out = job.unrouted
         if job.answered or out is None:   # aborted or expired meanwhile, or still connecting (it routes itself)
@@ -251,14 +244,8 @@ class PrefillNode(NodeService):
             except Exception as exc:
                 self._answer(job, error=f"LoRA adapter {name!r}: {exc}")
                 return
-        if job.dst is not None:   # with the prompt: connect first (else _route does when it comes)
-            try:
-                await asyncio.wait_for(asyncio.shield(self._connect(job.dst)), self.kv_connect_timeout)
-            except Exception as exc:
-                detail = f"no connection within {self.kv_connect_timeout} s" if isinstance(
-                    exc, asyncio.TimeoutError) else str(exc)
-                self._answer(job, error=f"kv destination {job.dst.address} unreachable: {detail}")
-                return
+        if job.dst is not None and not await self._reached(job):   # with the prompt: connect first (else _route)
+            return
         if job.answered:   # aborted, or its deadline passed, meanwhile
             return
         job.move(JobState.QUEUED)
@@ -277,6 +264,20 @@ class PrefillNode(NodeService):
         except Exception as exc:
             self._held.pop(rid, None)
             self._answer(job, error=f"engine refused: {exc}")
+
+    async def _reached(self, job: PrefillJob) -> bool:
+        """Whether the connection to the job's KV receiver is open (opened now if need be); if not, the job is
+        answered with why."""
+        assert job.dst is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(self._connect(job.dst)), self.kv_connect_timeout)
+            return True
+        except Exception as exc:
+            detail = f"no connection within {self.kv_connect_timeout} s" if isinstance(
+                exc, asyncio.TimeoutError) else str(exc)
+            if not job.answered:
+                self._drop(job, f"kv destination {job.dst.address} unreachable: {detail}", "error")
+            return False
 
     def _connect(self, dst: Destination) -> asyncio.Future:
         """The connect to dst's receiver in flight (one per receiver; jobs to it share it), or a new one."""
