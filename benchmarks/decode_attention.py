@@ -8,15 +8,25 @@ reads layer 0 (cache-resident where the CPU's caches hold a layer), or with `--c
 time, as a decode step does.
 With `--kv-dtype int8` the same K/V is also quantized into an int8 pool (engine/kv_cache.py: int8 values and
 an fp16 scale per token and KV head) and both paths run over it too, in the same run.
+With `--baseline-rev REV` the kernel of that commit (its paged_decode.c and paged_simd.h, built with the same flags)
+runs on the same inputs too, alternating with this tree's kernel for `--rounds` rounds (each kernel's median per
+round; reported: the median over rounds [min-max] and the ratio baseline / this tree, per cache dtype).
 
     .venv/bin/python benchmarks/decode_attention.py [--dtype bf16] [--kv-dtype int8] [--batch 64] [--json]
+    .venv/bin/python benchmarks/decode_attention.py --dtype fp32 --heads 9 --kv-heads 3 --head-dim 64 \
+        --block-size 128 --batch 64 --min-len 2048 --max-len 2304 --layers 4 --cycle-layers --baseline-rev HEAD~1
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import itertools
 import json
+import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 
 import torch
@@ -57,6 +67,49 @@ def median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def baseline_library(rev: str, tmp: str) -> ctypes.CDLL:
+    """paged_decode.c of commit `rev` (and the header it includes), built as engine/attention/native.py builds."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
+                          cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
+    for name in ("paged_decode.c", "paged_simd.h"):
+        text = subprocess.run(["git", "show", f"{rev}:engine/attention/{name}"], capture_output=True, text=True,
+                              check=True, cwd=root).stdout
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+    out = os.path.join(tmp, "baseline.so")
+    subprocess.run([shutil.which("cc") or "gcc", *native.FLAGS, os.path.join(tmp, "paged_decode.c"), "-o", out, "-lm"],
+                   check=True, capture_output=True, timeout=120)
+    lib = ctypes.CDLL(out)
+    for symbol in native._SYMBOLS.values():
+        fn = getattr(lib, symbol, None)
+        if fn is not None:
+            fn.argtypes, fn.restype = native._ARGTYPES, ctypes.c_int
+    return lib
+
+
+def against_baseline(rev: str, dtype: torch.dtype, pools: dict, q, meta, layers, args) -> dict:
+    """Per cache dtype: this tree's kernel and `rev`'s, alternating round by round on the same calls."""
+    scale = args.head_dim ** -0.5
+    with tempfile.TemporaryDirectory(prefix="pdcluster-decode-baseline-") as tmp:
+        lib = baseline_library(rev, tmp)
+        result = {}
+        for cache_dtype, pool in pools.items():
+            kernels = {"now": native.decode_kernel(dtype, cache_dtype),
+                       "baseline": getattr(lib, native._SYMBOLS[(dtype, cache_dtype)])}
+            times: dict[str, list[float]] = {name: [] for name in kernels}
+            for r in range(args.rounds):
+                for name in (("now", "baseline") if r % 2 == 0 else ("baseline", "now")):
+                    times[name].append(median_s(lambda k=kernels[name]: native.paged_decode(
+                        k, q, *pool[next(layers)], meta.decode_block_tables, meta.decode_context_lens, scale),
+                        args.repeats))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            result[str(cache_dtype).removeprefix("torch.")] = {
+                **{f"{name}_ms": [round(med[name] * 1e3, 3), round(min(t) * 1e3, 3), round(max(t) * 1e3, 3)]
+                   for name, t in times.items()},
+                "baseline_over_now": round(med["baseline"] / med["now"], 3)}
+    return result
+
+
 def read_gbps() -> float:
     x = torch.ones(1 << 28)
     return x.numel() * 4 / median_s(x.sum, 5) / 1e9
@@ -79,6 +132,8 @@ def main() -> None:
                    help="each call reads the next layer, as a decode step does (with enough layers the K/V comes "
                         "from memory, not from the CPU's caches); default: every call reads layer 0")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--baseline-rev", help="also time this commit's kernel (git rev), alternating with this tree's")
+    p.add_argument("--rounds", type=int, default=4, help="alternating rounds of --baseline-rev")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
@@ -118,6 +173,10 @@ def main() -> None:
                     "native_ms_after": round(t_native_again * 1e3, 3),
                     "int8_vs_native": round(min(t_native, t_native_again) / t_native8, 2),
                     "int8_native_gbps": round(kv8_bytes / t_native8 / 1e9, 1)})
+    if args.baseline_rev:
+        pools = {dtype: pool, **({torch.int8: pool8} if args.kv_dtype == "int8" else {})}
+        out["baseline"] = {"rev": args.baseline_rev,
+                           **against_baseline(args.baseline_rev, dtype, pools, q, meta, layers, args)}
     if args.json:
         print(json.dumps(out))
         return
@@ -132,6 +191,14 @@ def main() -> None:
         print(f"  native paged kernel:   {out['int8_native_ms']:8.3f} ms  {out['int8_native_gbps']:5.1f} GB/s  "
               f"({out['int8_vs_native']}x the {args.dtype} kernel, best of its runs before and after: "
               f"{out['native_ms']} / {out['native_ms_after']} ms)")
+    if args.baseline_rev:
+        print(f"against {args.baseline_rev}'s kernel, {args.rounds} alternating rounds, ms per call median [min-max]:")
+        for cache, r in out["baseline"].items():
+            if cache == "rev":
+                continue
+            now, base = r["now_ms"], r["baseline_ms"]
+            print(f"  {cache} cache: this tree {now[0]} [{now[1]}-{now[2]}], {args.baseline_rev} {base[0]} "
+                  f"[{base[1]}-{base[2]}]: {r['baseline_over_now']}x")
 
 
 if __name__ == "__main__":

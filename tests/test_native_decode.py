@@ -20,10 +20,14 @@ CASES = [   # batch, hq, hkv, d, bs, max_len
     (1, 8, 2, 64, 7, 200),       # one row: KV heads split across threads; blocks not a multiple of the tile
     (5, 12, 1, 80, 32, 200),     # MQA, head size without a vector path (plain C)
     (4, 4, 4, 16, 1, 200),       # MHA, one-token blocks
-    # the AVX-512 path's softmax chunks (16 tiles) and register row groups (4 rows at 64, 2 at 128, 1 at 256):
+    # the vector paths' softmax chunks (16 tiles) and register row groups (AVX-512: 4 rows at 64, 2 at 128, 1 at
+    # 256; AVX2: 3 rows):
     (3, 24, 4, 64, 16, 700),     # 6 query rows a KV head (a group of 4, one of 2), three chunks
     (3, 8, 2, 128, 5, 400),      # 5-token tiles: a chunk is 80 tokens
     (2, 6, 2, 256, 16, 300),     # head size 256, one row at a time
+    # the AVX2 path's register groups (3 rows x 4 vectors): SmolLM2's heads, the CPU's 128-token blocks
+    (4, 9, 3, 64, 128, 700),
+    (2, 4, 4, 64, 16, 300),      # MHA in the vector path: one row where a register group holds 3
 ]
 
 

@@ -58,17 +58,14 @@ INLINE void store1(void *p, int64_t i, float x, int kind) {
 }
 
 
-#define CHUNK 16   /* tiles per softmax update in the AVX-512 path */
+#define CHUNK 16   /* tiles per softmax update in the vector paths */
 
 /* Per-item work buffer: for each query row, q * scale and acc [D], running max m and sum l, a chunk's scores and
  * rescaling factor (the plain C path uses one tile of them); the V scales of a chunk's int8 rows; one tile of
- * converted rows; on AVX2-only CPUs also a tile's K and V rows of every head as fp32 and their scales. */
+ * converted rows. */
 static size_t work_floats(int64_t heads, int64_t group, int64_t d) {
     int64_t rows = heads * group;
     size_t floats = (size_t)(rows * (2 * d + 3 + CHUNK * TILE) + CHUNK * TILE * rows + TILE * d);
-#if defined(PAGED_AVX2) && !defined(__AVX512F__)
-    floats += (size_t)(2 * TILE * heads * (d + 1));
-#endif
     return floats;
 }
 
@@ -318,21 +315,26 @@ INLINE void item_avx512(int kind, int ckind, const int NV, const void *q, void *
 #endif
 
 #if defined(PAGED_AVX2) && !defined(__AVX512F__)
-/* One sequence, KV heads [h0, h1), head size 8 * NV, on CPUs with AVX2 but not AVX-512. Per tile (up to 16 tokens
- * of one block): the K and V rows of its heads widened to fp32 once into the work buffer (an fp32 cache is read in
- * place); the scores 8 tokens at a time (a vector of products per token, summed across in one transposed
- * reduction); the tile's softmax update per query row; the weighted V rows into accumulators held in registers, 8
- * vectors at a time. */
+/* One sequence, KV heads [h0, h1), head size 8 * NV, on CPUs with AVX2 but not AVX-512: item_avx512's loop on 8
+ * lanes and 16 registers. The context goes by chunks of up to CHUNK tiles, each in three passes:
+ *   scores   per tile, KV head and query row, 8 tokens at a time: a vector of products per token in registers (the
+ *            query loaded once per vector), summed across in one transposed reduction; first the whole tile's K and
+ *            V rows are prefetched (into L1: read from memory with as many misses in flight as the core allows; the
+ *            AVX-512 path's one-tile-ahead prefetch into L2 measured no better here than none)
+ *   softmax  per query row over the chunk's scores at once
+ *   values   per KV head, 3 query rows x 4 vectors of accumulators in registers, each V vector loaded once for the
+ *            3 rows (12 accumulators, 3 weights and a V vector: the 16 registers). */
 INLINE void item_avx2(int kind, int ckind, const int NV, const void *q, void *out, const void *k_pool,
                       const void *v_pool, const int32_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1,
                       int64_t hkv, int64_t group, int64_t bs, int64_t block_stride, float scale, float *work) {
     const int64_t d = 8 * NV;
+    enum { RB = 3, VB = 4 };
     int64_t heads = h1 - h0, rows = heads * group, es = elem_size(kind), hs = head_stride(d, ckind);
     int64_t tok_stride = hkv * hs, ces = elem_size(ckind);
-    /* qf: the query rows x scale; acc; running max m and sum l; the tile's scores (then weights) [row][TILE] and
-     * rescaling factor per row; the tile's K and V rows as fp32 [t][head][d]; int8 rows' scales [head][TILE] */
-    float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *sc = l + rows, *corr = sc + rows * TILE;
-    float *kt = corr + rows, *vt = kt + TILE * heads * d, *ks = vt + TILE * heads * d, *vs = ks + TILE * heads;
+    /* qf: the query rows x scale; acc; running max m and sum l; the chunk's scores, then weights, [row][tile][16];
+     * the chunk's rescaling factor per row; int8 rows' V scales [tile][head][16] */
+    float *qf = work, *acc = qf + rows * d, *m = acc + rows * d, *l = m + rows, *sc = l + rows;
+    float *corr = sc + rows * CHUNK * TILE, *vsc = corr + rows;
     for (int64_t r = 0; r < rows; r++) {
         const char *qr = (const char *)q + (h0 * group + r) * d * es;
         for (int j = 0; j < NV; j++) {
@@ -343,56 +345,86 @@ INLINE void item_avx2(int kind, int ckind, const int NV, const void *q, void *ou
         l[r] = 0.0f;
     }
     const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    for (int64_t pos = first; pos < ctx;) {
-        const int64_t n = tile_len(pos, ctx, bs), base = tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs;
-        const char *kb = (const char *)k_pool + base * ces, *vb = (const char *)v_pool + base * ces;
-        const float *K = (const float *)kb, *V = (const float *)vb;   /* row (t, h) at t * ts + h * hstr */
-        int64_t ts = tok_stride, hstr = hs;
-        if (ckind != KIND_F32) {
-            for (int64_t t = 0; t < n; t++)
-                for (int64_t h = 0; h < heads; h++) {
-                    const char *kr = kb + (t * tok_stride + h * hs) * ces, *vr = vb + (t * tok_stride + h * hs) * ces;
-                    float *kd = kt + (t * heads + h) * d, *vd = vt + (t * heads + h) * d;
-                    for (int j = 0; j < NV; j++) {
-                        _mm256_storeu_ps(kd + 8 * j, load8(kr + 8 * j * ces, ckind));
-                        _mm256_storeu_ps(vd + 8 * j, load8(vr + 8 * j * ces, ckind));
-                    }
-                    if (ckind == KIND_I8) {
-                        ks[h * TILE + t] = row_scale(kr, d, ckind);
-                        vs[h * TILE + t] = row_scale(vr, d, ckind);
-                    }
-                }
-            K = kt, V = vt, ts = heads * d, hstr = d;
+    int64_t tn[CHUNK + 1], tb[CHUNK + 1];   /* tokens and element offset (head h0) of the chunk's tiles + the next */
+    int64_t pos = first;
+    tn[0] = tile_len(pos, ctx, bs), tb[0] = tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs;
+    while (pos < ctx) {
+        int nt = 0;
+        while (nt < CHUNK && pos < ctx) {   /* the chunk's tiles, and the first of the next chunk */
+            pos += tn[nt++];
+            tn[nt] = pos < ctx ? tile_len(pos, ctx, bs) : 0;
+            tb[nt] = tn[nt] ? tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs : 0;
         }
-        for (int64_t h = 0; h < heads; h++)   /* scores */
-            for (int64_t g = 0; g < group; g++) {
-                const float *qg = qf + (h * group + g) * d;
-                float *sr = sc + (h * group + g) * TILE;
-                for (int64_t t0 = 0; t0 < n; t0 += 8) {
-                    __m256 part[8];
-                    for (int tt = 0; tt < 8; tt++) {
-                        part[tt] = _mm256_setzero_ps();
-                        if (t0 + tt >= n) continue;
-                        const float *kr = K + (t0 + tt) * ts + h * hstr;
-                        for (int j = 0; j < NV; j++)
-                            part[tt] = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), _mm256_loadu_ps(kr + 8 * j), part[tt]);
-                    }
-                    __m256 s8 = sum8x8(part);
-                    if (ckind == KIND_I8) s8 = _mm256_mul_ps(s8, _mm256_loadu_ps(ks + h * TILE + t0));
-                    _mm256_storeu_ps(sr + t0, s8);
+        for (int i = 0; i < nt; i++) {   /* scores */
+            const int64_t n = tn[i];
+            for (int64_t t = 0; t < n; t++) {   /* the tile's K and V rows of every head: all their misses at once */
+                const int64_t row = (tb[i] + t * tok_stride) * ces;
+                for (int64_t b = 0; b < heads * hs * ces; b += 64) {
+                    _mm_prefetch((const char *)k_pool + row + b, _MM_HINT_T0);
+                    _mm_prefetch((const char *)v_pool + row + b, _MM_HINT_T0);
                 }
             }
-        for (int64_t r = 0; r < rows; r++) {   /* softmax */
-            float *sr = sc + r * TILE, mx = m[r];
-            for (int64_t t = 0; t < n; t++) mx = sr[t] > mx ? sr[t] : mx;
-            __m256 sum = _mm256_setzero_ps(), mv = _mm256_set1_ps(mx);
-            for (int64_t t0 = 0; t0 < n; t0 += 8) {
-                __m256 live = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)t0)), _mm256_set1_ps((float)n), _CMP_LT_OQ);
-                __m256 p = _mm256_and_ps(live, exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sr + t0), mv)));
-                sum = _mm256_add_ps(sum, p);
-                if (ckind == KIND_I8) p = _mm256_mul_ps(p, _mm256_loadu_ps(vs + (r / group) * TILE + t0));
-                _mm256_storeu_ps(sr + t0, p);
+            for (int64_t h = 0; h < heads; h++) {
+                const char *kh = (const char *)k_pool + (tb[i] + h * hs) * ces;
+                const char *vh = (const char *)v_pool + (tb[i] + h * hs) * ces;
+                float ks[TILE] = {0};
+                if (ckind == KIND_I8) {   /* the rows' scales */
+                    float *vs = vsc + (i * heads + h) * TILE;
+                    for (int64_t t = 0; t < TILE; t++) {
+                        ks[t] = t < n ? row_scale(kh + t * tok_stride * ces, d, ckind) : 0.0f;
+                        vs[t] = t < n ? row_scale(vh + t * tok_stride * ces, d, ckind) : 0.0f;
+                    }
+                }
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qg = qf + (h * group + g) * d;
+                    float *sr = sc + ((h * group + g) * CHUNK + i) * TILE;
+                    for (int64_t t0 = 0; t0 < TILE; t0 += 8) {
+                        if (t0 >= n) {
+                            _mm256_storeu_ps(sr + t0, _mm256_set1_ps(-INFINITY));
+                            continue;
+                        }
+                        /* tokens past the tile's end score its last row again, then are masked: no branch inside */
+                        const char *kr[8];
+                        __m256 part[8];
+#pragma GCC unroll 8
+                        for (int tt = 0; tt < 8; tt++) {
+                            kr[tt] = kh + (t0 + tt < n ? t0 + tt : n - 1) * tok_stride * ces;
+                            part[tt] = _mm256_setzero_ps();
+                        }
+                        for (int j = 0; j < NV; j++) {
+                            const __m256 qv = _mm256_loadu_ps(qg + 8 * j);
+#pragma GCC unroll 8
+                            for (int tt = 0; tt < 8; tt++)
+                                part[tt] = _mm256_fmadd_ps(qv, load8(kr[tt] + 8 * j * ces, ckind), part[tt]);
+                        }
+                        __m256 s8 = sum8x8(part);
+                        if (ckind == KIND_I8) s8 = _mm256_mul_ps(s8, _mm256_loadu_ps(ks + t0));
+                        const __m256 live = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)t0)),
+                                                          _mm256_set1_ps((float)n), _CMP_LT_OQ);
+                        _mm256_storeu_ps(sr + t0, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s8, live));
+                    }
+                }
             }
+        }
+        for (int64_t r = 0; r < rows; r++) {   /* softmax */
+            float *sr = sc + r * CHUNK * TILE;
+            __m256 vm = _mm256_set1_ps(m[r]);
+            for (int i = 0; i < nt; i++)
+                vm = _mm256_max_ps(vm, _mm256_max_ps(_mm256_loadu_ps(sr + i * TILE), _mm256_loadu_ps(sr + i * TILE + 8)));
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            const float mx = _mm_cvtss_f32(m4);
+            __m256 sum = _mm256_setzero_ps(), mv = _mm256_set1_ps(mx);
+            for (int i = 0; i < nt; i++)
+                for (int64_t t0 = 0; t0 < TILE; t0 += 8) {
+                    const __m256 live = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps((float)t0)),
+                                                      _mm256_set1_ps((float)tn[i]), _CMP_LT_OQ);
+                    __m256 p = _mm256_and_ps(live, exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(sr + i * TILE + t0), mv)));
+                    sum = _mm256_add_ps(sum, p);
+                    if (ckind == KIND_I8) p = _mm256_mul_ps(p, _mm256_loadu_ps(vsc + (i * heads + r / group) * TILE + t0));
+                    _mm256_storeu_ps(sr + i * TILE + t0, p);
+                }
             __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
             s4 = _mm_hadd_ps(s4, s4);
             s4 = _mm_hadd_ps(s4, s4);
@@ -400,22 +432,43 @@ INLINE void item_avx2(int kind, int ckind, const int NV, const void *q, void *ou
             l[r] = l[r] * corr[r] + _mm_cvtss_f32(s4);
             m[r] = mx;
         }
-        for (int64_t r = 0; r < rows; r++) {   /* weighted V, 8 accumulators at a time in registers */
-            const int64_t h = r / group;
-            float *ar = acc + r * d;
-            const __m256 c = _mm256_set1_ps(corr[r]);
-            for (int jb = 0; jb < NV; jb += 8) {
-                __m256 a[8];
-                for (int jj = 0; jj < 8; jj++) a[jj] = _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * (jb + jj)), c);
-                for (int64_t t = 0; t < n; t++) {
-                    const __m256 pb = _mm256_set1_ps(sc[r * TILE + t]);
-                    const float *vr = V + t * ts + h * hstr + 8 * jb;
-                    for (int jj = 0; jj < 8; jj++) a[jj] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(vr + 8 * jj), a[jj]);
+        for (int64_t h = 0; h < heads; h++)   /* weighted V */
+            for (int64_t g0 = 0; g0 < group; g0 += RB) {
+                const int64_t r0 = h * group + g0, nr = group - g0 < RB ? group - g0 : RB;
+                for (int jb = 0; jb < NV; jb += VB) {
+                    __m256 a[RB][VB];
+#pragma GCC unroll 3
+                    for (int gg = 0; gg < RB; gg++) {
+                        const __m256 c = _mm256_set1_ps(corr[r0 + (gg < nr ? gg : 0)]);
+#pragma GCC unroll 4
+                        for (int j = 0; j < VB; j++)
+                            a[gg][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + (r0 + (gg < nr ? gg : 0)) * d + 8 * (jb + j)), c);
+                    }
+                    for (int i = 0; i < nt; i++) {
+                        const char *vh = (const char *)v_pool + (tb[i] + h * hs) * ces;
+                        const float *w = sc + (r0 * CHUNK + i) * TILE;
+                        for (int64_t t = 0; t < tn[i]; t++) {
+                            const char *vr = vh + (t * tok_stride + 8 * jb) * ces;
+                            __m256 pb[RB];
+#pragma GCC unroll 3
+                            for (int gg = 0; gg < RB; gg++) pb[gg] = _mm256_set1_ps(w[(gg < nr ? gg : 0) * CHUNK * TILE + t]);
+#pragma GCC unroll 4
+                            for (int j = 0; j < VB; j++) {
+                                const __m256 v = load8(vr + 8 * j * ces, ckind);
+#pragma GCC unroll 3
+                                for (int gg = 0; gg < RB; gg++) a[gg][j] = _mm256_fmadd_ps(pb[gg], v, a[gg][j]);
+                            }
+                        }
+                    }
+#pragma GCC unroll 3
+                    for (int gg = 0; gg < RB; gg++) {
+                        if (gg >= nr) break;
+#pragma GCC unroll 4
+                        for (int j = 0; j < VB; j++) _mm256_storeu_ps(acc + (r0 + gg) * d + 8 * (jb + j), a[gg][j]);
+                    }
                 }
-                for (int jj = 0; jj < 8; jj++) _mm256_storeu_ps(ar + 8 * (jb + jj), a[jj]);
             }
-        }
-        pos += n;
+        tn[0] = tn[nt], tb[0] = tb[nt];
     }
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < d; i++) store1(out, (h0 * group + r) * d + i, acc[r * d + i] / l[r], kind);
