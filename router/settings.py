@@ -49,7 +49,8 @@ class RouterSettings:
                                          "first, its whole KV copied in the pause)")
     prefix_fetch: bool = knob(True, "prefix_aware: a decode node fetches a prompt's prefix from the node whose pool "
                                     "holds more of it (FetchKV) instead of computing it")
-    request_timeout: float = knob(600.0, "seconds from arrival to the last token")
+    request_timeout: float = knob(3600.0, "seconds from arrival to the last token: a last-resort bound (a node that "
+                                           "stops answering is found by stall_timeout)")
     queue_timeout: float = knob(5.0, "seconds a request waits for a decode node of its model to appear (a router "
                                      "started before its nodes) before it gets 503; 0 = at once")
     stall_timeout: float = knob(20.0, "seconds without a message from the decode node before migrating")
