@@ -220,7 +220,7 @@ def report(servers: list[Server], pts: list[tuple[str, float]], clients: list[st
             key = f"{client}:{point_name(w, r)}"
             inp, outp = WORKLOADS[w][:2]
             print(f"\n{point_name(w, r)} ({inp} in / {outp} out)")
-            print(f"  {'server':10s}" + "".join(f"{label:>24s}" for label in LABELS) + "  failed")
+            print(f"  {'server':14s}" + "".join(f" {label:>30s}" for label in LABELS) + "  failed")
             for s in servers:
                 runs = s.results.get(key, [])
                 if not runs:
@@ -238,7 +238,7 @@ def report(servers: list[Server], pts: list[tuple[str, float]], clients: list[st
                         row[m]["ratio"] = med / ref if ref else None
                         cell += f" {med / ref:.2f}x" if ref else ""
                     cells.append(cell)
-                print(f"  {s.name:10s}" + "".join(f"{c:>24s}" for c in cells) + f"  {row['failed']}")
+                print(f"  {s.name:14s}" + "".join(f" {c:>30s}" for c in cells) + f"  {row['failed']}")
                 rows.append(row)
     return rows
 
