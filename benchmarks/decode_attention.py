@@ -99,7 +99,7 @@ def against_baseline(rev: str, dtype: torch.dtype, pools: dict, q, meta, layers,
             times: dict[str, list[float]] = {name: [] for name in kernels}
             for r in range(args.rounds):
                 for name in (("now", "baseline") if r % 2 == 0 else ("baseline", "now")):
-                    times[name].append(median_s(lambda k=kernels[name]: native.paged_decode(
+                    times[name].append(median_s(lambda k=kernels[name], pool=pool: native.paged_decode(
                         k, q, *pool[next(layers)], meta.decode_block_tables, meta.decode_context_lens, scale),
                         args.repeats))
             med = {name: statistics.median(t) for name, t in times.items()}
