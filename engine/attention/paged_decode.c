@@ -97,6 +97,20 @@ INLINE int64_t tile_base(const int32_t *table, int64_t pos, int64_t bs, int64_t 
     return table[pos / bs] * block_stride + (pos % bs) * tok_stride;
 }
 
+/* The tiles of the chunk that starts at *pos (tn[0], tb[0] already set: tokens and element offset of head h0, at
+ * `head_offset`), up to CHUNK of them, and the first tile of the chunk after in tn[nt], tb[nt] (0 tokens past the
+ * context); moves *pos past the chunk and returns its tile count nt. */
+INLINE int next_chunk(int64_t *tn, int64_t *tb, int64_t *pos, int64_t ctx, int64_t bs, const int32_t *table,
+                      int64_t block_stride, int64_t tok_stride, int64_t head_offset) {
+    int nt = 0;
+    while (nt < CHUNK && *pos < ctx) {
+        *pos += tn[nt++];
+        tn[nt] = *pos < ctx ? tile_len(*pos, ctx, bs) : 0;
+        tb[nt] = tn[nt] ? tile_base(table, *pos, bs, block_stride, tok_stride) + head_offset : 0;
+    }
+    return nt;
+}
+
 /* One sequence, KV heads [h0, h1), any head size: plain C. `kind`: q/out dtype, `ckind`: the cache's. */
 INLINE void item_generic(int kind, int ckind, const void *q, void *out, const void *k_pool, const void *v_pool,
                          const int32_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1, int64_t hkv, int64_t group,
@@ -213,12 +227,7 @@ INLINE void item_avx512(int kind, int ckind, const int NV, const void *q, void *
     int64_t pos = first;
     tn[0] = tile_len(pos, ctx, bs), tb[0] = tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs;
     while (pos < ctx) {
-        int nt = 0;
-        while (nt < CHUNK && pos < ctx) {   /* the chunk's tiles, and the first of the next chunk */
-            pos += tn[nt++];
-            tn[nt] = pos < ctx ? tile_len(pos, ctx, bs) : 0;
-            tb[nt] = tn[nt] ? tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs : 0;
-        }
+        const int nt = next_chunk(tn, tb, &pos, ctx, bs, table, block_stride, tok_stride, h0 * hs);
         for (int i = 0; i < nt; i++) {   /* scores */
             const int64_t n = tn[i], next_n = tn[i + 1];
             const __mmask16 live = (__mmask16)((1u << n) - 1u);
@@ -349,12 +358,7 @@ INLINE void item_avx2(int kind, int ckind, const int NV, const void *q, void *ou
     int64_t pos = first;
     tn[0] = tile_len(pos, ctx, bs), tb[0] = tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs;
     while (pos < ctx) {
-        int nt = 0;
-        while (nt < CHUNK && pos < ctx) {   /* the chunk's tiles, and the first of the next chunk */
-            pos += tn[nt++];
-            tn[nt] = pos < ctx ? tile_len(pos, ctx, bs) : 0;
-            tb[nt] = tn[nt] ? tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs : 0;
-        }
+        const int nt = next_chunk(tn, tb, &pos, ctx, bs, table, block_stride, tok_stride, h0 * hs);
         for (int i = 0; i < nt; i++) {   /* scores */
             const int64_t n = tn[i];
             for (int64_t t = 0; t < n; t++) {   /* the tile's K and V rows of every head: all their misses at once */
