@@ -341,6 +341,7 @@ class RequestStream:
         self._kv_holder: str | None = None   # the last of them: the next attempt fetches the KV from it
         self.handed_back = False   # a move to another node was started (rebalancing picks a stream once)
         self._move: Move | None = None   # a live migration under way
+        self._checked_at = 0.0           # when _wait last checked the deadline and the move
         self._retries = 0
         self._migrations = 0
         self._retry_after = 0.0
@@ -506,22 +507,31 @@ class RequestStream:
             try:
                 msg = await queue.get()
                 if not isinstance(msg, Progress):
+                    # a node whose messages never let the mailbox run dry must not keep its stream from the checks
+                    if time.monotonic() - self._checked_at >= POLL_INTERVAL:
+                        self._check_deadline_and_move()
                     return msg
                 self._last_message = time.monotonic()
             except asyncio.TimeoutError:
                 pass
-            if time.monotonic() > self.deadline:
-                self.abort("deadline")
-                raise StreamFailed("request deadline exceeded")
+            self._check_deadline_and_move()
             if self._queue is not queue:
                 raise StreamFailed("stream aborted")
             if not self.client.cluster.is_alive(self._node_id):
                 return None
-            move = self._move
-            if move is not None and not move.ready and not self.client.cluster.is_alive(move.target):
-                self.precopied(PreCopied(rid=move.rid, error=f"{move.target} left the cluster"))
             if time.monotonic() - self._last_message > stall:
                 return None
+
+    def _check_deadline_and_move(self) -> None:
+        """Each POLL_INTERVAL, whether or not the node's messages keep coming: the deadline, and whether the target
+        of a pre-copy under way left the cluster (which gives the pre-copy up at once)."""
+        self._checked_at = now = time.monotonic()
+        if now > self.deadline:
+            self.abort("deadline")
+            raise StreamFailed("request deadline exceeded")
+        move = self._move
+        if move is not None and not move.ready and not self.client.cluster.is_alive(move.target):
+            self.precopied(PreCopied(rid=move.rid, error=f"{move.target} left the cluster"))
 
     @property
     def tokens_left(self) -> int:

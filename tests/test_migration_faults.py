@@ -41,8 +41,8 @@ def model(tmp_path_factory):
     from pdcluster.engine.testing import make_tiny_model
 
     # wider than the default tiny model: a stream of OUTPUT tokens lasts several seconds, through the faults
-    return make_tiny_model(str(tmp_path_factory.mktemp("migrate-faults") / MODEL_NAME), "llama", hidden_size=256,
-                           intermediate_size=512, num_hidden_layers=4, max_position_embeddings=2048)
+    return make_tiny_model(str(tmp_path_factory.mktemp("migrate-faults") / MODEL_NAME), "llama", hidden_size=512,
+                           intermediate_size=1024, num_hidden_layers=4, max_position_embeddings=2048)
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +81,15 @@ async def test_target_dies_during_the_pre_copy(model, job, tmp_path):
         target.kill()
         target.wait(10)
         await set_admin_state(cluster, "decode-2", "active")
+        # the router gives the pre-copy up when decode-1's lease ends (its stream's tokens never stop meanwhile)
+        deadline = time.monotonic() + 20
+        while not router_metric(cluster, 'pdcluster_router_pre_copies_total{outcome="failed"}'):
+            assert not stream.done(), "the stream ended before the pre-copy was given up: make OUTPUT longer"
+            assert time.monotonic() < deadline, "the router never gave the pre-copy up"
+            await asyncio.sleep(0.05)
         out = await asyncio.wait_for(stream, 120)
         assert out.text == want and out.usage == OUTPUT and out.finish == "length"
         await asyncio.wait_for(drain, 90)
-        assert router_metric(cluster, 'pdcluster_router_pre_copies_total{outcome="failed"}') >= 1
         assert metric(cluster, "decode-2", "pdcluster_node_kv_fetched_blocks_total") > 0
         assert cluster.service("decode-0").proc.wait(20) == 0
         wait_idle(cluster)

@@ -520,3 +520,44 @@ async def test_a_pre_copy_is_given_up_when_its_target_leaves_or_it_times_out(mon
     await asyncio.sleep(0.1)
     assert s._move is None and not client.precopies and client.sent[-1][0] == "d1"   # handed back without one
     assert client.metrics.pre_copies.labels("failed")._value.get() == 1
+
+
+async def test_a_stream_whose_tokens_never_stop_still_sees_its_pre_copy_target_leave() -> None:
+    """The node's tokens keep the mailbox full (the reader never waits, so the ticker never wakes it empty): the
+    stream still checks its pre-copy's target each POLL_INTERVAL and gives the pre-copy up when it leaves."""
+    from pdcluster.control.protocol import Handback, PreCopy, Tokens
+    from pdcluster.router.decode_client import POLL_INTERVAL, Mailbox, RequestStream
+
+    client = MoveClient([node("d1", running=4, free_blocks=100), node("d2", free_blocks=100)])
+    s = RequestStream(client, list(range(40)), {"max_tokens": 100}, deadline=1e18)  # type: ignore[arg-type]
+    s._node_id, s._rid, s._attempt = "d1", f"{s.request_id}.1", 1
+    s._queue = mailbox = Mailbox()
+    s.move("drain", fallback=True)
+    assert isinstance(client.sent[0][1], PreCopy)
+    client.cluster.source.remove("d2")
+    client.cluster.sync()
+    start = time.monotonic()
+    while s._move is not None:
+        assert time.monotonic() - start < 20 * POLL_INTERVAL, "the pre-copy's target left unnoticed"
+        mailbox.put_nowait(Tokens(rid=s._rid, ids=[7]))
+        assert isinstance(await s._wait(), Tokens)
+        await asyncio.sleep(POLL_INTERVAL / 10)   # the next token is already there when the reader comes back
+    assert client.metrics.pre_copies.labels("failed")._value.get() == 1
+    assert client.sent[-1] == ("d1", Handback(rid=s._rid))   # a draining node's stream is handed back all the same
+
+
+async def test_a_stream_whose_tokens_never_stop_still_ends_at_its_deadline() -> None:
+    from pdcluster.control.protocol import Tokens
+    from pdcluster.router.decode_client import POLL_INTERVAL, Mailbox, RequestStream, StreamFailed
+
+    client = MoveClient([node("d1", running=1, free_blocks=100)])
+    s = RequestStream(client, list(range(40)), {"max_tokens": 100},  # type: ignore[arg-type]
+                      deadline=time.monotonic() + POLL_INTERVAL)
+    s._node_id, s._rid, s._attempt = "d1", f"{s.request_id}.1", 1
+    s._queue = mailbox = Mailbox()
+    with pytest.raises(StreamFailed, match="deadline"):
+        for _ in range(200):
+            mailbox.put_nowait(Tokens(rid=s._rid, ids=[7]))
+            await s._wait()
+            await asyncio.sleep(POLL_INTERVAL / 10)
+    assert s.finished and client.metrics.aborts.labels("deadline")._value.get() == 1
