@@ -1,6 +1,7 @@
 """A/B of one engine under two environments: the engine's switches that are read at process start (e.g.
 PDCLUSTER_FUSED_OPS=0: torch's elementwise ops instead of engine/layers/fused_ops.c; PDCLUSTER_MALLOC_TUNING=0:
-glibc's own malloc thresholds, engine/malloc.py; PDCLUSTER_NATIVE_MATMUL=0) compared in fresh processes, A and B
+glibc's own malloc thresholds, engine/malloc.py; PDCLUSTER_NATIVE_MATMUL=0; PDCLUSTER_NATIVE_PREFILL=0: torch's SDPA
+instead of engine/attention/paged_prefill.c) compared in fresh processes, A and B
 alternated round by round (ABBA), so drift of the machine hits both alike.
 
 Each process builds the engine on the model (default: SmolLM2-135M-Instruct, converted once), then times

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 CASES = [
     ("smollm2 2k prompt", 0, 2048, 9, 3, 64),
     ("smollm2 512 prompt", 0, 512, 9, 3, 64),
+    ("smollm2 128 prompt", 0, 128, 9, 3, 64),
     ("smollm2 chunk 2k after 6k", 6144, 2048, 9, 3, 64),
     ("llama-8b heads, 2k prompt", 0, 2048, 32, 8, 128),
 ]

@@ -3,8 +3,11 @@ CPU backend's prefill against the torch backend's."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
+from avx2_build import build_avx2, cpu_flags, needs_avx2_cpu
 from paged_decode_cases import dense_causal, needs_compiler, prefill_case
 
 from pdcluster.engine.attention import native
@@ -12,16 +15,8 @@ from pdcluster.engine.attention.cpu_backend import CpuAttentionBackend
 from pdcluster.engine.attention.metadata import PrefillChunk
 from pdcluster.engine.attention.torch_backend import TorchAttentionBackend
 
-
-def _has_avx512() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512f " in f.read()
-    except OSError:
-        return False
-
-
-needs_kernel = pytest.mark.skipif(not _has_avx512(), reason="the prefill kernel has an AVX-512 path only")
+needs_kernel = pytest.mark.skipif(not ({"avx512f"} <= cpu_flags() or {"avx2", "fma", "f16c"} <= cpu_flags()),
+                                  reason="the prefill kernel has AVX-512 and AVX2 paths only")
 
 
 def _tolerance(dtype, ref):
@@ -35,21 +30,51 @@ def _tolerance(dtype, ref):
 @needs_compiler
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("cached,n,hq,hkv,d,bs", [
+@pytest.mark.parametrize("cached,n,hq,hkv,d,bs", CASES := [
     (0, 100, 9, 3, 64, 16),     # SmolLM2's heads: GQA 3, rows not a multiple of the 16-row item
     (37, 70, 8, 2, 128, 7),     # a chunk after cached context; blocks not a multiple of anything
     (0, 300, 4, 4, 256, 16),    # MHA, the widest head
     (130, 1, 4, 1, 64, 1),      # one row (a one-token chunk), one-token blocks, MQA
     (64, 64, 2, 1, 64, 64),     # tile-aligned everything
+    (200, 40, 6, 2, 128, 16),   # items of 16, 16 and 8 rows (AVX2: every row group of its two passes) over 4 tiles
 ])
 def test_kernel_matches_dense_attention(dtype, cached, n, hq, hkv, d, bs):
-    kernel = native.prefill_kernel(dtype)
+    assert_matches_dense(native.prefill_kernel(dtype), dtype, cached, n, hq, hkv, d, bs)
+
+
+def assert_matches_dense(kernel, dtype, cached, n, hq, hkv, d, bs, window=0, int8=False, q_scale=1.0):
+    """q_scale: sharper softmaxes (scores far below a row's maximum underflow to 0; both sides' rounding errors grow
+    with the scores)."""
     assert kernel is not None
-    q, k, v, k_cache, v_cache, table = prefill_case(dtype, cached, n, hq, hkv, d, bs)
-    out = native.paged_prefill(kernel, q, k_cache, v_cache, table, cached, d ** -0.5)
+    q, k, v, k_cache, v_cache, table = prefill_case(dtype, cached, n, hq, hkv, d, bs, seed=n + window, int8=int8)
+    q = q * q_scale if q_scale != 1.0 else q
+    first = max(0, cached - window + 1) if window else 0
+    for b in range(first // bs):   # a released block may hold anything: the window must keep the kernel out
+        k_cache[table[b]] = float("nan")
+        v_cache[table[b]] = float("nan")
+    out = native.paged_prefill(kernel, q, k_cache, v_cache, table, cached, d ** -0.5, window)
     assert out is not None and out.shape == (n, hq, d) and out.dtype == dtype
-    ref = dense_causal(q, k, v, cached)
-    assert (out.float() - ref).abs().max().item() <= _tolerance(dtype, ref)
+    ref = dense_causal(q, k, v, cached, window)
+    assert (out.float() - ref).abs().max().item() <= _tolerance(dtype, ref) * q_scale
+
+
+@needs_avx2_cpu
+def test_the_avx2_build_matches_dense_attention(tmp_path):
+    """CPUs with AVX2 but not AVX-512 (AMD Zen 2/3, Intel before Skylake-SP) take an 8-lane path: built here for
+    such a CPU (-march=x86-64-v3) whatever this one has, over every case above for each query dtype, an int8 pool,
+    and sliding windows."""
+    lib = build_avx2(native.SOURCES[1], tmp_path / "paged_prefill_avx2.so")
+    for fn in (getattr(lib, symbol) for symbol in native._PREFILL_SYMBOLS.values()):
+        fn.argtypes, fn.restype = native._PREFILL_ARGTYPES, ctypes.c_int
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        kernel = getattr(lib, native._PREFILL_SYMBOLS[(dtype, dtype)])
+        for case in CASES:
+            assert_matches_dense(kernel, dtype, *case)
+        for window in (1, 40, 500):
+            assert_matches_dense(kernel, dtype, 90, 80, 6, 2, 64, 16, window=window)
+        assert_matches_dense(kernel, dtype, 100, 30, 4, 2, 64, 16, q_scale=40.0)
+        assert_matches_dense(getattr(lib, native._PREFILL_SYMBOLS[(dtype, torch.int8)]), dtype, 20, 50, 8, 2, 64, 16,
+                             int8=True)
 
 
 @needs_compiler
@@ -60,16 +85,7 @@ def test_kernel_sliding_window(window, dtype):
     """Rows see their last `window` positions; the cache before the window's first position is never read
     (its blocks are poisoned with NaN here, as a released block may hold anything). bf16: the AMX path where the
     CPU has it."""
-    cached, n, bs = 90, 80, 16
-    q, k, v, k_cache, v_cache, table = prefill_case(dtype, cached, n, 6, 2, 64, bs, seed=window)
-    first = max(0, cached - window + 1)
-    for b in range(first // bs):
-        k_cache[table[b]] = float("nan")
-        v_cache[table[b]] = float("nan")
-    out = native.paged_prefill(native.prefill_kernel(dtype), q, k_cache, v_cache, table, cached, 64 ** -0.5, window)
-    assert out is not None
-    ref = dense_causal(q, k, v, cached, window)
-    assert (out.float() - ref).abs().max().item() <= _tolerance(dtype, ref)
+    assert_matches_dense(native.prefill_kernel(dtype), dtype, 90, 80, 6, 2, 64, 16, window=window)
 
 
 @needs_compiler
@@ -138,3 +154,11 @@ def test_cpu_backend_prefill_takes_torch_flash_where_the_cpu_has_amx(monkeypatch
     native_bf16 = not amx or amx_kernel
     assert calls == ([torch.float32, torch.bfloat16] if native_bf16 else [torch.float32])
     assert CpuAttentionBackend._native_prefill(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.int8))
+
+
+def test_the_environment_switch_sends_every_prefill_to_the_torch_path(monkeypatch):
+    """PDCLUSTER_NATIVE_PREFILL=0 at import (native.NATIVE_PREFILL): for A/B runs (benchmarks/env_ab.py)."""
+    q, k = torch.zeros(1), torch.zeros(1, dtype=torch.int8)
+    assert CpuAttentionBackend._native_prefill(q, q) and CpuAttentionBackend._native_prefill(q, k)   # fp32: no AMX
+    monkeypatch.setattr(native, "NATIVE_PREFILL", False)
+    assert not CpuAttentionBackend._native_prefill(q, q) and not CpuAttentionBackend._native_prefill(q, k)

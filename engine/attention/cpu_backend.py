@@ -3,13 +3,13 @@ rest as the torch path (whose per-step metadata it reuses for those fallbacks).
 
 The decode kernel reads each sequence's K/V straight from the pool blocks, once; the torch path gathers them
 into a buffer and reads them again in SDPA (slower: measured in docs/benchmarks.md). The prefill kernel packs a
-chunk's keys once per KV head and runs a register-tiled flash loop, about twice torch's CPU flash SDPA
-(docs/benchmarks.md "Prefill attention") on CPUs without AMX. With AMX-BF16 (Sapphire Rapids and later) the
+chunk's keys once per KV head and runs a register-tiled flash loop (AVX-512 or AVX2), 1.2-2.2x torch's CPU flash
+SDPA (docs/benchmarks.md "Prefill attention") on CPUs without AMX. With AMX-BF16 (Sapphire Rapids and later) the
 kernel's bf16 path runs its two products on the tiles (`native.prefill_amx`), 1.2-1.7x torch's flash SDPA, which
 also runs on the tiles and is 3-4x the kernel's AVX512-BF16 path; where the library has no AMX path but the CPU has
 AMX for the query dtype (fp16 with AMX-FP16, or a build without it) prefill takes the torch path (int8 pools keep the
-kernel, which reads them without a dequantized copy). Without a C compiler (or, for prefill, without AVX-512 or with
-a head size other than 64/128/256) this backend behaves exactly as the torch one.
+kernel, which reads them without a dequantized copy). Without a C compiler (or, for prefill, without AVX-512 or AVX2,
+or with a head size other than 64/128/256) this backend behaves exactly as the torch one.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def _native_prefill(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        if q.device.type != "cpu":
+        if q.device.type != "cpu" or not native.NATIVE_PREFILL:
             return False
         return k_cache.dtype == torch.int8 or not cpu_has_amx(q.dtype) or (
             q.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16 and native.prefill_amx())

@@ -61,6 +61,8 @@ _ROTARY_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _i64, ctypes
 _FLOAT_KINDS = {torch.float32: 0, torch.bfloat16: 1}   # KIND_F32, KIND_BF16 (paged_simd.h)
 # PDCLUSTER_FUSED_OPS=0 in the environment at import: the layers keep torch's elementwise ops (for A/B runs)
 FUSED_OPS = os.environ.get("PDCLUSTER_FUSED_OPS", "1") != "0"
+# PDCLUSTER_NATIVE_PREFILL=0 likewise: prefill chunks take the torch path (SDPA) instead of paged_prefill.c
+NATIVE_PREFILL = os.environ.get("PDCLUSTER_NATIVE_PREFILL", "1") != "0"
 _PREFILL_ARGTYPES = [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64,
                      ctypes.c_int]
 
@@ -378,7 +380,8 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 
 def prefill_kernel(dtype: torch.dtype, cache_dtype: torch.dtype | None = None):
     """The compiled prefill function for queries of `dtype` over a cache of `cache_dtype`, or None. It may still
-    decline a call (returns -2: no AVX-512, or a head size other than 64/128/256): `paged_prefill` then says so."""
+    decline a call (returns -2: neither AVX-512 nor AVX2, or a head size other than 64/128/256): `paged_prefill`
+    then says so."""
     lib = load()
     symbol = _PREFILL_SYMBOLS.get((dtype, cache_dtype or dtype))
     return None if lib is None or symbol is None else getattr(lib, symbol, None)
@@ -399,7 +402,7 @@ def paged_prefill(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_cached + n - 1, whose K/V (and the context's) are already in the caches (a layer's [num_blocks,
     block_size, Hkv, row] views) through `block_table` (int32 block ids of the sequence); window > 0: each row
     attends to its last `window` positions. Returns [n, Hq, D], or None where the kernel has no path for this
-    shape (no AVX-512, head size not 64/128/256): the caller falls back to the torch path."""
+    shape (neither AVX-512 nor AVX2, head size not 64/128/256): the caller falls back to the torch path."""
     n, hq, d = q.shape
     _, bs, hkv, row = k_cache.shape
     if q.stride()[1:] != (d, 1) or k_cache.stride()[1:] != (hkv * row, row, 1) or v_cache.stride() != k_cache.stride():

@@ -1,4 +1,4 @@
-/* Paged prefill attention for CPUs with AVX-512: the query rows of one prompt chunk (positions c .. c+n-1)
+/* Paged prefill attention for CPUs with AVX-512 or AVX2: the query rows of one prompt chunk (positions c .. c+n-1)
  * attend causally to the chunk's K/V and the context before it, read through the sequence's block table from
  * the pool, in fp32 with an online softmax (flash attention's loop, register-tiled for AVX-512).
  *
@@ -15,8 +15,9 @@
  *
  * Layout (engine/kv_cache.py) as in paged_decode.c: a layer's K and V caches [num_blocks, block_size, Hkv, row],
  * blocks `block_stride` elements apart, int32 block table; row = D (float pool) or D int8 values + an fp16 scale.
- * Compiled with paged_decode.c into one library by engine/attention/native.py; without AVX-512 the functions
- * return -2 and the caller keeps the torch path.
+ * On CPUs with AVX2 but not AVX-512 (AMD Zen 2/3, Intel before Skylake-SP) the same fp32 loop runs on 8 lanes
+ * (below, after the AVX-512 code). Compiled with paged_decode.c into one library by engine/attention/native.py;
+ * without AVX-512 or AVX2 the functions return -2 and the caller keeps the torch path.
  */
 #include "paged_simd.h"
 
@@ -388,7 +389,230 @@ INLINE void item(int kind, const int NV, const int BF, const void *q, int64_t q_
                        _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * j), inv), kind);
     }
 }
+#elif defined(PAGED_AVX2)
+/* CPUs with AVX2 but not AVX-512 (AMD Zen 2/3, Intel before Skylake-SP): the fp32 loop above on 8 lanes and 16
+ * registers (any query and pool dtype, widened to fp32 when packed). Scores of 4 rows x 16 keys per pass (8
+ * accumulators, two K vectors, a query broadcast); the weighted V sum of 3 rows x 4 vectors (12 accumulators, the
+ * 3 rows' weights and one V vector). */
+#define LOG2E 1.44269504088896341f
 
+/* exp2_16 on 8 lanes, for x <= 0: clamped at -126, where 2^n still is a normal float. */
+INLINE __m256 exp2_8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+    __m256 n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm256_sub_ps(x, n);
+    __m256 p = _mm256_set1_ps(1.3266970636e-3f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6754599362e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5507425219e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022121727e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314694405e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0000001192f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+INLINE float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+INLINE float hsum8(__m256 x) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+/* pack_head above on 8 lanes: keys kfirst..kend-1 of KV head h into kt [D][lp] and vp [L][D] (fp32). */
+INLINE void pack_head(int ckind, const int NV, const void *k_pool, const void *v_pool, const int32_t *table,
+                      int64_t kfirst, int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs,
+                      int64_t block_stride, float *kt, float *vp) {
+    const int64_t d = 16 * NV, hs = ckind == KIND_I8 ? d + SCALE_BYTES : d, es = elem_size(ckind);
+    const int64_t len = kend - kfirst;
+    const __m256i rows8 = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)d));
+#pragma omp for schedule(static)
+    for (int64_t t0 = 0; t0 < lp; t0 += 16) {
+        float tile[16 * 256] __attribute__((aligned(32)));   /* 16 keys x D, then transposed into kt */
+        int64_t cnt = len - t0 < 16 ? (len - t0 > 0 ? len - t0 : 0) : 16;
+        for (int64_t t = 0; t < 16; t++) {
+            if (t >= cnt) {   /* padding keys: zero, so that a masked p (0) times them stays 0 */
+                for (int j = 0; j < 2 * NV; j++) {
+                    _mm256_store_ps(tile + t * d + 8 * j, _mm256_setzero_ps());
+                    _mm256_storeu_ps(vp + (t0 + t) * d + 8 * j, _mm256_setzero_ps());
+                }
+                continue;
+            }
+            int64_t pos = kfirst + t0 + t;
+            int64_t off = (table[pos / bs] * block_stride + (pos % bs) * hkv * hs + h * hs) * es;
+            const char *kr = (const char *)k_pool + off, *vr = (const char *)v_pool + off;
+            __m256 ks = _mm256_set1_ps(1.0f), vs = ks;
+            if (ckind == KIND_I8) {
+                uint16_t a, b;
+                memcpy(&a, kr + d, 2);
+                memcpy(&b, vr + d, 2);
+                ks = _mm256_set1_ps(_cvtsh_ss(a));
+                vs = _mm256_set1_ps(_cvtsh_ss(b));
+            }
+            for (int j = 0; j < 2 * NV; j++) {
+                _mm256_store_ps(tile + t * d + 8 * j, _mm256_mul_ps(load8(kr + 8 * j * es, ckind), ks));
+                _mm256_storeu_ps(vp + (t0 + t) * d + 8 * j, _mm256_mul_ps(load8(vr + 8 * j * es, ckind), vs));
+            }
+        }
+        for (int64_t i = 0; i < d; i++) {   /* column i of the 16 x D tile -> kt[i][t0 .. t0+15] */
+            __m256i idx = _mm256_add_epi32(rows8, _mm256_set1_epi32((int)i));
+            _mm256_storeu_ps(kt + i * lp + t0, _mm256_i32gather_ps(tile, idx, 4));
+            _mm256_storeu_ps(kt + i * lp + t0 + 8, _mm256_i32gather_ps(tile + 8 * d, idx, 4));
+        }
+    }
+}
+
+/* Scores of NR query rows (qf, already scaled) x the tile's first 16 * groups keys (kcol: kt's column of its
+ * first key) into s's rows, 16 keys at a time: 2 NR accumulators, two K vectors and a query broadcast. */
+INLINE void scores(const int NR, const int NV, const float *qf, const float *kcol, int64_t lp, int64_t groups,
+                   float *s) {
+    const int64_t d = 16 * NV;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 a[6][2];
+        for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+        for (int64_t e = 0; e < d; e++) {
+            const float *kr = kcol + e * lp + 16 * g;
+            __m256 k0 = _mm256_loadu_ps(kr), k1 = _mm256_loadu_ps(kr + 8);
+            __asm__("" : "+x"(k0), "+x"(k1));   /* loaded once for the NR rows (GCC may fold them into each FMA) */
+            for (int i = 0; i < NR; i++) {
+                __m256 qb = _mm256_broadcast_ss(qf + i * d + e);
+                a[i][0] = _mm256_fmadd_ps(qb, k0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(qb, k1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < NR; i++) {
+            _mm256_store_ps(s + i * KT + 16 * g, a[i][0]);
+            _mm256_store_ps(s + i * KT + 16 * g + 8, a[i][1]);
+        }
+    }
+}
+
+/* acc's NR rows += their p (rows of s) @ V over `keys` keys of the tile (V rows from vr), 4 vectors of D at a time. */
+INLINE void weighted_v(const int NR, const int NV, const float *s, const float *vr, int64_t keys, float *acc) {
+    const int64_t d = 16 * NV;
+    for (int jb = 0; jb < 2 * NV; jb += 4) {
+        __m256 a[3][4];
+        for (int i = 0; i < NR; i++)
+            for (int j = 0; j < 4; j++) a[i][j] = _mm256_loadu_ps(acc + i * d + 8 * (jb + j));
+        for (int64_t t = 0; t < keys; t++) {
+            __m256 pb[3];
+            for (int i = 0; i < NR; i++) pb[i] = _mm256_broadcast_ss(s + i * KT + t);
+            for (int j = 0; j < 4; j++) {
+                __m256 vv = _mm256_loadu_ps(vr + t * d + 8 * (jb + j));
+                __asm__("" : "+x"(vv));   /* likewise */
+                for (int i = 0; i < NR; i++) a[i][j] = _mm256_fmadd_ps(pb[i], vv, a[i][j]);
+            }
+        }
+        for (int i = 0; i < NR; i++)
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc + i * d + 8 * (jb + j), a[i][j]);
+    }
+}
+
+/* Rows of the chunk at positions p0 .. p0+rows-1 for one query head: qf [MR][D] holds q * scale. */
+INLINE void rows_item(const int NV, const float *qf, int64_t rows, int64_t p0, int64_t kfirst, int64_t window,
+                      const float *kt, const float *vp, int64_t lp, float *acc, float *m, float *l) {
+    const int64_t d = 16 * NV;
+    float s[MR * KT] __attribute__((aligned(32)));
+    int64_t hi = p0 + rows;   /* keys up to the last row's own position */
+    int64_t lo = window > 0 && p0 - window + 1 > kfirst ? p0 - window + 1 : kfirst;
+    for (int64_t r = 0; r < MR; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(acc, 0, sizeof(float) * MR * d);
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t j0 = (lo - kfirst) / KT * KT + kfirst; j0 < hi; j0 += KT) {
+        const float *kcol = kt + (j0 - kfirst);
+        const int64_t keys = hi - j0 < KT ? hi - j0 : KT, groups = (keys + 15) / 16;   /* no row sees a key >= hi */
+        /* Scores, 6 rows x 16 keys at a time (rows is a multiple of 4: the last group has 4 or 2) */
+        int64_t r6 = 0;
+        for (; r6 + 6 <= rows; r6 += 6) scores(6, NV, qf + r6 * d, kcol, lp, groups, s + r6 * KT);
+        if (rows - r6 == 4) scores(4, NV, qf + r6 * d, kcol, lp, groups, s + r6 * KT);
+        else if (rows - r6 == 2) scores(2, NV, qf + r6 * d, kcol, lp, groups, s + r6 * KT);
+        /* Online softmax per row over its visible keys of the scored groups; p replaces s. */
+        const int nv = (int)groups * 2;
+        const int all_visible = j0 + KT - 1 <= p0 && (window <= 0 || j0 >= p0 + rows - window);
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t pos = p0 + r, first = window > 0 && pos - window + 1 > kfirst ? pos - window + 1 : kfirst;
+            __m256 vis[KT / 8], mx = _mm256_set1_ps(-INFINITY);
+            for (int v = 0; v < nv; v++) {
+                vis[v] = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+                if (!all_visible) {
+                    __m256i key = _mm256_add_epi32(lane, _mm256_set1_epi32((int)(j0 + 8 * v)));
+                    __m256i hidden = _mm256_or_si256(_mm256_cmpgt_epi32(key, _mm256_set1_epi32((int)pos)),
+                                                     _mm256_cmpgt_epi32(_mm256_set1_epi32((int)first), key));
+                    vis[v] = _mm256_castsi256_ps(_mm256_xor_si256(hidden, _mm256_set1_epi32(-1)));
+                }
+                mx = _mm256_max_ps(mx, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(s + r * KT + 8 * v),
+                                                        vis[v]));
+            }
+            float tmax = hmax8(mx);
+            if (tmax == -INFINITY) {   /* no visible key in this tile (window rows): p = 0 */
+                for (int v = 0; v < nv; v++) _mm256_store_ps(s + r * KT + 8 * v, _mm256_setzero_ps());
+                continue;
+            }
+            float mnew = tmax > m[r] ? tmax : m[r];
+            __m256 sum = _mm256_setzero_ps(), mb = _mm256_set1_ps(mnew * LOG2E), sb = _mm256_set1_ps(LOG2E);
+            for (int v = 0; v < nv; v++) {
+                __m256 p = _mm256_and_ps(vis[v], exp2_8(_mm256_fmsub_ps(_mm256_load_ps(s + r * KT + 8 * v), sb, mb)));
+                _mm256_store_ps(s + r * KT + 8 * v, p);
+                sum = _mm256_add_ps(sum, p);
+            }
+            float corr = m[r] == -INFINITY ? 0.0f : mnew != m[r] ? exp_nonpositive(m[r] - mnew) : 1.0f;
+            l[r] = l[r] * corr + hsum8(sum);
+            m[r] = mnew;
+            if (corr != 1.0f) {
+                __m256 cb = _mm256_set1_ps(corr);
+                for (int j = 0; j < 2 * NV; j++)
+                    _mm256_storeu_ps(acc + r * d + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(acc + r * d + 8 * j), cb));
+            }
+        }
+        /* acc += p @ V, 3 rows at a time (rows is a multiple of 4: the last group has 1 or 2) */
+        const float *vr = vp + (j0 - kfirst) * d;
+        int64_t r = 0;
+        for (; r + 3 <= rows; r += 3) weighted_v(3, NV, s + r * KT, vr, keys, acc + r * d);
+        if (rows - r == 2) weighted_v(2, NV, s + r * KT, vr, keys, acc + r * d);
+        else if (rows - r == 1) weighted_v(1, NV, s + r * KT, vr, keys, acc + r * d);
+    }
+}
+
+/* One work item: rows r0 .. r0+rows-1 of query head `head`, from q to out (dtype `kind`); BF (the AVX-512 bf16-pair
+ * paths) is never set here. */
+INLINE void item(int kind, const int NV, const int BF, const void *q, int64_t q_stride, void *out, int64_t r0,
+                 int64_t rows, int64_t head, int64_t hq, int64_t c, int64_t kfirst, int64_t window, const void *kbuf,
+                 const void *vbuf, int64_t lp, float scale) {
+    const int64_t d = 16 * NV, es = elem_size(kind);
+    float qf[MR * 256] __attribute__((aligned(32))), acc[MR * 256] __attribute__((aligned(32)));
+    float m[MR], l[MR];
+    (void)BF;
+    for (int64_t r = 0; r < MR; r++)
+        for (int j = 0; j < 2 * NV; j++) {
+            const char *qr = (const char *)q + ((r0 + r) * q_stride + head * d + 8 * j) * es;
+            __m256 x = r < rows ? load8(qr, kind) : _mm256_setzero_ps();
+            _mm256_store_ps(qf + r * d + 8 * j, _mm256_mul_ps(x, _mm256_set1_ps(scale)));
+        }
+    int64_t padded = (rows + 3) / 4 * 4;   /* whole 4-row passes; the padding rows are never stored */
+    rows_item(NV, qf, padded < MR ? padded : MR, c + r0, kfirst, window, (const float *)kbuf, (const float *)vbuf, lp,
+              acc, m, l);
+    for (int64_t r = 0; r < rows; r++) {
+        char *o = (char *)out + ((r0 + r) * hq + head) * d * es;
+        __m256 inv = _mm256_set1_ps(1.0f / l[r]);
+        for (int j = 0; j < 2 * NV; j++) {
+            __m256 x = _mm256_mul_ps(_mm256_loadu_ps(acc + r * d + 8 * j), inv);
+            if (kind == KIND_F32) _mm256_storeu_ps((float *)o + 8 * j, x);
+            else if (kind == KIND_F16)
+                _mm_storeu_si128((__m128i *)(o + 16 * j), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+            else {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, x);
+                for (int t = 0; t < 8; t++) ((uint16_t *)o)[8 * j + t] = float_to_bf16(tmp[t]);
+            }
+        }
+    }
+}
+#endif
+
+#if defined(__AVX512F__) || defined(PAGED_AVX2)
 /* One compiled function per (cache dtype, head size) for packing and per (q dtype, head size) for the items:
  * the dtypes and the vector count must be constants inside the loops, which values passed through an OpenMP
  * region are not (its body is outlined once). Index 4 of PACKS / 3 of ITEMS: the bf16-pair path. */
@@ -496,7 +720,7 @@ static int prefill(int kind, int ckind, int nvi, int64_t d, const void *q, int64
 /* q: [n, hq, d] rows `q_stride` elements apart (heads contiguous); out: [n, hq, d] contiguous; table: the
  * sequence's int32 block ids; c: tokens already in the cache before this chunk (the chunk's own K/V are in the
  * pool too: positions c .. c+n-1); window > 0: each row sees its last `window` positions. Returns 0, -1 if a
- * buffer could not be allocated, -2 if this build has no kernel for d (AVX-512 and d in 64, 128, 256 only). */
+ * buffer could not be allocated, -2 if this build has no kernel for d (AVX-512 or AVX2, d in 64, 128, 256 only). */
 #define PF_EXPORT(NAME, KIND, CKIND)                                                                              \
     int NAME(const void *q, int64_t q_stride, void *out, const void *k_pool, const void *v_pool,                \
              const int32_t *table, int64_t c, int64_t n, int64_t hq, int64_t hkv, int64_t d, int64_t bs,            \
@@ -508,7 +732,7 @@ static int prefill(int kind, int ckind, int nvi, int64_t d, const void *q, int64
         return -2;                                                                                               \
     }
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(PAGED_AVX2)
 #define PF_DISPATCH(KIND, CKIND)                                                                                 \
     if (hq % hkv == 0 && n > 0) {                                                                              \
         int nvi = d == 64 ? 0 : d == 128 ? 1 : d == 256 ? 2 : -1;                                          \
