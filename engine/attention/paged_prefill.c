@@ -55,6 +55,24 @@ static const tile_config AMX_CONFIG __attribute__((aligned(64))) = {
 INLINE void amx_configure(void) { _tile_loadconfig(&AMX_CONFIG); }
 #endif
 
+#if defined(__AVX512F__) || defined(PAGED_AVX2)
+/* The K and V rows of position `pos`, KV head h, in the pool, and their scales (an int8 row's fp16 scale, else 1). */
+INLINE void kv_rows(int ckind, int64_t d, const void *k_pool, const void *v_pool, const int32_t *table, int64_t pos,
+                    int64_t h, int64_t hkv, int64_t bs, int64_t block_stride, const char **kr, const char **vr,
+                    float *ks, float *vs) {
+    const int64_t hs = ckind == KIND_I8 ? d + SCALE_BYTES : d, es = elem_size(ckind);
+    const int64_t off = (table[pos / bs] * block_stride + (pos % bs) * hkv * hs + h * hs) * es;
+    *kr = (const char *)k_pool + off, *vr = (const char *)v_pool + off;
+    *ks = *vs = 1.0f;
+    if (ckind == KIND_I8) {
+        uint16_t a, b;
+        memcpy(&a, *kr + d, 2);
+        memcpy(&b, *vr + d, 2);
+        *ks = _cvtsh_ss(a), *vs = _cvtsh_ss(b);
+    }
+}
+#endif
+
 #ifdef __AVX512F__
 INLINE void store16(char *p, __m512 x, int kind) {
     if (kind == KIND_F32) _mm512_storeu_ps(p, x);
@@ -78,14 +96,12 @@ INLINE __m512 exp2_16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-INLINE float f16_scale(uint16_t h) { return _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h))); }
 
 /* Keys kfirst..kend-1 of KV head h into kt [D][lp] and vp [L][D] (fp32; keys from kend to lp are zero). */
 INLINE void pack_head(int ckind, const int NV, const void *k_pool, const void *v_pool, const int32_t *table,
                       int64_t kfirst, int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs,
                       int64_t block_stride, float *kt, float *vp) {
-    const int64_t d = 16 * NV, hs = ckind == KIND_I8 ? d + SCALE_BYTES : d, es = elem_size(ckind);
-    const int64_t len = kend - kfirst;
+    const int64_t d = 16 * NV, es = elem_size(ckind), len = kend - kfirst;
 #pragma omp for schedule(static)
     for (int64_t t0 = 0; t0 < lp; t0 += 16) {
         float tile[16 * 256] __attribute__((aligned(64)));   /* 16 keys x D, then transposed into kt */
@@ -98,17 +114,10 @@ INLINE void pack_head(int ckind, const int NV, const void *k_pool, const void *v
                 }
                 continue;
             }
-            int64_t pos = kfirst + t0 + t;
-            int64_t off = (table[pos / bs] * block_stride + (pos % bs) * hkv * hs + h * hs) * es;
-            const char *kr = (const char *)k_pool + off, *vr = (const char *)v_pool + off;
-            __m512 ks = _mm512_set1_ps(1.0f), vs = ks;
-            if (ckind == KIND_I8) {
-                uint16_t a, b;
-                memcpy(&a, kr + d, 2);
-                memcpy(&b, vr + d, 2);
-                ks = _mm512_set1_ps(f16_scale(a));
-                vs = _mm512_set1_ps(f16_scale(b));
-            }
+            const char *kr, *vr;
+            float kscale, vscale;
+            kv_rows(ckind, d, k_pool, v_pool, table, kfirst + t0 + t, h, hkv, bs, block_stride, &kr, &vr, &kscale, &vscale);
+            const __m512 ks = _mm512_set1_ps(kscale), vs = _mm512_set1_ps(vscale);
             for (int j = 0; j < NV; j++) {
                 _mm512_store_ps(tile + t * d + 16 * j, _mm512_mul_ps(load16(kr + 16 * j * es, ckind), ks));
                 _mm512_storeu_ps(vp + (t0 + t) * d + 16 * j, _mm512_mul_ps(load16(vr + 16 * j * es, ckind), vs));
@@ -426,8 +435,7 @@ INLINE float hsum8(__m256 x) {
 INLINE void pack_head(int ckind, const int NV, const void *k_pool, const void *v_pool, const int32_t *table,
                       int64_t kfirst, int64_t kend, int64_t lp, int64_t h, int64_t hkv, int64_t bs,
                       int64_t block_stride, float *kt, float *vp) {
-    const int64_t d = 16 * NV, hs = ckind == KIND_I8 ? d + SCALE_BYTES : d, es = elem_size(ckind);
-    const int64_t len = kend - kfirst;
+    const int64_t d = 16 * NV, es = elem_size(ckind), len = kend - kfirst;
     const __m256i rows8 = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)d));
 #pragma omp for schedule(static)
     for (int64_t t0 = 0; t0 < lp; t0 += 16) {
@@ -441,17 +449,10 @@ INLINE void pack_head(int ckind, const int NV, const void *k_pool, const void *v
                 }
                 continue;
             }
-            int64_t pos = kfirst + t0 + t;
-            int64_t off = (table[pos / bs] * block_stride + (pos % bs) * hkv * hs + h * hs) * es;
-            const char *kr = (const char *)k_pool + off, *vr = (const char *)v_pool + off;
-            __m256 ks = _mm256_set1_ps(1.0f), vs = ks;
-            if (ckind == KIND_I8) {
-                uint16_t a, b;
-                memcpy(&a, kr + d, 2);
-                memcpy(&b, vr + d, 2);
-                ks = _mm256_set1_ps(_cvtsh_ss(a));
-                vs = _mm256_set1_ps(_cvtsh_ss(b));
-            }
+            const char *kr, *vr;
+            float kscale, vscale;
+            kv_rows(ckind, d, k_pool, v_pool, table, kfirst + t0 + t, h, hkv, bs, block_stride, &kr, &vr, &kscale, &vscale);
+            const __m256 ks = _mm256_set1_ps(kscale), vs = _mm256_set1_ps(vscale);
             for (int j = 0; j < 2 * NV; j++) {
                 _mm256_store_ps(tile + t * d + 8 * j, _mm256_mul_ps(load8(kr + 8 * j * es, ckind), ks));
                 _mm256_storeu_ps(vp + (t0 + t) * d + 8 * j, _mm256_mul_ps(load8(vr + 8 * j * es, ckind), vs));
