@@ -324,15 +324,32 @@ INLINE void item_avx512(int kind, int ckind, const int NV, const void *q, void *
 #endif
 
 #if defined(PAGED_AVX2) && !defined(__AVX512F__)
+/* Token rows [lo, hi) of a tile (element offset tb, head h0) into L1, K and V: each row is `row_bytes` of every head
+ * of the item. */
+INLINE void prefetch_rows(const char *k_pool, const char *v_pool, int64_t tb, int64_t lo, int64_t hi,
+                          int64_t tok_stride, int64_t row_bytes, int64_t ces) {
+    for (int64_t t = lo; t < hi; t++) {
+        const int64_t row = (tb + t * tok_stride) * ces;
+        for (int64_t b = 0; b < row_bytes; b += 64) {
+            _mm_prefetch(k_pool + row + b, _MM_HINT_T0);
+            _mm_prefetch(v_pool + row + b, _MM_HINT_T0);
+        }
+    }
+}
+
 /* One sequence, KV heads [h0, h1), head size 8 * NV, on CPUs with AVX2 but not AVX-512: item_avx512's loop on 8
  * lanes and 16 registers. The context goes by chunks of up to CHUNK tiles, each in three passes:
  *   scores   per tile, KV head and query row, 8 tokens at a time: a vector of products per token in registers (the
- *            query loaded once per vector), summed across in one transposed reduction; first the whole tile's K and
- *            V rows are prefetched (into L1: read from memory with as many misses in flight as the core allows; the
- *            AVX-512 path's one-tile-ahead prefetch into L2 measured no better here than none)
+ *            query loaded once per vector), summed across in one transposed reduction; meanwhile the next tile's K
+ *            and V rows are prefetched into L1, a few rows between each 8 tokens' scores
  *   softmax  per query row over the chunk's scores at once
  *   values   per KV head, 3 query rows x 4 vectors of accumulators in registers, each V vector loaded once for the
- *            3 rows (12 accumulators, 3 weights and a V vector: the 16 registers). */
+ *            3 rows (12 accumulators, 3 weights and a V vector: the 16 registers); meanwhile the next chunk's first
+ *            tile is prefetched the same way.
+ * The memory reads so overlap the arithmetic of both passes. Prefetching each whole tile just before scoring it (the
+ * previous loop) left them in turn: 1.06-1.10x in fp32, 1.2x int8, 1.6x bf16 at 64 x 2k tokens (docs/benchmarks.md);
+ * the whole next tile at once instead measured no better than that, as the AVX-512 path's one-tile-ahead prefetch
+ * into L2 did. */
 INLINE void item_avx2(int kind, int ckind, const int NV, const void *q, void *out, const void *k_pool,
                       const void *v_pool, const int32_t *table, int64_t first, int64_t ctx, int64_t h0, int64_t h1,
                       int64_t hkv, int64_t group, int64_t bs, int64_t block_stride, float scale, float *work) {
@@ -357,17 +374,17 @@ INLINE void item_avx2(int kind, int ckind, const int NV, const void *q, void *ou
     int64_t tn[CHUNK + 1], tb[CHUNK + 1];   /* tokens and element offset (head h0) of the chunk's tiles + the next */
     int64_t pos = first;
     tn[0] = tile_len(pos, ctx, bs), tb[0] = tile_base(table, pos, bs, block_stride, tok_stride) + h0 * hs;
+    const char *kp = (const char *)k_pool, *vp = (const char *)v_pool;
+    const int64_t row_bytes = heads * hs * ces;
+    /* rows of the next tile to prefetch per 8 tokens scored, and of the next chunk's first tile per weighted-V block */
+    const int64_t score_steps = heads * group * (TILE / 8), pf_score = (TILE + score_steps - 1) / score_steps;
+    const int64_t v_steps = heads * ((group + RB - 1) / RB) * ((NV + VB - 1) / VB), pf_v = (TILE + v_steps - 1) / v_steps;
+    prefetch_rows(kp, vp, tb[0], 0, tn[0], tok_stride, row_bytes, ces);
     while (pos < ctx) {
         const int nt = next_chunk(tn, tb, &pos, ctx, bs, table, block_stride, tok_stride, h0 * hs);
         for (int i = 0; i < nt; i++) {   /* scores */
-            const int64_t n = tn[i];
-            for (int64_t t = 0; t < n; t++) {   /* the tile's K and V rows of every head: all their misses at once */
-                const int64_t row = (tb[i] + t * tok_stride) * ces;
-                for (int64_t b = 0; b < heads * hs * ces; b += 64) {
-                    _mm_prefetch((const char *)k_pool + row + b, _MM_HINT_T0);
-                    _mm_prefetch((const char *)v_pool + row + b, _MM_HINT_T0);
-                }
-            }
+            const int64_t n = tn[i], pn = i + 1 < nt ? tn[i + 1] : 0;
+            int64_t pf = 0;
             for (int64_t h = 0; h < heads; h++) {
                 const char *kh = (const char *)k_pool + (tb[i] + h * hs) * ces;
                 const char *vh = (const char *)v_pool + (tb[i] + h * hs) * ces;
@@ -383,6 +400,11 @@ INLINE void item_avx2(int kind, int ckind, const int NV, const void *q, void *ou
                     const float *qg = qf + (h * group + g) * d;
                     float *sr = sc + ((h * group + g) * CHUNK + i) * TILE;
                     for (int64_t t0 = 0; t0 < TILE; t0 += 8) {
+                        if (pf < pn) {
+                            prefetch_rows(kp, vp, tb[i + 1], pf, pf + pf_score < pn ? pf + pf_score : pn, tok_stride,
+                                          row_bytes, ces);
+                            pf += pf_score;
+                        }
                         if (t0 >= n) {
                             _mm256_storeu_ps(sr + t0, _mm256_set1_ps(-INFINITY));
                             continue;
@@ -436,10 +458,16 @@ INLINE void item_avx2(int kind, int ckind, const int NV, const void *q, void *ou
             l[r] = l[r] * corr[r] + _mm_cvtss_f32(s4);
             m[r] = mx;
         }
+        int64_t pf = 0;
         for (int64_t h = 0; h < heads; h++)   /* weighted V */
             for (int64_t g0 = 0; g0 < group; g0 += RB) {
                 const int64_t r0 = h * group + g0, nr = group - g0 < RB ? group - g0 : RB;
                 for (int jb = 0; jb < NV; jb += VB) {
+                    if (pf < tn[nt]) {
+                        prefetch_rows(kp, vp, tb[nt], pf, pf + pf_v < tn[nt] ? pf + pf_v : tn[nt], tok_stride, row_bytes,
+                                      ces);
+                        pf += pf_v;
+                    }
                     __m256 a[RB][VB];
 #pragma GCC unroll 3
                     for (int gg = 0; gg < RB; gg++) {
