@@ -31,6 +31,7 @@ from pdcluster.control.protocol import (
     logprob_to_wire,
 )
 from pdcluster.control.sampling_params import SamplingParams
+from pdcluster.control.threads import started_pool
 from pdcluster.engine.llm_engine import LLMEngine
 from pdcluster.engine.outputs import RequestOutput
 from pdcluster.kv_transfer import Destination, KVSender
@@ -38,7 +39,6 @@ from pdcluster.kv_transfer.per_rank import RankedSender, RankLinks
 from pdcluster.node.config import NodeConfig, engine_args_from_config
 from pdcluster.node.rank_kv import RankKV
 from pdcluster.node.service import NodeService
-from pdcluster.node.threads import started_pool
 from pdcluster.prefill_node.connector import TransferConnector, start_transfer
 from pdcluster.prefill_node.job import JobState, Outgoing, PrefillJob
 from pdcluster.prefill_node.metrics import PrefillMetrics

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
 from prometheus_client import CollectorRegistry
 
 from pdcluster.control.keys import ClusterKeys
 from pdcluster.control.metrics import DroppedFramesCollector
+from pdcluster.control.threads import started_pool
 from pdcluster.router.cluster import NodeSource, RouterCluster
 from pdcluster.router.decode_client import DecodeClient, InvalidRequest, NoCapacity, RequestStream, StreamFailed
 from pdcluster.router.errors import APIError, model_not_found
@@ -41,7 +41,7 @@ class Router:
         self.policy = policy
         self.metrics = metrics
         # Tokenizing and templating run here, off the event loop (tokenizers releases the GIL).
-        self.pool = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
+        self.pool = started_pool(settings.tokenizer_threads, "tokenize")
         self.decode: DecodeClient | None = None
         self.loras = LoraRegistry(cluster, models)
         self.in_flight = 0

@@ -36,20 +36,29 @@ PROMPT, OUTPUT = 60, 1800
 PRE_COPIED = 'pdcluster_node_pre_copies_total{outcome="ok"}'
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
+def tiny_model(tmp_path_factory, hidden: int) -> str:
     from pdcluster.engine.testing import make_tiny_model
 
     # wider than the default tiny model: a stream of OUTPUT tokens lasts several seconds, through the faults
-    return make_tiny_model(str(tmp_path_factory.mktemp("migrate-faults") / MODEL_NAME), "llama", hidden_size=512,
-                           intermediate_size=1024, num_hidden_layers=4, max_position_embeddings=2048)
+    return make_tiny_model(str(tmp_path_factory.mktemp(f"migrate-faults-{hidden}") / MODEL_NAME), "llama",
+                           hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+                           max_position_embeddings=2048)
+
+
+def greedy_job(model: str) -> tuple[list[int], str]:
+    rng = random.Random(11)
+    prompt = [rng.randrange(3, 400) for _ in range(PROMPT)]
+    return prompt, reference(model, [prompt], OUTPUT)[0]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory, 256)
 
 
 @pytest.fixture(scope="module")
 def job(model):
-    rng = random.Random(11)
-    prompt = [rng.randrange(3, 400) for _ in range(PROMPT)]
-    return prompt, reference(model, [prompt], OUTPUT)[0]
+    return greedy_job(model)
 
 
 def router_log(cluster) -> str:
@@ -72,10 +81,12 @@ async def pre_copy_to_stopped_decode_1(cluster, prompt: list[int]):
     return stream, drain, target
 
 
-async def test_target_dies_during_the_pre_copy(model, job, tmp_path):
+async def test_target_dies_during_the_pre_copy(tmp_path_factory, tmp_path):
     """decode-1, the pre-copy's target, is stopped before it can answer and then killed: the router gives the
-    pre-copy up when decode-1 leaves, has decode-0 (draining) hand the stream back, and it resumes on decode-2."""
-    prompt, want = job
+    pre-copy up when decode-1 leaves, has decode-0 (draining) hand the stream back, and it resumes on decode-2.
+    A model twice as wide as the other tests': its stream outlasts decode-1's lease (2 s) on a fast machine too."""
+    model = tiny_model(tmp_path_factory, 512)
+    prompt, want = greedy_job(model)
     with decode_cluster(model, tmp_path, num_decode=3) as cluster:
         stream, drain, target = await pre_copy_to_stopped_decode_1(cluster, prompt)
         target.kill()

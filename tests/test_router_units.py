@@ -561,3 +561,27 @@ async def test_a_stream_whose_tokens_never_stop_still_ends_at_its_deadline() -> 
             await s._wait()
             await asyncio.sleep(POLL_INTERVAL / 10)
     assert s.finished and client.metrics.aborts.labels("deadline")._value.get() == 1
+
+
+def test_the_tokenizer_pool_has_all_its_threads_from_the_start() -> None:
+    """The router's tokenize pool (control/threads.started_pool, as the nodes' pools): its thread count never depends
+    on the most concurrent load it saw, so an idle router's threads come back to their idle value (the soak test's
+    check, which a pool growing on demand failed once: 13 threads before the load, 14 after)."""
+    import threading
+    from concurrent.futures import wait
+
+    from pdcluster.control.threads import started_pool
+
+    def named() -> int:
+        return sum(t.name.startswith("pool-under-test") for t in threading.enumerate())
+
+    pool = started_pool(4, "pool-under-test")
+    try:
+        assert named() == 4
+        gate = threading.Event()
+        futures = [pool.submit(gate.wait, 5.0) for _ in range(4)] + [pool.submit(sum, [1, 2]) for _ in range(50)]
+        gate.set()
+        wait(futures, timeout=10)
+        assert named() == 4 and futures[-1].result() == 3
+    finally:
+        pool.shutdown(wait=True)

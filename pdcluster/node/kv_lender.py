@@ -23,9 +23,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Callable
 
 from pdcluster.control.protocol import FetchKV, KVFetched
+from pdcluster.control.threads import started_pool
 from pdcluster.kv_transfer import Destination, KVSender
 from pdcluster.kv_transfer.per_rank import RankedSender, RankLinks
-from pdcluster.node.threads import started_pool
 
 if TYPE_CHECKING:
     from pdcluster.engine.engine_thread import EngineThread

@@ -1,4 +1,4 @@
-"""Thread pools of a node process."""
+"""Thread pools of the router and node processes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 def started_pool(workers: int, name: str) -> ThreadPoolExecutor:
-    """A thread pool whose threads all exist from the start: an idle node's thread count does not depend on
+    """A thread pool whose threads all exist from the start: an idle process's thread count does not depend on
     the most concurrent load it ever saw (the soak test checks it comes back to its idle value)."""
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
     ready = threading.Barrier(workers)   # each task holds its thread until all are started
