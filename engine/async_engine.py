@@ -133,8 +133,8 @@ class AsyncLLMEngine:
         if self._shut_down:
             return
         self._shut_down = True
-        self._thread.stop(timeout)
-        self.engine.shutdown()
+        if self._thread.stop(timeout):   # never under a step still running
+            self.engine.shutdown()
 
     def __enter__(self) -> "AsyncLLMEngine":
         return self

@@ -63,10 +63,12 @@ class EngineThread:
         """Run `fn(engine)` on the engine thread; errors are logged. Callable from any thread."""
         self._queue.put((fn, None, None))
 
-    def stop(self, timeout: float = 5.0) -> None:
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop after the step under way; whether the thread ended within `timeout`."""
         self._stop.set()
         self._queue.put(None)
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def _run(self) -> None:
         import torch

@@ -28,6 +28,7 @@ from node_helpers import (
     recv,
     remote_failures,
     remote_prefill_sent,
+    serving,
     stream,
     wait_until,
 )
@@ -80,7 +81,7 @@ async def test_no_answer_times_out_into_local_prefill_and_a_late_prefill_done_is
 async def test_kv_that_never_lands_after_prefill_done_falls_back_after_kv_landing_timeout(etcd, cluster, tiny_llama):
     """PrefillDone came but the receiver never saw the KV: after `kv_landing_timeout` the reservation is given
     up (reason "transfer") and the engine prefills the same request locally (remote_kv_failed, no re-add)."""
-    from node_helpers import FakePrefill, serving
+    from node_helpers import FakePrefill
 
     from pdcluster.control.transport import DealerClient
     from pdcluster.decode_node.node import DecodeNode
@@ -218,3 +219,16 @@ async def test_a_supervised_task_that_dies_takes_the_node_out_of_the_cluster_wit
         assert [n.node_id for n in await list_nodes(client, cluster)] == []
     finally:
         await close_quietly(client)
+
+
+async def test_a_stopped_node_ends_its_tensor_parallel_ranks(etcd, cluster, tiny_llama):
+    from pdcluster.decode_node.node import DecodeNode
+
+    config = node_config("decode", tiny_llama, etcd, cluster)
+    config.tensor_parallel_size = 2
+    config.validate()
+    node = DecodeNode(config)
+    async with serving(node):
+        ranks = node.engine.runner.workers.procs
+        assert ranks and all(p.is_alive() for p in ranks)
+    assert not any(p.is_alive() for p in ranks)   # ended by the node's stop, not left to interpreter exit

@@ -389,8 +389,9 @@ class NodeService:
         await self.on_stop()
         if self._lend_sender is not None:
             self._lend_sender.close()
-        if self._engine_started:
-            self.engine_thread.stop()
+        if not self._engine_started or self.engine_thread.stop():   # never under a step still running
+            # the tensor-parallel ranks, the grammar compiler, the KV tiers' copy thread
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
         self.control.close()
         self.load_pub.close()
         if self.metrics_server is not None:
