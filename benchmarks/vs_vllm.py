@@ -50,7 +50,7 @@ WORKLOADS: dict[str, tuple[int, tuple[int, int], tuple[int, int], int]] = {
 }
 
 
-def make_requests(n: int, seed: int, vocab: int = VOCAB, prompt: tuple[int, int] = (32, 256),
+def make_requests(n: int, seed: int | str, vocab: int = VOCAB, prompt: tuple[int, int] = (32, 256),
                   output: tuple[int, int] = (16, 128)) -> list[tuple[list[int], int]]:
     """(prompt token ids, output tokens) pairs."""
     rng = random.Random(seed)
@@ -59,8 +59,11 @@ def make_requests(n: int, seed: int, vocab: int = VOCAB, prompt: tuple[int, int]
 
 
 def workload_requests(name: str, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    """The workload's requests for one seed. The name is part of the random seed: two workloads drawn from the same
+    seed would otherwise begin with the same tokens (their first prompt length takes one draw either way), and one
+    engine serving both would find the second's prompts in its prefix cache."""
     n, prompt, output, _ = WORKLOADS[name]
-    return make_requests(n, seed, vocab, prompt, output)
+    return make_requests(n, f"{name}:{seed}", vocab, prompt, output)
 
 
 def model_vocab(path: str) -> int:
