@@ -87,7 +87,11 @@ class NodeState:
 
     @property
     def block_size(self) -> int:
-        return self.load.block_size if self.load else 16
+        """Its KV block size: from its load reports, before the first one from its registration (16 for a node
+        that registered none)."""
+        if self.load is not None:
+            return self.load.block_size
+        return self.info.capacity.block_size or 16
 
     def serves(self, model: str) -> bool:
         """Whether the node serves the model named `model`. Nodes before served names registered their model

@@ -10,7 +10,7 @@ from router_fakes import make_tokenizer_dir
 
 from pdcluster.control.block_hash import block_hashes, cached_prefix_blocks
 from pdcluster.control.protocol import Load
-from pdcluster.control.records import NodeInfo
+from pdcluster.control.records import Capacity, NodeInfo
 from pdcluster.control.transport import LoadPublisher
 from pdcluster.router.cluster import NodeState, RouterCluster, StaticNodeSource
 from pdcluster.router.detokenizer import StopMatcher
@@ -78,6 +78,14 @@ def node(node_id: str, role: str = "decode", admin: str = "active", **load) -> N
     if load:
         state.update(Load(node_id=node_id, role=role, **load))
     return state
+
+
+def test_a_node_s_block_size_comes_from_its_registration_until_it_reports_load() -> None:
+    state = NodeState(info=NodeInfo(node_id="d", role="decode", capacity=Capacity(block_size=128)))
+    assert state.block_size == 128   # no Load yet: prefix matches hash the blocks the node hashes
+    state.update(Load(node_id="d", role="decode", block_size=64))
+    assert state.block_size == 64
+    assert NodeState(info=NodeInfo(node_id="old", role="decode")).block_size == 16   # registered none
 
 
 def held(hashes: list[int], tier: int = 0) -> dict:
