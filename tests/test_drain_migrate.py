@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from cluster_helpers import client, complete, wait_idle
@@ -76,7 +77,7 @@ async def test_drain_migrate_moves_a_running_stream_with_its_kv(setup):
 async def test_rebalancing_moves_streams_to_an_idle_node_with_their_kv(model, tmp_path):
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 400) for _ in range(PROMPT)] for _ in range(3)]
-    output = 1200
+    output = OUTPUT   # (1200 tokens ended before the first move on a fast CPU)
     want = reference(model, prompts, output)
     with decode_cluster(model, tmp_path, rebalance_threshold=1) as cluster:
         await only_decode_0(cluster)   # all three start on decode-0
@@ -87,10 +88,14 @@ async def test_rebalancing_moves_streams_to_an_idle_node_with_their_kv(model, tm
         while min(progress) < 16:
             await asyncio.sleep(0.02)
         await set_state([cluster.etcd], CLUSTER, "decode-1", "active")   # 3 vs 0: the router moves one or more
+        deadline = time.monotonic() + 60
+        while metric(cluster, "decode-0", 'pdcluster_node_handbacks_total{reason="rebalance"}') < 1:
+            assert not all(s.done() for s in streams), "every stream ended before any moved: make them longer"
+            assert time.monotonic() < deadline, "no stream moved in 60 s"
+            await asyncio.sleep(0.1)
         outs = await asyncio.wait_for(asyncio.gather(*streams), 120)
         assert [o.text for o in outs] == want and all(o.usage == output for o in outs)
         moved = metric(cluster, "decode-0", 'pdcluster_node_handbacks_total{reason="rebalance"}')
-        assert moved >= 1
         assert metric(cluster, "decode-1", "pdcluster_node_kv_fetched_blocks_total") >= moved * (PROMPT + 16) // BLOCK
         wait_idle(cluster)
 
