@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import textwrap
 import urllib.request
@@ -266,6 +267,23 @@ async def test_etcd_outage_keeps_view_and_reregisters_after_restart(tmp_path, cl
         await view.stop()
         await fresh.stop()
         server.close()
+
+
+def test_etcd_server_picks_new_ports_when_a_picked_one_was_taken_before_the_first_start(tmp_path):
+    server = EtcdServer(data_dir=tmp_path / "d")
+    taken = server.client_port
+    with socket.socket() as squatter:   # another process binds the picked port between the pick and etcd's bind
+        squatter.bind(("127.0.0.1", taken))
+        squatter.listen()
+        try:
+            server.start()
+            assert server.client_port != taken and is_reachable(server.endpoint)
+        finally:
+            server.close()
+        chosen = EtcdServer(data_dir=tmp_path / "e", client_port=taken)   # a port the caller chose: no retry
+        with pytest.raises(RuntimeError, match="address already in use"):
+            chosen.start()
+        chosen.close()
 
 
 def test_etcd_server_restarts_on_same_ports(tmp_path):

@@ -83,6 +83,10 @@ def health_ok(url: str, timeout: float = 1.0) -> bool:
         return False
 
 
+class PortTaken(RuntimeError):
+    """etcd could not bind one of its ports."""
+
+
 class EtcdServer:
     """One etcd process on loopback ports. Restartable on the same ports and data dir.
 
@@ -115,6 +119,10 @@ class EtcdServer:
         if self.tls and not (cert_file and key_file):
             raise ValueError("EtcdServer: TLS needs ca_file, cert_file and key_file")
         self.health_port = free_port() if self.tls else None
+        # Ports this object picked may be re-picked while it has never run: another process can bind one between
+        # the pick and etcd's bind. Once it ran, a restart keeps them (clients know the endpoint).
+        self._picked = (not client_port, not peer_port)
+        self._ever_healthy = False
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -133,8 +141,22 @@ class EtcdServer:
     def running(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
-    def start(self, timeout: float = 20.0) -> "EtcdServer":
-        """Launch etcd and wait until /health says healthy; raises RuntimeError if it does not."""
+    def start(self, timeout: float = 20.0, attempts: int = 3) -> "EtcdServer":
+        """Launch etcd and wait until /health says healthy; raises RuntimeError if it does not. A first start
+        whose picked port was taken meanwhile ("address already in use") tries again on new ports."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout)
+            except PortTaken:
+                if self._ever_healthy or not any(self._picked) or attempt == attempts - 1:
+                    raise
+                log.warning("etcd: a picked port was taken before etcd bound it; new ports")
+                self.client_port = free_port() if self._picked[0] else self.client_port
+                self.peer_port = free_port() if self._picked[1] else self.peer_port
+                self.health_port = free_port() if self.tls else None
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout: float) -> "EtcdServer":
         if self.running:
             return self
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -166,10 +188,12 @@ class EtcdServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with code {self._proc.returncode} during start; "
-                                   f"last log lines:\n{self._log_tail()}")
+                tail = self._log_tail()
+                error = PortTaken if "address already in use" in tail else RuntimeError
+                raise error(f"etcd exited with code {self._proc.returncode} during start; last log lines:\n{tail}")
             if health_ok(self.health_url, timeout=0.5):
                 log.info("etcd ready at %s (data dir %s)", self.endpoint, self.data_dir)
+                self._ever_healthy = True
                 return self
             time.sleep(0.05)
         self.stop()
