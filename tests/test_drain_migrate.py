@@ -96,6 +96,7 @@ async def test_rebalancing_moves_streams_to_an_idle_node_with_their_kv(model, tm
         outs = await asyncio.wait_for(asyncio.gather(*streams), 120)
         assert [o.text for o in outs] == want and all(o.usage == output for o in outs)
         moved = metric(cluster, "decode-0", 'pdcluster_node_handbacks_total{reason="rebalance"}')
+        assert moved >= 1
         assert metric(cluster, "decode-1", "pdcluster_node_kv_fetched_blocks_total") >= moved * (PROMPT + 16) // BLOCK
         wait_idle(cluster)
 

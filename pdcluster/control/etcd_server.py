@@ -144,17 +144,17 @@ class EtcdServer:
     def start(self, timeout: float = 20.0, attempts: int = 3) -> "EtcdServer":
         """Launch etcd and wait until /health says healthy; raises RuntimeError if it does not. A first start
         whose picked port was taken meanwhile ("address already in use") tries again on new ports."""
-        for attempt in range(attempts):
+        for _ in range(attempts - 1):
             try:
                 return self._start_once(timeout)
             except PortTaken:
-                if self._ever_healthy or not any(self._picked) or attempt == attempts - 1:
+                if self._ever_healthy or not any(self._picked):
                     raise
                 log.warning("etcd: a picked port was taken before etcd bound it; new ports")
                 self.client_port = free_port() if self._picked[0] else self.client_port
                 self.peer_port = free_port() if self._picked[1] else self.peer_port
                 self.health_port = free_port() if self.tls else None
-        raise AssertionError("unreachable")
+        return self._start_once(timeout)
 
     def _start_once(self, timeout: float) -> "EtcdServer":
         if self.running:
