@@ -43,7 +43,8 @@ LONG_PROMPT = 1536
 STREAMS = 8
 STREAM_TOKENS = 48
 TRAFFIC_TOKENS = 8
-MOVE_TOKENS = 700     # streams long enough to be running through a drain with migration and its failed copies
+MOVE_TOKENS = 1800    # streams that outlast a drain with migration and its failed copies (~5 s: kv_landing_timeout)
+                      # on a fast CPU too: 700 ended on d0 before the copy failed there (nothing to count)
 LEASE_TTL = 2
 STALL_TIMEOUT = 8.0
 PREFILL_TIMEOUT = 4.0
