@@ -254,7 +254,7 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=0, help="default: each workload's own")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--client", choices=["vllm", "serving", "both"], default="vllm")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))   # as both servers spell them
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-gib", type=int, default=2, help="KV space of each server (vLLM) / node (pdcluster)")
     p.add_argument("--pdcluster-args", default="",

@@ -1,15 +1,16 @@
 """The decode node: admission, remote (or local) prefill, the decode loop, token streaming to routers.
 
-A request's path (docs/design.md §3; the states are decode_node/request.py's): `Generate` from a router →
-`Prefill` to the chosen prefill node, which starts on the prompt, and `add_request(remote_kv=True)`: the engine
-reserves blocks for the whole prompt (leading blocks already in this node's prefix cache are shared, not
-re-sent) and reports them through the connector's `on_remote_reserved` → `PrefillDestination` to the prefill
-node, which writes the prompt's KV straight into the reserved blocks of this node's pool (layer by layer as it
-computes them) → on `PrefillDone` + the receiver's checksum ack, `remote_kv_landed`:
-the sequence joins the running batch → one message per engine step per router: a `TokenBatch` of the new
-tokens of each of its requests (`Tokens` when only one has any). Any failure of the remote part (timeout,
-checksum, prefill node gone or erroring) cancels the reservation, waits until no write can land, and hands
-the prompt back with `remote_kv_failed`: the engine prefills it locally (§5).
+A request's path (docs/design.md §3; the states are decode_node/request.py's): `Generate` from a router → (once the
+pool has room for its prompt beside the requests held here, each with `kv_reserve_tokens` to grow: `_kv_room_for`;
+until then it waits in `kv_queue`) `Prefill` to the chosen prefill node, which starts on the prompt, and
+`add_request(remote_kv=True)`: the engine reserves blocks for the whole prompt (leading blocks already in this
+node's prefix cache are shared, not re-sent) and reports them through the connector's `on_remote_reserved` →
+`PrefillDestination` to the prefill node, which writes the prompt's KV straight into the reserved blocks of this
+node's pool (layer by layer as it computes them) → on `PrefillDone` + the receiver's checksum ack,
+`remote_kv_landed`: the sequence joins the running batch → one message per engine step per router: a `TokenBatch`
+of the new tokens of each of its requests (`Tokens` when only one has any). Any failure of the remote part
+(timeout, checksum, prefill node gone or erroring) cancels the reservation, waits until no write can land, and
+hands the prompt back with `remote_kv_failed`: the engine prefills it locally (§5).
 
 While a request sends no token (queued, waiting on its prefill or its KV) the router hears `Progress` for
 it on admission and every `heartbeat_interval`, so its stall timer measures silence, not time to first
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import Callable, Mapping
 
 from pdcluster.control.protocol import (
@@ -133,6 +135,9 @@ class DecodeNode(NodeService):
         self.precopies = PreCopies(self.node_id, self.view, self.engine_thread, self._send_to, self.registry)
         self.fetches.on_end = self.precopies.fetched
         self.preempt_migrate = config.preempt_migrate
+        self.kv_reserve_tokens = config.kv_reserve_tokens
+        # remote prefills not started yet for want of KV room (`_kv_room_for`), oldest first, with their fetch blocks
+        self.kv_queue: deque[tuple[DecodeRequest, int]] = deque()
         self._relieving: str | None = None   # the request this node asked to move for pool pressure
         self._heartbeats: asyncio.Task | None = None
 
@@ -195,7 +200,7 @@ class DecodeNode(NodeService):
 
     def load(self) -> Load:
         s = self.engine_stats()
-        remote = sum(1 for r in self.requests.values() if r.remote)
+        remote = sum(1 for r in self.requests.values() if r.remote) + len(self.kv_queue)
         return Load(node_id=self.node_id, role=self.role, running=s.num_running, waiting=s.num_waiting + remote,
                     free_blocks=s.num_free_blocks, total_blocks=s.num_total_blocks, block_size=self.block_size,
                     tokens_per_s=s.tokens_per_s, transfer_gbps=self.transfer_gbps(), **self.kv_report())
@@ -287,11 +292,52 @@ class DecodeNode(NodeService):
         if params.prompt_logprobs is not None or resumed_ids:   # prompt logprobs: the prompt's logits are needed here
             self._prefill_locally(req, resumed_ids, fetch)
         elif peer is not None and peer.role == "prefill":
-            self._prefill_remotely(req, peer, fetch)
+            if self.kv_queue or not self._kv_room_for(req):
+                self.kv_queue.append((req, fetch))
+                log.info("request %s: waits for KV room before its prefill on %s (%d waiting)", req.rid,
+                         req.prefill_node, len(self.kv_queue), extra={"request_id": req.rid})
+            else:
+                self._prefill_remotely(req, peer, fetch)
         else:
             if msg.prefill_node:
                 self.metrics.remote_failures.labels(RemoteFailure.UNKNOWN_NODE.value).inc()
             self._prefill_locally(req, fetch_blocks=fetch)
+
+    def _kv_room_for(self, req: DecodeRequest) -> bool:
+        """Whether `req`'s prompt fits in the pool beside every request holding KV here, each counted with room to
+        grow by `kv_reserve_tokens` (up to its max_tokens; blocks it shares from the prefix cache not counted).
+        A decode node that started every prompt as it came would fill its pool with prompts and then preempt
+        running requests, recomputing their prompts on its own cores (what disaggregation is there to avoid);
+        this holds the prompt back instead, as SGLang's decode-side pre-allocation does. Always True with nothing
+        running (a prompt too big for the pool is the engine's to refuse)."""
+        total = self.engine_stats().num_total_blocks
+        if not self.kv_reserve_tokens or not total:
+            return True
+        holding = [r for r in self.requests.values() if r.state not in (State.NEW, State.FINISHED, State.GONE)]
+        need = sum(self._kv_blocks_reserved(r) for r in holding) + self._kv_blocks_reserved(req)
+        return not holding or need <= total
+
+    def _kv_blocks_reserved(self, req: DecodeRequest) -> int:
+        prompt = len(req.prompt_ids)
+        tokens = min(prompt + req.params.max_tokens, prompt + req.sent + self.kv_reserve_tokens, self.max_model_len)
+        return -(-tokens // self.block_size) - req.num_cached_tokens // self.block_size
+
+    def _start_waiting_prefills(self) -> None:
+        """The prompts waiting for KV room start, oldest first, while there is room (a request left)."""
+        while self.kv_queue:
+            req, fetch = self.kv_queue[0]
+            if self.requests.get(req.rid) is not req or req.state is not State.NEW:
+                self.kv_queue.popleft()   # aborted or expired meanwhile
+                continue
+            if not self._kv_room_for(req):
+                return
+            self.kv_queue.popleft()
+            peer = self.view.nodes.get(req.prefill_node)
+            if peer is not None and peer.role == "prefill":
+                self._prefill_remotely(req, peer, fetch)
+            else:   # its prefill node left meanwhile
+                self.metrics.remote_failures.labels(RemoteFailure.UNKNOWN_NODE.value).inc()
+                self._prefill_locally(req, fetch_blocks=fetch)
 
     def _prefill_locally(self, req: DecodeRequest, resumed_ids: list[int] | None = None, fetch_blocks: int = 0
                          ) -> None:
@@ -653,6 +699,8 @@ class DecodeNode(NodeService):
                 self._relieving = None
             req.move(State.GONE)
             req.outcome = outcome
+            if self.kv_queue:   # its KV room may let a waiting prompt start (after the caller's loop)
+                self.loop.call_soon(self._start_waiting_prefills)
             self.metrics.requests.labels(outcome).inc()
             log.info("request %s finished: %s (prefill %s)", req.rid, outcome, req.prefill_path,
                      extra={"request_id": req.rid})
@@ -719,6 +767,7 @@ class DecodeNode(NodeService):
         router that stayed unreachable past `router_reconnect_timeout`."""
         now = time.monotonic()
         self._overdue_moves(now)
+        self._start_waiting_prefills()
         silent: dict[bytes, list[DecodeRequest]] = {}
         for req in list(self.requests.values()):
             if req.backlog is not None:

@@ -34,7 +34,7 @@ from pdcluster.control.sampling_params import SamplingParams
 
 
 class State(enum.Enum):
-    NEW = "new"  # admitted, not yet handed to the engine
+    NEW = "new"  # admitted, not yet handed to the engine (a remote prefill may wait here for KV room)
     RESERVING = "reserving"  # remote: Prefill sent; the engine reserves blocks for the whole prompt
     PREFILLING = "prefilling"  # remote: Prefill sent; PrefillDone awaited
     WAITING_KV = "waiting_kv"  # remote: PrefillDone came; the receiver's checksum ack awaited

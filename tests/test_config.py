@@ -131,6 +131,7 @@ def test_bad_values_are_named():
         ({"lease_ttl": 0}, "lease_ttl: must be >= 1"),
         ({"role": "prefill"}, "unknown decode option 'role'"),  # the kind sets it
         ({"kv_cache_memory": -1}, "kv_cache_memory: must be >= 1"),
+        ({"kv_reserve_tokens": -1}, "kv_reserve_tokens: must be >= 0"),
         ({"enable_chunked_prefill": False, "max_model_len": 4096}, "needs enable_chunked_prefill"),
     ]
     for overrides, match in cases:
@@ -334,7 +335,7 @@ def test_config_classes_derive_from_the_declarations():
     assert "kv_pool_factory" not in node and "kv_pool_tensor" not in node and "kv_pool_factory" not in engine
     timeouts = set(TIMEOUT_KNOBS)
     own = {"kv_backend", "control_port", "load_port", "kv_port", "served_model_name", "cpu_cores", "drain_migrate",
-           "preempt_migrate"}
+           "preempt_migrate", "kv_reserve_tokens"}
     assert set(engine) | common | own | timeouts == set(node)
     for name, f in engine.items():  # same type, help and default (unless the node says otherwise)
         assert (node[name].type, node[name].metadata["help"]) == (f.type, f.metadata["help"]) and f.metadata["help"]

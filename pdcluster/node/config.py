@@ -89,6 +89,10 @@ class NodeConfig(CommonConfig):
                                         "two per running request), ask the router to move the newest running "
                                         "request to another decode node with its KV instead (off: preemption by "
                                         "recompute)")
+    kv_reserve_tokens: int = knob(512, "decode: output tokens of KV room kept for every request the node runs "
+                                       "(up to its max_tokens) before it starts another remote prefill: a prompt "
+                                       "that would cut into that room waits on this node instead of making the "
+                                       "pool preempt (and recompute) later (0: start every prompt at once)")
     served_model_name: str = knob("", "the \"model\" requests name to be routed here; default: the model dir's name")
     cpu_cores: str = knob("", "CPUs this node runs on, a list like 0-3,8 (as taskset): one torch thread each, "
                           "OpenMP threads bound one per core; empty = the CPUs the process was started with")
@@ -141,6 +145,8 @@ class NodeConfig(CommonConfig):
             raise ValueError("model: a checkpoint directory is required")
         for name in ("control_port", "load_port", "kv_port"):
             check_port(name, getattr(self, name))
+        if self.kv_reserve_tokens < 0:
+            raise ValueError(f"kv_reserve_tokens: must be >= 0, got {self.kv_reserve_tokens}")
         for name in TIMEOUT_KNOBS:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: must be > 0 seconds, got {getattr(self, name)}")
