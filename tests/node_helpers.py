@@ -120,15 +120,18 @@ class FakePrefill:
 
 
 @contextlib.asynccontextmanager
-async def decode_setup(etcd: EtcdServer, cluster: str, model: str, prefill_timeout: float = WAIT):
-    """(decode node, fake prefill peer it can see, fake router connected to it)."""
+async def decode_setup(etcd: EtcdServer, cluster: str, model: str, prefill_timeout: float = WAIT, **knobs):
+    """(decode node, fake prefill peer it can see, fake router connected to it); `knobs` on node_config's."""
     from pdcluster.decode_node.node import DecodeNode
 
     peer = FakePrefill(etcd, cluster)
     assert await peer.registration.start(wait=WAIT)
     router = DealerClient()
+    config = node_config("decode", model, etcd, cluster)
+    for name, value in knobs.items():
+        setattr(config, name, value)
     try:
-        node = DecodeNode(node_config("decode", model, etcd, cluster), prefill_timeout=prefill_timeout)
+        node = DecodeNode(config, prefill_timeout=prefill_timeout)
         async with serving(node):
             assert await node.view.wait_for(lambda v: PREFILL_PEER in v.nodes, WAIT)
             router.connect(node.control.address)

@@ -9,7 +9,6 @@ prefilled on the prefill node, none preempted, every output the offline engine's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 from cluster_helpers import bounded, client, complete, node_metrics, total, wait_idle
@@ -17,10 +16,8 @@ from node_helpers import (
     PREFILL_PEER,
     PROMPT,
     QUIET,
-    WAIT,
     FakePrefill,
-    node_config,
-    serving,
+    decode_setup,
     wait_until,
 )
 
@@ -31,26 +28,6 @@ from pdcluster.control.transport import DealerClient
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 LONG = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True).to_dict()   # 37 + 400 tokens: 28 blocks
-
-
-@contextlib.asynccontextmanager
-async def decode_node(etcd, cluster: str, model: str, kv_reserve_tokens: int):
-    from pdcluster.decode_node.node import DecodeNode
-
-    peer = FakePrefill(etcd, cluster)
-    assert await peer.registration.start(wait=WAIT)
-    router = DealerClient()
-    config = node_config("decode", model, etcd, cluster)   # 64 blocks of 16 tokens
-    config.kv_reserve_tokens = kv_reserve_tokens
-    try:
-        node = DecodeNode(config)
-        async with serving(node):
-            assert await node.view.wait_for(lambda v: PREFILL_PEER in v.nodes, WAIT)
-            router.connect(node.control.address)
-            yield node, peer, router
-    finally:
-        router.close()
-        await peer.close()
 
 
 def send(router: DealerClient, rid: str) -> None:
@@ -71,7 +48,7 @@ async def no_prompt_reaches(peer: FakePrefill) -> None:
 
 
 async def test_a_prompt_without_kv_room_waits_until_a_request_leaves(etcd, cluster, tiny_llama):
-    async with decode_node(etcd, cluster, tiny_llama, kv_reserve_tokens=512) as (node, peer, router):
+    async with decode_setup(etcd, cluster, tiny_llama, kv_reserve_tokens=512) as (node, peer, router):
         for rid in ("r1", "r2"):   # 2 x 28 of the 64 blocks
             send(router, rid)
             await prompt_reaches(peer, rid)
@@ -94,7 +71,7 @@ async def test_a_prompt_without_kv_room_waits_until_a_request_leaves(etcd, clust
 
 
 async def test_without_a_reserve_every_prompt_starts_at_once(etcd, cluster, tiny_llama):
-    async with decode_node(etcd, cluster, tiny_llama, kv_reserve_tokens=0) as (node, peer, router):
+    async with decode_setup(etcd, cluster, tiny_llama, kv_reserve_tokens=0) as (node, peer, router):
         for rid in ("r1", "r2", "r3"):   # each prompt's 3 blocks fit: all reserved at once
             send(router, rid)
             await prompt_reaches(peer, rid)
