@@ -136,8 +136,8 @@ class DecodeNode(NodeService):
         self.fetches.on_end = self.precopies.fetched
         self.preempt_migrate = config.preempt_migrate
         self.kv_reserve_tokens = config.kv_reserve_tokens
-        # remote prefills not started yet for want of KV room (`_kv_room_for`), oldest first, with their fetch blocks
-        self.kv_queue: deque[tuple[DecodeRequest, int]] = deque()
+        # prompts not started for want of KV room (`_kv_room_for`), oldest first: (request, fetch blocks, resumed ids)
+        self.kv_queue: deque[tuple[DecodeRequest, int, list[int]]] = deque()
         self._relieving: str | None = None   # the request this node asked to move for pool pressure
         self._heartbeats: asyncio.Task | None = None
 
@@ -284,24 +284,33 @@ class DecodeNode(NodeService):
             self._dispatch(req, msg, fetch)
 
     def _dispatch(self, req: DecodeRequest, msg: Generate, fetch: int) -> None:
-        """Where the prompt is computed: here, or on the prefill node the router chose."""
-        params = req.params
-        peer = self.view.nodes.get(msg.prefill_node) if msg.prefill_node else None
+        """Where the prompt is computed: here, or on the prefill node the router chose; a prompt bound for a prefill
+        node without KV room here, and any prompt while such prompts wait, joins the wait (`kv_queue`, first come
+        first served: a stream of local prompts cannot starve a waiting remote one)."""
         # A resumed structured output rebuilds its grammar's matcher from the tokens so far: prefilled here.
-        resumed_ids = list(msg.resume_ids) if params.structured_outputs is not None else []
-        if params.prompt_logprobs is not None or resumed_ids:   # prompt logprobs: the prompt's logits are needed here
-            self._prefill_locally(req, resumed_ids, fetch)
-        elif peer is not None and peer.role == "prefill":
-            if self.kv_queue or not self._kv_room_for(req):
-                self.kv_queue.append((req, fetch))
-                log.info("request %s: waits for KV room before its prefill on %s (%d waiting)", req.rid,
-                         req.prefill_node, len(self.kv_queue), extra={"request_id": req.rid})
-            else:
-                self._prefill_remotely(req, peer, fetch)
-        else:
-            if msg.prefill_node:
-                self.metrics.remote_failures.labels(RemoteFailure.UNKNOWN_NODE.value).inc()
-            self._prefill_locally(req, fetch_blocks=fetch)
+        resumed_ids = list(msg.resume_ids) if req.params.structured_outputs is not None else []
+        if self.kv_queue or (self._prefill_peer(req, resumed_ids) is not None and not self._kv_room_for(req)):
+            self.kv_queue.append((req, fetch, resumed_ids))
+            log.info("request %s: waits for KV room before its prefill (%d waiting)", req.rid, len(self.kv_queue),
+                     extra={"request_id": req.rid})
+            return
+        self._start_prefill(req, fetch, resumed_ids)
+
+    def _prefill_peer(self, req: DecodeRequest, resumed_ids: list[int]) -> NodeInfo | None:
+        """The prefill node to compute the prompt, or None: here (prompt logprobs need the prompt's logits here)."""
+        if req.params.prompt_logprobs is not None or resumed_ids or not req.prefill_node:
+            return None
+        peer = self.view.nodes.get(req.prefill_node)
+        return peer if peer is not None and peer.role == "prefill" else None
+
+    def _start_prefill(self, req: DecodeRequest, fetch: int, resumed_ids: list[int]) -> None:
+        peer = self._prefill_peer(req, resumed_ids)
+        if peer is not None:
+            self._prefill_remotely(req, peer, fetch)
+            return
+        if req.prefill_node and not resumed_ids and req.params.prompt_logprobs is None:   # it left the cluster view
+            self.metrics.remote_failures.labels(RemoteFailure.UNKNOWN_NODE.value).inc()
+        self._prefill_locally(req, resumed_ids, fetch)
 
     def _kv_room_for(self, req: DecodeRequest) -> bool:
         """Whether `req`'s prompt fits in the pool beside every request holding KV here, each counted with room to
@@ -325,19 +334,11 @@ class DecodeNode(NodeService):
     def _start_waiting_prefills(self) -> None:
         """The prompts waiting for KV room start, oldest first, while there is room (a request left)."""
         while self.kv_queue:
-            req, fetch = self.kv_queue[0]
-            if self.requests.get(req.rid) is not req or req.state is not State.NEW:
-                self.kv_queue.popleft()   # aborted or expired meanwhile
-                continue
+            req, fetch, resumed_ids = self.kv_queue[0]
             if not self._kv_room_for(req):
                 return
             self.kv_queue.popleft()
-            peer = self.view.nodes.get(req.prefill_node)
-            if peer is not None and peer.role == "prefill":
-                self._prefill_remotely(req, peer, fetch)
-            else:   # its prefill node left meanwhile
-                self.metrics.remote_failures.labels(RemoteFailure.UNKNOWN_NODE.value).inc()
-                self._prefill_locally(req, fetch_blocks=fetch)
+            self._start_prefill(req, fetch, resumed_ids)
 
     def _prefill_locally(self, req: DecodeRequest, resumed_ids: list[int] | None = None, fetch_blocks: int = 0
                          ) -> None:
@@ -699,8 +700,9 @@ class DecodeNode(NodeService):
                 self._relieving = None
             req.move(State.GONE)
             req.outcome = outcome
-            if self.kv_queue:   # its KV room may let a waiting prompt start (after the caller's loop)
-                self.loop.call_soon(self._start_waiting_prefills)
+            if self.kv_queue:   # out of the wait if it was in it; its KV room may let a waiting prompt start
+                self.kv_queue = deque(entry for entry in self.kv_queue if entry[0] is not req)
+                self.loop.call_soon(self._start_waiting_prefills)   # after the caller's loop
             self.metrics.requests.labels(outcome).inc()
             log.info("request %s finished: %s (prefill %s)", req.rid, outcome, req.prefill_path,
                      extra={"request_id": req.rid})

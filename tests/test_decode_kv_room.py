@@ -13,11 +13,15 @@ import asyncio
 import pytest
 from cluster_helpers import bounded, client, complete, node_metrics, total, wait_idle
 from node_helpers import (
+    MAX_TOKENS,
     PREFILL_PEER,
     PROMPT,
     QUIET,
     FakePrefill,
     decode_setup,
+    generate,
+    nothing_more,
+    stream,
     wait_until,
 )
 
@@ -54,15 +58,21 @@ async def test_a_prompt_without_kv_room_waits_until_a_request_leaves(etcd, clust
             await prompt_reaches(peer, rid)
         send(router, "r3")   # 28 more would not fit: it waits, and counts as waiting in the node's load
         await no_prompt_reaches(peer)
-        assert node.load().waiting == 3 and [r.rid for r, _ in node.kv_queue] == ["r3"]
+        assert node.load().waiting == 3 and [r.rid for r, _, _ in node.kv_queue] == ["r3"]
         send(router, "r4")   # behind r3, aborted while it waits: it never reaches the prefill node
         await no_prompt_reaches(peer)
         assert router.send(Abort(rid="r4"))
         await wait_until(lambda: "r4" not in node.requests, "the waiting request aborted")
-        assert router.send(Abort(rid="r1"))   # room for r3 now
+        # a short prompt for this node itself (3 blocks) waits behind r3 too: first come, first served
+        generate(router, "r5", None)
+        await nothing_more(router)
+        assert [r.rid for r, _, _ in node.kv_queue] == ["r3", "r5"]
+        assert router.send(Abort(rid="r1"))   # room for r3 now, and then for r5 (28 + 28 + 3 of 64 blocks)
         _, abort = await peer.recv(Abort)
         assert abort.rid == "r1"
         await prompt_reaches(peer, "r3")
+        ids, first = await stream(router, "r5")
+        assert first.prefill_path == "local" and len(ids) == MAX_TOKENS
         await no_prompt_reaches(peer)
         assert not node.kv_queue
         for rid in ("r2", "r3"):
