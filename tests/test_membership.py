@@ -269,6 +269,19 @@ async def test_etcd_outage_keeps_view_and_reregisters_after_restart(tmp_path, cl
         server.close()
 
 
+def test_free_port_never_hands_out_a_port_it_handed_out_lately(monkeypatch):
+    """Ports picked for services not started yet (a cluster's router, etcd, node metrics) are all free at the
+    pick; the same random draw twice would give two services one port."""
+    import pdcluster.control.etcd_server as etcd_server
+
+    first, second = [etcd_server.free_port() for _ in range(2)]   # two ports free now
+    draws = iter([first, first, first, second])
+    etcd_server._HANDED_OUT.clear()
+    monkeypatch.setattr(etcd_server.random, "randrange", lambda *_: next(draws))
+    assert etcd_server.free_port() == first
+    assert etcd_server.free_port() == second   # `first` is still free, but handed out already
+
+
 def test_etcd_server_picks_new_ports_when_a_picked_one_was_taken_before_the_first_start(tmp_path):
     server = EtcdServer(data_dir=tmp_path / "d")
     taken = server.client_port

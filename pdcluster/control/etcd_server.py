@@ -18,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections import deque
 from pathlib import Path
 
 from pdcluster.control.process import with_parent
@@ -37,21 +38,29 @@ def etcd_binary() -> Path:
     return path
 
 
+_HANDED_OUT: deque[int] = deque(maxlen=512)   # ports free_port returned lately, maybe not bound yet
+
+
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago, chosen below the kernel's ephemeral range.
+    """A loopback TCP port that was free a moment ago, chosen below the kernel's ephemeral range, and not one
+    this process was handed lately.
 
     A port the OS picks with bind(0) comes from the ephemeral range, which outgoing connections draw
     from too: between the pick and a later bind, any client socket may take it. Below that range only
-    explicit binds compete.
+    explicit binds compete — among them the services a caller picks several ports for before starting any
+    (a cluster's router, etcd and node metrics ports), hence the memory of recent picks.
     """
     low, _ = _ephemeral_range()
     for _ in range(200):
         port = random.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((LOOPBACK, port))
             except OSError:
                 continue
+            _HANDED_OUT.append(port)
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((LOOPBACK, 0))
