@@ -289,26 +289,30 @@ class DecodeNode(NodeService):
         first served: a stream of local prompts cannot starve a waiting remote one)."""
         # A resumed structured output rebuilds its grammar's matcher from the tokens so far: prefilled here.
         resumed_ids = list(msg.resume_ids) if req.params.structured_outputs is not None else []
-        if self.kv_queue or (self._prefill_peer(req, resumed_ids) is not None and not self._kv_room_for(req)):
+        remote = not self._prefilled_here(req, resumed_ids) and self._prefill_peer(req) is not None
+        if self.kv_queue or (remote and not self._kv_room_for(req)):
             self.kv_queue.append((req, fetch, resumed_ids))
             log.info("request %s: waits for KV room before its prefill (%d waiting)", req.rid, len(self.kv_queue),
                      extra={"request_id": req.rid})
             return
         self._start_prefill(req, fetch, resumed_ids)
 
-    def _prefill_peer(self, req: DecodeRequest, resumed_ids: list[int]) -> NodeInfo | None:
-        """The prefill node to compute the prompt, or None: here (prompt logprobs need the prompt's logits here)."""
-        if req.params.prompt_logprobs is not None or resumed_ids or not req.prefill_node:
-            return None
+    @staticmethod
+    def _prefilled_here(req: DecodeRequest, resumed_ids: list[int]) -> bool:
+        """No prefill node named, or the prompt must run here (prompt logprobs need its logits here)."""
+        return req.params.prompt_logprobs is not None or bool(resumed_ids) or not req.prefill_node
+
+    def _prefill_peer(self, req: DecodeRequest) -> NodeInfo | None:
         peer = self.view.nodes.get(req.prefill_node)
         return peer if peer is not None and peer.role == "prefill" else None
 
     def _start_prefill(self, req: DecodeRequest, fetch: int, resumed_ids: list[int]) -> None:
-        peer = self._prefill_peer(req, resumed_ids)
+        here = self._prefilled_here(req, resumed_ids)
+        peer = None if here else self._prefill_peer(req)
         if peer is not None:
             self._prefill_remotely(req, peer, fetch)
             return
-        if req.prefill_node and not resumed_ids and req.params.prompt_logprobs is None:   # it left the cluster view
+        if not here:   # the prefill node named left the cluster view
             self.metrics.remote_failures.labels(RemoteFailure.UNKNOWN_NODE.value).inc()
         self._prefill_locally(req, resumed_ids, fetch)
 
