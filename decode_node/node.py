@@ -336,7 +336,15 @@ class DecodeNode(NodeService):
         return -(-tokens // self.block_size) - req.num_cached_tokens // self.block_size
 
     def _start_waiting_prefills(self) -> None:
-        """The prompts waiting for KV room start, oldest first, while there is room (a request left)."""
+        """The prompts waiting for KV room start, oldest first, while there is room (a request left). A draining node
+        sends them back instead (`Reject`: nothing computed yet, their routers place them on another decode node)
+        when another decode node takes work; with none, they wait and run here."""
+        if self.kv_queue and self.state == "draining" and self._other_decode_nodes():
+            for req, _, _ in list(self.kv_queue):
+                self._send_to(req.owner, Reject(rid=req.rid, reason=f"node {self.node_id} is draining",
+                                                retry_after=1.0))
+                self._forget(req, "rejected")
+            return
         while self.kv_queue:
             req, fetch, resumed_ids = self.kv_queue[0]
             if not self._kv_room_for(req):
@@ -594,6 +602,10 @@ class DecodeNode(NodeService):
                 self.peers.send_existing(req.prefill_node, Abort(rid=rid))
             self.engine_thread.post(lambda e: e.abort(rid))   # queued behind any add: it frees what that took
             self._forget(req, "abort")
+
+    def begin_drain(self, reason: str = "", migrate: bool = False) -> None:
+        super().begin_drain(reason, migrate)
+        self._start_waiting_prefills()   # the prompts waiting for KV room go to another node now
 
     def migrate_away(self) -> None:
         """Draining with migration: ask the router of each request the engine runs to move it (MoveAway: it

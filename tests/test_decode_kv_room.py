@@ -2,9 +2,10 @@
 holds, each with `kv_reserve_tokens` of room to grow (decode_node/node.py `_kv_room_for`); the others wait on the
 node, and nothing is preempted and recomputed there.
 
-First with fake peers in this process (the waiting prompt's Prefill goes out only when a request leaves), then
-a real 1 prefill + 1 decode cluster whose decode pool cannot hold every stream to its end: every prompt is
-prefilled on the prefill node, none preempted, every output the offline engine's."""
+First with fake peers in this process (the waiting prompt's Prefill goes out only when a request leaves; a
+draining node sends its waiting prompts to another decode node), then a real 1 prefill + 1 decode cluster whose
+decode pool cannot hold every stream to its end: every prompt is prefilled on the prefill node, none preempted,
+every output the offline engine's."""
 
 from __future__ import annotations
 
@@ -17,15 +18,19 @@ from node_helpers import (
     PREFILL_PEER,
     PROMPT,
     QUIET,
+    WAIT,
     FakePrefill,
     decode_setup,
     generate,
     nothing_more,
+    recv,
     stream,
     wait_until,
 )
 
-from pdcluster.control.protocol import Abort, Generate, Prefill, PrefillDestination
+from pdcluster.control.protocol import Abort, Generate, Prefill, PrefillDestination, Reject
+from pdcluster.control.records import NodeInfo
+from pdcluster.control.registration import Registration
 from pdcluster.control.sampling_params import SamplingParams
 from pdcluster.control.transport import DealerClient
 
@@ -89,6 +94,31 @@ async def test_without_a_reserve_every_prompt_starts_at_once(etcd, cluster, tiny
         for rid in ("r1", "r2", "r3"):
             assert router.send(Abort(rid=rid))
             await peer.recv(Abort)
+
+
+async def test_a_draining_node_sends_its_waiting_prompts_to_another_decode_node(etcd, cluster, tiny_llama):
+    async with decode_setup(etcd, cluster, tiny_llama, kv_reserve_tokens=512) as (node, peer, router):
+        for rid in ("r1", "r2"):
+            send(router, rid)
+            await prompt_reaches(peer, rid)
+        send(router, "r3")
+        await no_prompt_reaches(peer)
+        node.begin_drain("test")   # no other decode node: r3 keeps waiting, to run here
+        await nothing_more(router)
+        assert [r.rid for r, _, _ in node.kv_queue] == ["r3"]
+        other = Registration([etcd.endpoint], cluster, NodeInfo(node_id="decode-other", role="decode",
+                                                                model=node.served_model_name()), ttl=2)
+        assert await other.start(wait=WAIT)
+        try:   # another decode node joins: r3 goes back to its router, which places it there; it never ran here
+            reject = await recv(router, Reject)
+            assert reject.rid == "r3" and "draining" in reject.reason
+            assert not node.kv_queue and "r3" not in node.requests
+            await no_prompt_reaches(peer)
+            for rid in ("r1", "r2"):
+                assert router.send(Abort(rid=rid))
+                await peer.recv(Abort)
+        finally:
+            await other.deregister()
 
 
 # ------------------------------------------------------------------------------------ a real 1P1D cluster
