@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Mapping
 
@@ -49,6 +50,14 @@ RENEW_SWEEP = 0.25  # seconds between checks for jobs whose deadline to renew
 ROUTE_GRACE_S = 1.0  # a done prompt waits for its destination until its deadline, and this (its expiry answers it)
 
 
+def pushes_while_computing(engine: LLMEngine) -> bool:
+    """Whether sending a prompt's KV layer by layer overlaps its compute: on an accelerator (the copies are the
+    device's) or on more than one CPU core (the send thread has one to run on). A node on one CPU core copies on the
+    core that computes either way, and 30-odd hand-offs to the send thread per prompt cost its first token more than
+    one copy at its end (128-token prompts: 95 against 107 ms, docs/benchmarks.md)."""
+    return engine.device.type != "cpu" or engine.tp_size > 1 or len(os.sched_getaffinity(0)) > 1
+
+
 class PrefillNode(NodeService):
     role = "prefill"
     upstream = "decode node"
@@ -71,6 +80,9 @@ class PrefillNode(NodeService):
         self.sender: RankedSender = self.rank_kv.sender(local) if self.rank_kv else \
             RankedSender(local, RankLinks([]), self.engine.tell_rank_agent)
         self.connector.sender = self.sender
+        self.connector.layerwise = layerwise and pushes_while_computing(self.engine)
+        log.info("prefill node: KV pushed %s", "layer by layer as it is computed" if self.connector.layerwise
+                 else "once each prompt is done (one core: the copy cannot overlap the compute)")
         self.max_jobs = max_jobs or 2 * config.max_num_seqs
         self.jobs: dict[str, PrefillJob] = {}  # not yet answered (CONNECTING, QUEUED, SENDING)
         self._held: dict[str, PrefillJob] = {}  # their request is in the engine (QUEUED, SENDING, ABANDONED)

@@ -199,8 +199,24 @@ def test_tensor_parallel_nodes_leave_omp_binding_to_the_ranks_split(tiny_llama, 
 
 @pytest.mark.slow
 def test_pdcluster_up_runs_each_node_on_its_own_cores(tiny_llama, tmp_path):
+    """...and a prefill node on one core pushes each prompt's KV once it is done (nothing to overlap there), on more
+    cores layer by layer; the prompt is served either way, as the offline engine serves it."""
+    import asyncio
+
+    from cluster_helpers import client, complete, node_metrics, total
+    from transformers import AutoTokenizer
+
+    from pdcluster.engine import LLM
+    from pdcluster.engine import SamplingParams as Params
+
+    prompt = [(7 * j) % 300 + 3 for j in range(40)]
+    llm = LLM(model=tiny_llama, dtype="float32", device="cpu", num_gpu_blocks_override=64)
+    expected = list(llm.generate([prompt], Params(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+                    .token_ids)
+    del llm
     with LocalCluster(model=tiny_llama, num_prefill=1, num_decode=1, port=0, work_dir=tmp_path, lease_ttl=2,
-                      node_config={"kv_cache_memory": "8MiB", "device": "cpu"}) as cluster:
+                      node_config={"kv_cache_memory": "8MiB", "device": "cpu", "dtype": "float32"},
+                      router_config={"disagg_min_tokens": 0}) as cluster:
         router, nodes = share_host_cores(HOST, [1, 1])
         services = {s.kind: s for s in cluster.services}
         for kind, cores in zip(("prefill", "decode"), nodes, strict=True):
@@ -212,3 +228,9 @@ def test_pdcluster_up_runs_each_node_on_its_own_cores(tiny_llama, tmp_path):
         assert sorted(os.sched_getaffinity(services["router"].proc.pid)) == (router or HOST)
         assert cluster.etcd_server is None or sorted(os.sched_getaffinity(cluster.etcd_server._proc.pid)) == (
             router or HOST)
+        push = "once each prompt is done" if len(nodes[0]) == 1 else "layer by layer"
+        assert f"KV pushed {push}" in services["prefill"].log_tail(200)
+        out = asyncio.run(complete(client(cluster), os.path.basename(tiny_llama), prompt, 8))
+        assert out.finish == "length" and out.text == AutoTokenizer.from_pretrained(tiny_llama).decode(
+            expected, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert total(node_metrics(cluster, "decode"), 'pdcluster_node_prefills_total{path="remote"}') == 1
