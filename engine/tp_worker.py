@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
+from pdcluster.control.gc_tuning import quiet_gc
 from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.lora.request import LoRAConfig
 
@@ -84,6 +85,7 @@ def main(spec: WorkerSpec, conn: Connection) -> int:
     except BaseException:
         reply(conn, "error", f"rank {spec.rank}: {traceback.format_exc()}")
         return 1
+    quiet_gc()   # the shard's heap: out of every collection from now on
     reply(conn, "ready")
     agent: RankAgent | None = None   # the node's code on this rank's KV slice (engine/rank_agent.py)
     pools: RankPools | None = None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
 import socket
 import time
@@ -11,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
+from pdcluster.control.gc_tuning import quiet_gc
 from pdcluster.router.app import RouterAPI
 from pdcluster.router.cluster import NodeSource
 from pdcluster.router.membership import ETCD_WAIT_S, RouterMembership
@@ -88,17 +88,6 @@ def run_router(config: RouterConfig, source: NodeSource | None = None, reuse_por
         server.run(sockets=[sock])
     finally:
         sock.close()
-
-
-def quiet_gc() -> None:
-    """Per streamed token the router allocates a few short-lived containers (a frame's items, chunks, deltas),
-    in bursts of a whole engine step; with CPython's default gen-0 threshold (700) the bursts set off a young
-    collection every few steps, and what start-up built is scanned again by every old one. Measured with
-    `benchmarks/serving.py --start fake --pin-router` (4096 requests, 256 streams): 961 young collections and
-    0.40 s of collecting before, 24 and 0.03 s after."""
-    gc.collect()
-    gc.freeze()   # start-up's objects (app, tokenizer tables, modules) leave the collected generations
-    gc.set_threshold(5000, 10, 10)
 
 
 class _StartedOnLifespan:

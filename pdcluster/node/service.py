@@ -21,6 +21,7 @@ from prometheus_client import Gauge
 
 from pdcluster.control.cluster_view import ClusterView
 from pdcluster.control.etcd_client import EtcdCredentials
+from pdcluster.control.gc_tuning import quiet_gc
 from pdcluster.control.keys import keys_from_config
 from pdcluster.control.metrics import DroppedFramesCollector, MetricsServer, new_registry, serve_metrics
 from pdcluster.control.protocol import MAX_KV_EVENT_HASHES, Abort, FetchKV, Load, LoraAdapter, Message, Ping, Pong
@@ -469,6 +470,7 @@ def run_service(service_factory: Callable[[], NodeService]) -> int:
     except ValueError as exc:
         log.error("%s", exc)
         return 2
+    quiet_gc()   # the loaded model's heap: out of every collection from now on
     asyncio.run(service.serve())
     return service.exit_code
 
