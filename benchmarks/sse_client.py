@@ -39,6 +39,8 @@ class SSEConnection:
 
     async def post_events(self, path: str, body: bytes) -> tuple[int, AsyncIterator[bytes]]:
         """(status, the `data:` payloads of the response's SSE events); a non-200 body comes as one item."""
+        if self.reader is not None and self.reader.at_eof():   # the server closed it while idle (keep-alive timeout)
+            await self.close()
         if self.writer is None or self.writer.is_closing():
             try:
                 self.reader, self.writer = await asyncio.open_connection(self.host, self.port, ssl=self.ssl)
