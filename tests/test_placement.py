@@ -84,6 +84,19 @@ def test_pdcluster_up_shares_the_hosts_cores(cores, ranks, router, nodes, caplog
     assert ("ranks share cores" in caplog.text) == (len(cores) < sum(ranks))
 
 
+@pytest.mark.parametrize("cores, ranks, prefill_nodes, router, nodes", [
+    ([0, 1], [1, 1], 1, [1], [[0], [1]]),                 # 1P1D on 2 cores: router + etcd with the decode node
+    ([0, 1, 2], [1, 1], 1, [2], [[0, 1], [2]]),
+    ([0, 1, 2], [1, 1, 1], 1, [1, 2], [[0], [1], [2]]),   # 1P2D: both decode nodes' cores
+    ([0, 1], [1, 1, 1], 1, [1], [[0], [1], [0]]),         # decode-1 wraps onto the prefill core: not that one
+    ([0, 1], [1, 1, 1], 2, [], [[0], [1], [0]]),          # every decode core also prefills: any core
+    ([0, 1], [1], 1, [], [[0, 1]]),                       # prefill nodes only
+    ([0, 1, 2, 3], [1, 1], 1, [0], [[1, 2], [3]]),        # a core to spare: theirs, as without prefill nodes
+])
+def test_without_a_spare_core_the_router_shares_the_decode_nodes_cores(cores, ranks, prefill_nodes, router, nodes):
+    assert share_host_cores(cores, ranks, prefill_nodes) == (router, nodes)
+
+
 def _cluster(tmp_path, **kw) -> LocalCluster:
     """A LocalCluster whose children are never started: start_node writes each node's config only."""
     cluster = LocalCluster(model="/m", etcd="127.0.0.1:2379", work_dir=tmp_path, **kw)
@@ -102,7 +115,7 @@ def _node_cores(cluster: LocalCluster, tmp_path) -> list[str | None]:
 def test_local_cluster_gives_each_node_its_share_unless_the_user_placed_them(tmp_path):
     (tmp_path / "split").mkdir()
     cluster = _cluster(tmp_path / "split", num_prefill=1, num_decode=2)
-    router, nodes = share_host_cores(HOST, [1, 1, 1])
+    router, nodes = share_host_cores(HOST, [1, 1, 1], 1)
     assert cluster.core_plan() == (router, nodes)
     assert _node_cores(cluster, tmp_path / "split") == [format_cpus(c) for c in nodes]
     # A node started later shares the cores of the node its index wraps to; one given cores keeps them.
@@ -111,7 +124,7 @@ def test_local_cluster_gives_each_node_its_share_unless_the_user_placed_them(tmp
     later = [yaml.safe_load((tmp_path / "split" / f"decode-{i}.yaml").read_text())["cpu_cores"] for i in (9, 8)]
     assert later == [format_cpus(nodes[0]), "0"]
     # tensor_parallel_size weighs the shares.
-    assert _cluster(tmp_path, node_config={"tensor_parallel_size": 2}).core_plan() == share_host_cores(HOST, [2, 2])
+    assert _cluster(tmp_path, node_config={"tensor_parallel_size": 2}).core_plan() == share_host_cores(HOST, [2, 2], 1)
     # threads_per_node or cpu_cores given: nothing is split, the router and etcd are not pinned.
     for i, (kw, want) in enumerate([({"threads_per_node": 1}, None), ({"node_config": {"cpu_cores": "0"}}, "0")]):
         (tmp_path / str(i)).mkdir()
@@ -217,7 +230,7 @@ def test_pdcluster_up_runs_each_node_on_its_own_cores(tiny_llama, tmp_path):
     with LocalCluster(model=tiny_llama, num_prefill=1, num_decode=1, port=0, work_dir=tmp_path, lease_ttl=2,
                       node_config={"kv_cache_memory": "8MiB", "device": "cpu", "dtype": "float32"},
                       router_config={"disagg_min_tokens": 0}) as cluster:
-        router, nodes = share_host_cores(HOST, [1, 1])
+        router, nodes = share_host_cores(HOST, [1, 1], 1)
         services = {s.kind: s for s in cluster.services}
         for kind, cores in zip(("prefill", "decode"), nodes, strict=True):
             pid = services[kind].proc.pid

@@ -89,15 +89,21 @@ def _size_cpu_kv_pools(node_config: dict[str, Any], nodes: int, fraction: float)
                          "available; lower --kv-cache-memory or start fewer nodes")
 
 
-def share_host_cores(cores: list[int], ranks: list[int]) -> tuple[list[int], list[list[int]]]:
+def share_host_cores(cores: list[int], ranks: list[int], prefill_nodes: int = 0) -> tuple[list[int], list[list[int]]]:
     """(the cores of the router and etcd, each node's cores) on a host with `cores` for nodes of `ranks`
-    tensor-parallel ranks each: the first cores go to the router and etcd when there are enough to spare
-    (RESERVE_*; else []: they share), the rest in contiguous slices in node order, proportional to the ranks
-    (`share_cpus`). Fewer cores than ranks: a warning, every node at least one core, as few sharing as can be."""
+    tensor-parallel ranks each, the first `prefill_nodes` of them prefill nodes: the first cores go to the router
+    and etcd when there are enough to spare (RESERVE_*), the rest in contiguous slices in node order, proportional
+    to the ranks (`share_cpus`). With none to spare the router and etcd share the decode nodes' cores that no
+    prefill node has (else any core): a prefill on its core is the first token's time, where a decode step has
+    time to spare. Fewer cores than ranks: a warning, every node at least one core, as few sharing as can be."""
     spare = len(cores) - sum(ranks)
     reserved = (2 if len(cores) >= RESERVE_TWO_CORES and spare >= RESERVE_TWO_SPARE
                 else 1 if spare >= RESERVE_ONE_SPARE else 0)
     if spare < 0:
         log.warning("%d cores for %d nodes of %d tensor-parallel ranks in all: ranks share cores (threads on a "
                     "shared core wait for each other)", len(cores), len(ranks), sum(ranks))
-    return cores[:reserved], share_cpus(cores[reserved:], ranks)
+    nodes = share_cpus(cores[reserved:], ranks)
+    if reserved or not prefill_nodes:
+        return cores[:reserved], nodes
+    prefill = {c for s in nodes[:prefill_nodes] for c in s}
+    return sorted({c for s in nodes[prefill_nodes:] for c in s} - prefill), nodes

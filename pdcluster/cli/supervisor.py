@@ -235,9 +235,9 @@ class LocalCluster:
             else:
                 tp = int(node_knob(self.node_config, "tensor_parallel_size"))
                 cores = sorted(os.sched_getaffinity(0))
-                self._cores = share_host_cores(cores, [tp] * (self.num_prefill + self.num_decode))
+                self._cores = share_host_cores(cores, [tp] * (self.num_prefill + self.num_decode), self.num_prefill)
                 log.info("cores %s: router + etcd %s; nodes %s", format_cpus(cores),
-                         format_cpus(self._cores[0]) or "on the nodes' cores",
+                         format_cpus(self._cores[0]) or "any core",
                          ", ".join(format_cpus(c) for c in self._cores[1]))
         return self._cores
 
