@@ -21,6 +21,7 @@ from pdcluster.engine.config import ModelConfig
 from pdcluster.engine.cpu_decode import DecodePlan
 from pdcluster.engine.expert_load import ExpertLoadCounter
 from pdcluster.engine.kv_cache import KVCachePool
+from pdcluster.engine.layers.moe import FusedMoE
 from pdcluster.engine.loader import load_model
 from pdcluster.engine.lora.request import LoRAConfig
 from pdcluster.engine.lora.slots import LoRASlots
@@ -57,6 +58,9 @@ class ModelRunner:
                                             config.head_dim)
         self.model = load_model(model_dir, config, dtype, device, self.attn_backend, weight_pool, self.tp)
         self.expert_load = ExpertLoadCounter(self.model, enabled=self.tp.rank == 0)
+        # The last layer's MLP may skip the rows no logit needs (StepInputs.logit_rows_only), unless it routes
+        # experts: their load counts every token the router sees (engine/expert_load.py)
+        self.cut_last_layer = not any(isinstance(m, FusedMoE) for m in self.model.model.layers[-1].modules())
         self.lora = LoRASlots(self.model, config, lora, dtype, device, self.tp) if lora is not None else None
         self.compiled: CompiledBody | None = None
         # the compiled body's opaque attention op is the regular backend's; MLA runs eagerly
@@ -97,6 +101,7 @@ class ModelRunner:
         inputs, sample_seqs = prepare_step(batch, self.block_size, self.drafts_as_decode_rows)
         if self.lora is not None:
             self.lora.assign(inputs)
+        inputs.logit_rows_only = self.cut_last_layer and self.lora is None and self.feature_sink is None
         return inputs, sample_seqs
 
     @torch.inference_mode()
@@ -121,15 +126,20 @@ class ModelRunner:
         if hidden is None and plan is not None and layer_done_callback is None and not aux \
                 and plan.covers(meta, inputs.ids.shape[0]):
             hidden = plan.forward(inputs.ids, inputs.positions, meta)
+        rows = inputs.sample_rows
+        gathered = False
         if hidden is None:
-            hidden = self.model(inputs.ids, inputs.positions, meta, layer_done_callback)
+            logit_rows = None
+            if inputs.logit_rows_only and len(rows) < inputs.ids.shape[0]:
+                logit_rows = torch.tensor(rows, dtype=torch.long, device=inputs.ids.device)
+            hidden = self.model(inputs.ids, inputs.positions, meta, layer_done_callback, logit_rows)
+            gathered = logit_rows is not None
         self.expert_load.accumulate()
         if self.feature_sink is not None:
             self.features = torch.cat(self.model.model.captured, dim=-1) if aux else hidden
-        if not inputs.sample_rows:
+        if not rows:
             return None
-        rows = inputs.sample_rows
-        if len(rows) < hidden.shape[0] or rows != list(range(len(rows))):   # else every row in order: no gather
+        if not gathered and (len(rows) < hidden.shape[0] or rows != list(range(len(rows)))):   # else: no gather
             hidden = hidden.index_select(0, torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device))
         return self.model.compute_logits(hidden)
 

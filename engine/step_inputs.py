@@ -27,6 +27,9 @@ class StepInputs:
     # slots to fill before the step, as (slot, adapter name, path, content hash)
     lora_slots: torch.Tensor | None = None
     lora_loads: list[tuple[int, str, str, str]] = field(default_factory=list)
+    # No row's hidden state is wanted beyond the logits of sample_rows (no hidden-state head, no LoRA, no experts
+    # in the last layer): its MLP and the final norm run on those rows alone (`LlamaModel.forward`'s logit_rows)
+    logit_rows_only: bool = False
 
     def to(self, device: torch.device) -> "StepInputs":
         if device.type == "cpu":
@@ -42,7 +45,8 @@ class StepInputs:
             slot_mapping=mv(m.slot_mapping), num_decode_tokens=m.num_decode_tokens,
             decode_block_tables=mv(m.decode_block_tables), decode_context_lens=mv(m.decode_context_lens),
             prefills=[PrefillChunk(p.start, p.end, p.num_cached, mv(p.block_table)) for p in m.prefills])
-        return StepInputs(mv(self.ids), mv(self.positions), meta, self.sample_rows)
+        return StepInputs(mv(self.ids), mv(self.positions), meta, self.sample_rows,
+                          logit_rows_only=self.logit_rows_only)
 
 
 def _pack(t: torch.Tensor | None):
@@ -70,6 +74,7 @@ def encode(inputs: StepInputs) -> bytes:
         "pf": [[p.start, p.end, p.num_cached, _pack(p.block_table)] for p in m.prefills],
         "rows": inputs.sample_rows,
         "lora": [_pack(inputs.lora_slots), [list(load) for load in inputs.lora_loads]],
+        "lro": inputs.logit_rows_only,
     })
 
 
@@ -82,4 +87,4 @@ def decode(data: bytes) -> StepInputs:
                              prefills=[PrefillChunk(s, e, c, _unpack(t)) for s, e, c, t in d["pf"]])
     lora_slots, loads = d["lora"]
     return StepInputs(ids, positions, meta, d["rows"], lora_slots=_unpack_optional(lora_slots),
-                      lora_loads=[tuple(load) for load in loads])
+                      lora_loads=[tuple(load) for load in loads], logit_rows_only=d["lro"])
