@@ -120,6 +120,7 @@ def activation_maxima(model_dir: str, prompts: list[str],
     engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", enforce_eager=True, enable_prefix_caching=False))
     limit = min(max_tokens_per_prompt, engine.model_config.max_model_len - 1)
     try:
+        engine.runner.cut_last_layer = False   # every row's activations, the last layer's too (logit_rows_only)
         layers = engine.runner.model.model.layers
         maxima: list[dict[str, torch.Tensor]] = [{} for _ in layers]
         expected: list[set[str]] = [set() for _ in layers]
