@@ -127,20 +127,18 @@ class ModelRunner:
                 and plan.covers(meta, inputs.ids.shape[0]):
             hidden = plan.forward(inputs.ids, inputs.positions, meta)
         rows = inputs.sample_rows
-        gathered = False
+        logit_rows = None   # set: the model returned only these rows' hidden states, in this order
         if hidden is None:
-            logit_rows = None
             if inputs.logit_rows_only and len(rows) < inputs.ids.shape[0]:
                 logit_rows = torch.tensor(rows, dtype=torch.long, device=inputs.ids.device)
             hidden = self.model(inputs.ids, inputs.positions, meta, layer_done_callback, logit_rows)
-            gathered = logit_rows is not None
         self.expert_load.accumulate()
         if self.feature_sink is not None:
             self.features = torch.cat(self.model.model.captured, dim=-1) if aux else hidden
         if not rows:
             return None
-        if not gathered and (len(rows) < hidden.shape[0] or rows != list(range(len(rows)))):   # else: no gather
-            hidden = hidden.index_select(0, torch.tensor(inputs.sample_rows, dtype=torch.long, device=hidden.device))
+        if logit_rows is None and (len(rows) < hidden.shape[0] or rows != list(range(len(rows)))):   # else: no gather
+            hidden = hidden.index_select(0, torch.tensor(rows, dtype=torch.long, device=hidden.device))
         return self.model.compute_logits(hidden)
 
     def execute_all_ranks(self, inputs: StepInputs,
