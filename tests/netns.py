@@ -1,6 +1,7 @@
 """N "hosts" on one machine for multi-host tests: network namespaces on a bridge, each with its own address
-(10.231.<k>.0/24, a private test range), its own loopback, and its own /dev/shm (every process runs in a
-private mount namespace with a fresh tmpfs there). Real pdcluster processes run in them.
+(10.<s>.0.<k>/16, s from 231 up: the first private test range no route of this machine covers yet), its own
+loopback, and its own /dev/shm (every process runs in a private mount namespace with a fresh tmpfs there). Real
+pdcluster processes run in them.
 
 Root only (`ip netns`, mounts): the `hosts` fixture (and `module_hosts`, one set for a test module) skips with
 the reason otherwise. Everything it made, processes, namespaces, veths and the bridge, is removed at teardown,
@@ -14,6 +15,7 @@ one-way cut), `cut(a, b)` does it on both ends, `Host.heal()` removes the rules 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -129,6 +131,17 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         pass
 
 
+def free_subnet(first: int = 231, last: int = 254) -> int:
+    """The first s in [first, last] whose 10.s.0.0/16 no route of this machine touches. A bridge left by a killed
+    run (its namespaces outlive it) keeps its route; a second bridge on the same range would lose every packet
+    the test itself sends to its hosts to the first one."""
+    routes = _ip("-4", "route", "show").stdout
+    for subnet in range(first, last + 1):
+        if not re.search(rf"(^|[^0-9])10\.{subnet}\.", routes, re.MULTILINE):
+            return subnet
+    raise RuntimeError(f"no free 10.x.0.0/16 test range between 10.{first} and 10.{last}: {routes}")
+
+
 class Hosts:
     """Makes hosts on one bridge; `close()` removes all of it."""
 
@@ -136,7 +149,7 @@ class Hosts:
         tag = uuid.uuid4().hex[:5]
         self.tag = tag
         self.bridge = f"pdbr{tag}"
-        self.subnet = 231  # 10.231.<subnet>.0/24
+        self.subnet = free_subnet()  # hosts are 10.<subnet>.0.<k>/16
         self.work_dir = work_dir
         self.hosts: list[Host] = []
         _ip("link", "add", self.bridge, "type", "bridge")

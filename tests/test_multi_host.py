@@ -10,7 +10,7 @@ import time
 import pytest
 import yaml
 from cluster_helpers import client, complete, wait_until_async
-from netns import Host, hosts  # noqa: F401  (hosts: the fixture)
+from netns import Host, free_subnet, hosts  # noqa: F401  (hosts: the fixture)
 
 from pdcluster.cli.smoke import scrape_metrics
 from pdcluster.control.etcd_server import etcd_binary, health_ok
@@ -44,6 +44,33 @@ def test_hosts_are_separate_and_tell_each_other_apart(hosts):  # noqa: F811
     # so their host identities differ, and no sender between them picks shm (ShmChannel.auto_rank)
     ids = [h.run([sys.executable, "-c", HOST_ID]).stdout.strip() for h in (a, b, a)]
     assert ids[0] and ids[0] != ids[1], ids
+
+
+def test_a_bridge_left_by_a_killed_run_does_not_take_the_tests_packets(hosts):  # noqa: F811
+    """A killed run leaves its bridge and namespaces behind, its route to its test range with them; new hosts
+    take another range, so what the test itself sends to them still arrives (CI once failed every
+    etcd-up wait this way)."""
+    import subprocess
+    import urllib.request
+
+    stale = free_subnet()
+    subprocess.run(["ip", "link", "add", "pdbrstale", "type", "bridge"], check=True)
+    try:
+        subprocess.run(["ip", "addr", "add", f"10.{stale}.0.254/16", "dev", "pdbrstale"], check=True)
+        subprocess.run(["ip", "link", "set", "pdbrstale", "up"], check=True)
+        (host,) = hosts(1)
+        assert not host.address.startswith(f"10.{stale}."), host.address
+        host.popen([sys.executable, "-m", "http.server", "8123", "--bind", host.address], "http.log")
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert urllib.request.urlopen(f"http://{host.address}:8123/", timeout=2).status == 200
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the host's server never answered from this machine"
+                time.sleep(0.1)
+    finally:
+        subprocess.run(["ip", "link", "del", "pdbrstale"], check=False)
 
 
 def _write_config(host: Host, name: str, config: dict) -> str:
