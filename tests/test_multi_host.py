@@ -46,31 +46,31 @@ def test_hosts_are_separate_and_tell_each_other_apart(hosts):  # noqa: F811
     assert ids[0] and ids[0] != ids[1], ids
 
 
-def test_a_bridge_left_by_a_killed_run_does_not_take_the_tests_packets(hosts):  # noqa: F811
+async def test_a_bridge_left_by_a_killed_run_does_not_take_the_tests_packets(hosts):  # noqa: F811
     """A killed run leaves its bridge and namespaces behind, its route to its test range with them; new hosts
     take another range, so what the test itself sends to them still arrives (CI once failed every
     etcd-up wait this way)."""
     import subprocess
     import urllib.request
+    import uuid
 
-    stale = free_subnet()
-    subprocess.run(["ip", "link", "add", "pdbrstale", "type", "bridge"], check=True)
+    def answers(url: str) -> bool:
+        try:
+            return urllib.request.urlopen(url, timeout=2).status == 200
+        except OSError:
+            return False
+
+    stale, bridge = free_subnet(), f"pdst{uuid.uuid4().hex[:6]}"
+    subprocess.run(["ip", "link", "add", bridge, "type", "bridge"], check=True)
     try:
-        subprocess.run(["ip", "addr", "add", f"10.{stale}.0.254/16", "dev", "pdbrstale"], check=True)
-        subprocess.run(["ip", "link", "set", "pdbrstale", "up"], check=True)
+        subprocess.run(["ip", "addr", "add", f"10.{stale}.0.254/16", "dev", bridge], check=True)
+        subprocess.run(["ip", "link", "set", bridge, "up"], check=True)
         (host,) = hosts(1)
         assert not host.address.startswith(f"10.{stale}."), host.address
         host.popen([sys.executable, "-m", "http.server", "8123", "--bind", host.address], "http.log")
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                assert urllib.request.urlopen(f"http://{host.address}:8123/", timeout=2).status == 200
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the host's server never answered from this machine"
-                time.sleep(0.1)
+        await wait_until_async(lambda: answers(f"http://{host.address}:8123/"), 20, "the host's server, from here")
     finally:
-        subprocess.run(["ip", "link", "del", "pdbrstale"], check=False)
+        subprocess.run(["ip", "link", "del", bridge], check=False)
 
 
 def _write_config(host: Host, name: str, config: dict) -> str:
